@@ -1,0 +1,1 @@
+"""Kernels of the fused MoE op: reference (the oracle), cpu (fast CPU path), triton/ (GPU)."""

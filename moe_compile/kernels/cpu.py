@@ -1,0 +1,117 @@
+"""Fast CPU path of the fused MoE op.
+
+Shapes:  T tokens, H hidden, F expert FFN width, E experts, K experts per token, S = T*K slots.
+
+Plan (one host sync, no per-call weight copies):
+  1. one stable sort of the S flat expert ids -> slots grouped by expert, contiguous segments;
+     ``searchsorted`` gives the segment bounds (ids outside [0, E) fall outside every segment);
+  2. gather the S' valid slots' token rows once (``index_select``) -> xs [S', H];
+  3. per expert with tokens: FC1 GEMM on the expert's own weight (a view of the stacked tensor or
+     the model's per-expert tensor), activation fused in place, FC2 GEMM written straight into its
+     rows of one output buffer;
+  4. routing weight multiply, then one ``index_add_`` into an fp32 [T, H] accumulator.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moe_compile.ir import ExpertWeights, FFNAttrs
+from moe_compile.kernels.reference import compute_dtype
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int):
+    """Flat slot order grouped by expert and the host list of E+1 segment bounds."""
+    flat = topk_ids.reshape(-1)  # [S]
+    sorted_ids, order = torch.sort(flat, stable=True)  # [S], [S]
+    edges = torch.arange(num_experts + 1, dtype=sorted_ids.dtype, device=flat.device)
+    bounds = torch.searchsorted(sorted_ids, edges).tolist()  # E+1 ints: the only host sync
+    return order, bounds
+
+
+def _linear_into(x, weight, transposed: bool, out=None):
+    """x [n, in] times the expert's weight as stored -> [n, out] (no copy of the weight)."""
+    w = weight if transposed else weight.t()
+    if w.dtype != x.dtype:
+        w = w.to(x.dtype)
+    return torch.mm(x, w, out=out) if out is not None else torch.mm(x, w)
+
+
+def _activate(h: torch.Tensor, attrs: FFNAttrs) -> torch.Tensor:
+    """FC1 output [n, 2F] -> [n, F], in place where the layout allows it."""
+    if attrs.gate_up == "none":
+        return _act_inplace(h, attrs.activation)
+    if attrs.gate_up == "interleaved":
+        gate, up = h[:, 0::2], h[:, 1::2]
+    else:
+        gate, up = h.chunk(2, dim=-1)
+    if attrs.activation == "gptoss":
+        gate = gate.clamp(max=attrs.limit)
+        up = up.clamp(-attrs.limit, attrs.limit)
+        return (up + 1).mul_(gate * torch.sigmoid(gate * attrs.alpha))
+    if attrs.limit > 0:
+        gate.clamp_(max=attrs.limit)
+        up.clamp_(-attrs.limit, attrs.limit)
+    return _act_inplace(gate, attrs.activation).mul_(up)
+
+
+def _act_inplace(h: torch.Tensor, name: str) -> torch.Tensor:
+    if name == "silu":
+        return F.silu(h, inplace=True)
+    if name == "relu":
+        return h.relu_()
+    if name == "gelu":
+        return h.copy_(F.gelu(h))
+    if name == "gelu_tanh":
+        return h.copy_(F.gelu(h, approximate="tanh"))
+    raise ValueError(f"unknown activation {name!r}")
+
+
+def _expert_segment(xs, g, w: ExpertWeights, attrs: FFNAttrs, e: int, out) -> None:
+    """Run expert e on its rows xs [n, H] with weights g [n, 1]; write [n, H] into out."""
+    if attrs.weight_on == "input":
+        xs = xs * g
+    h = _linear_into(xs, w.fc1_of(e), w.transposed)  # [n, 2F] or [n, F]
+    if w.fc1_up:
+        h = torch.cat([h, _linear_into(xs, w.fc1_up_of(e), w.transposed)], dim=1)
+        if w.fc1_bias:
+            h.add_(torch.cat([w.fc1_bias_of(e), w.fc1_up_bias_of(e)]).to(h.dtype))
+    elif w.fc1_bias:
+        h.add_(w.fc1_bias_of(e).to(h.dtype))
+    h = _activate(h, attrs)  # [n, F]
+    if attrs.weight_on == "between":
+        h = h * g
+    _linear_into(h, w.fc2_of(e), w.transposed, out=out)  # [n, H]
+    if w.fc2_bias:
+        out.add_(w.fc2_bias_of(e).to(out.dtype))
+    if attrs.weight_on == "output":
+        out.mul_(g)
+
+
+def fused_moe_cpu(
+    x: torch.Tensor,  # [T, H]
+    topk_ids: torch.Tensor,  # [T, K]
+    topk_weights: torch.Tensor,  # [T, K]
+    w: ExpertWeights,
+    attrs: FFNAttrs,
+) -> torch.Tensor:
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    acc_dtype = compute_dtype(x.dtype)
+    if T == 0 or K == 0:
+        return x.new_zeros(T, H)
+    order, bounds = sort_by_expert(topk_ids, w.num_experts)
+    valid = order[bounds[0] : bounds[-1]]  # [S'] slots with an id in [0, E)
+    tokens = valid // K  # [S']
+    xs = x.index_select(0, tokens)  # [S', H]
+    gs = topk_weights.reshape(-1).index_select(0, valid).to(x.dtype)[:, None]  # [S', 1]
+    out = torch.empty_like(xs)  # [S', H]
+    base = bounds[0]
+    for e in range(w.num_experts):
+        lo, hi = bounds[e] - base, bounds[e + 1] - base
+        if hi > lo:
+            _expert_segment(xs[lo:hi], gs[lo:hi], w, attrs, e, out[lo:hi])
+    y = torch.zeros(T, H, dtype=acc_dtype)
+    y.index_add_(0, tokens, out.to(acc_dtype))  # [T, H]: the K contributions of each token summed
+    return y.to(x.dtype)

@@ -1,0 +1,125 @@
+"""The fused MoE operator: ``torch.ops.moe_compile.fused_moe``.
+
+Shapes:  T tokens, H hidden, F expert FFN width, E experts, K experts per token.
+
+Contract (the seed operator ``mega_moe``'s X, E, G, W1, W2 -> Y, with the model's own layouts):
+
+    fused_moe(x [T, H], topk_ids [T, K] int, topk_weights [T, K] float,
+              fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias,   # lists of tensors, see below
+              gate_up, transposed, activation, limit, alpha, weight_on) -> y [T, H] (x's dtype)
+
+* Each weight role is either ``[W]`` with W stacked 3-D ``[E, out, in]`` (``[E, in, out]`` when
+  ``transposed``) or the E per-expert 2-D tensors the model holds (``nn.Linear.weight``).  ``fc1``
+  is the gate (or the fused gate/up when ``gate_up`` is "concat"/"interleaved"); ``fc1_up`` is the
+  separate up projection ("separate") or empty.  Biases: ``[B]`` stacked ``[E, n]``, E x ``[n]``,
+  or empty.  The op never stacks or copies weights per call.
+* The non-tensor arguments are ``ir.FFNAttrs``; ``kernels/reference.py`` defines the meaning.
+* ids outside [0, E) contribute nothing; T = 0 gives an empty [0, H] result.
+* The fake implementation keeps T symbolic, so a dynamic-shape graph never recompiles on T.
+
+Registration happens when this module is first imported (by the backend, not by
+``import moe_compile``); importing it never touches CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_compile.ir import ExpertWeights, FFNAttrs
+
+OP_NAME = "moe_compile::fused_moe"
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_ID_DTYPES = (torch.int32, torch.int64)
+
+
+def check_inputs(x, topk_ids, topk_weights, w: ExpertWeights) -> None:
+    """Clear errors for inputs the op cannot take; works on fake tensors (no data access)."""
+    if x.dim() != 2:
+        raise ValueError(f"fused_moe: x must be [T, H], got shape {tuple(x.shape)}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"fused_moe: x must be a floating tensor, got {x.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.dtype not in _ID_DTYPES:
+        raise TypeError(
+            f"fused_moe: topk_ids must be a [T, K] int32/int64 tensor, got {topk_ids.dtype} "
+            f"shape {tuple(topk_ids.shape)}"
+        )
+    if topk_weights.shape != topk_ids.shape or topk_weights.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"fused_moe: topk_weights must be a floating tensor shaped like topk_ids "
+            f"{tuple(topk_ids.shape)}, got {topk_weights.dtype} {tuple(topk_weights.shape)}"
+        )
+    hidden = w.hidden()
+    if x.shape[1] != hidden:
+        raise ValueError(f"fused_moe: x has hidden size {x.shape[1]} but the experts expect {hidden}")
+
+
+def attrs_from_args(gate_up, transposed, activation, limit, alpha, weight_on) -> FFNAttrs:
+    return FFNAttrs(gate_up, transposed, activation, limit, alpha, weight_on)
+
+
+def weights_from_args(fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias, transposed) -> ExpertWeights:
+    return ExpertWeights(
+        tuple(fc1), tuple(fc1_up), tuple(fc2), tuple(fc1_bias), tuple(fc1_up_bias), tuple(fc2_bias), transposed
+    )
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def fused_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    fc1: list[torch.Tensor],
+    fc1_up: list[torch.Tensor],
+    fc2: list[torch.Tensor],
+    fc1_bias: list[torch.Tensor],
+    fc1_up_bias: list[torch.Tensor],
+    fc2_bias: list[torch.Tensor],
+    gate_up: str,
+    transposed: bool,
+    activation: str,
+    limit: float,
+    alpha: float,
+    weight_on: str,
+) -> torch.Tensor:
+    w = weights_from_args(fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias, transposed)
+    attrs = attrs_from_args(gate_up, transposed, activation, limit, alpha, weight_on)
+    check_inputs(x, topk_ids, topk_weights, w)
+    return run_experts(x, topk_ids, topk_weights, w, attrs)
+
+
+def run_experts(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs) -> torch.Tensor:
+    """Pick the kernel for the device: Triton on CUDA when available, the CPU path otherwise."""
+    if x.is_cuda:
+        from moe_compile.kernels import triton_dispatch
+
+        kernel = triton_dispatch.forward_kernel()
+        if kernel is not None:
+            return kernel(x, topk_ids, topk_weights, w, attrs)
+        from moe_compile.kernels.reference import fused_moe_reference
+
+        return fused_moe_reference(x, topk_ids, topk_weights, w, attrs)
+    from moe_compile.kernels.cpu import fused_moe_cpu
+
+    return fused_moe_cpu(x, topk_ids, topk_weights, w, attrs)
+
+
+@fused_moe.register_fake
+def _fused_moe_fake(
+    x, topk_ids, topk_weights, fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias,
+    gate_up, transposed, activation, limit, alpha, weight_on,
+):
+    w = weights_from_args(fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias, transposed)
+    attrs_from_args(gate_up, transposed, activation, limit, alpha, weight_on)
+    check_inputs(x, topk_ids, topk_weights, w)
+    return x.new_empty(x.shape)
+
+
+def call_fused_moe(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs) -> torch.Tensor:
+    """Python-friendly entry: the op from an ``ExpertWeights`` and ``FFNAttrs``."""
+    return torch.ops.moe_compile.fused_moe(
+        x, topk_ids, topk_weights,
+        list(w.fc1), list(w.fc1_up), list(w.fc2),
+        list(w.fc1_bias), list(w.fc1_up_bias), list(w.fc2_bias),
+        attrs.gate_up, attrs.transposed, attrs.activation, attrs.limit, attrs.alpha, attrs.weight_on,
+    )
