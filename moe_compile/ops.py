@@ -123,3 +123,4 @@ def call_fused_moe(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs)
         list(w.fc1_bias), list(w.fc1_up_bias), list(w.fc2_bias),
         attrs.gate_up, attrs.transposed, attrs.activation, attrs.limit, attrs.alpha, attrs.weight_on,
     )
+from moe_compile import autograd as _autograd  # noqa: E402,F401  registers the backward

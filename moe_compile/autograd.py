@@ -1,0 +1,116 @@
+"""Autograd for ``torch.ops.moe_compile.fused_moe``: training through the fused op.
+
+Shapes:  T tokens, H hidden, F expert FFN width, E experts, K experts per token.
+
+* The backward is its own custom op, ``moe_compile::fused_moe_backward``, with a fake impl, so
+  AOTAutograd and Inductor see one opaque node in the backward graph (like the forward) and a
+  compiled training step — forward, loss, backward, optimizer step — compiles end to end.
+* Memory: the forward saves only its inputs (x, ids, routing weights and the weight tensors it
+  was given — references, no copies).  No FC1 output or activation is kept; the backward kernel
+  recomputes FC1 and the activation per expert segment (``kernels/cpu_backward.py``).  That costs
+  one extra FC1 GEMM (~1/3 of the forward FLOPs) and saves [T*K, 2F] of activations per layer.
+* Gradients go to x, topk_weights and every weight / bias tensor in every layout; list arguments
+  get a list of gradients back.  Inputs with ``requires_grad=False`` (frozen experts, a frozen
+  router) are skipped: ``ctx.needs_input_grad`` has one bool per tensor of a ``Tensor[]``
+  argument, and the backward op takes that mask as ``needs`` so that it computes nothing for
+  them.  topk_ids are integers and get no gradient.
+
+Registration happens when ``moe_compile.ops`` is imported (its last line imports this module).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_compile.kernels.cpu_backward import ROLES, Needs, fused_moe_backward_cpu
+from moe_compile.ops import OP_NAME, attrs_from_args, weights_from_args
+
+BACKWARD_OP_NAME = "moe_compile::fused_moe_backward"
+
+
+def _flat_inputs(x, topk_weights, roles):
+    return [x, topk_weights, *[t for role in roles for t in role]]
+
+
+@torch.library.custom_op(BACKWARD_OP_NAME, mutates_args=())
+def fused_moe_backward(
+    grad_y: torch.Tensor,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    fc1: list[torch.Tensor],
+    fc1_up: list[torch.Tensor],
+    fc2: list[torch.Tensor],
+    fc1_bias: list[torch.Tensor],
+    fc1_up_bias: list[torch.Tensor],
+    fc2_bias: list[torch.Tensor],
+    gate_up: str,
+    transposed: bool,
+    activation: str,
+    limit: float,
+    alpha: float,
+    weight_on: str,
+    needs: list[bool],
+) -> list[torch.Tensor]:
+    """Gradients of [x, topk_weights, *fc1, *fc1_up, *fc2, *fc1_bias, *fc1_up_bias, *fc2_bias].
+
+    ``needs`` has one bool per entry of that list; an entry not needed comes back as an empty
+    [0] tensor (an op cannot return None inside a Tensor[]), which the autograd glue maps to None.
+    """
+    roles = (fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias)
+    w = weights_from_args(*roles, transposed)
+    attrs = attrs_from_args(gate_up, transposed, activation, limit, alpha, weight_on)
+    need_roles, i = {}, 2
+    for name, role in zip(ROLES, roles):
+        need_roles[name] = list(needs[i : i + len(role)])
+        i += len(role)
+    # The segment kernel is plain torch, so it also serves CUDA tensors until a Triton backward lands.
+    dx, dg, role_grads = fused_moe_backward_cpu(
+        grad_y, x, topk_ids, topk_weights, w, attrs, Needs(needs[0], needs[1], need_roles)
+    )
+    flat = [dx, dg, *[g for name in ROLES for g in role_grads[name]]]
+    inputs = _flat_inputs(x, topk_weights, roles)
+    return [t.new_empty(0) if g is None else g for g, t in zip(flat, inputs)]
+
+
+@fused_moe_backward.register_fake
+def _fused_moe_backward_fake(
+    grad_y, x, topk_ids, topk_weights, fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias,
+    gate_up, transposed, activation, limit, alpha, weight_on, needs,
+):
+    inputs = _flat_inputs(x, topk_weights, (fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias))
+    return [t.new_empty(t.shape) if need else t.new_empty(0) for t, need in zip(inputs, needs)]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, topk_ids, topk_weights, *rest = inputs
+    roles, statics = rest[:6], rest[6:]
+    ctx.lengths = [len(role) for role in roles]
+    ctx.statics = tuple(statics)  # gate_up, transposed, activation, limit, alpha, weight_on
+    # Inputs only (references to tensors the caller holds anyway); FC1/activation are recomputed.
+    ctx.save_for_backward(x, topk_ids, topk_weights, *[t for role in roles for t in role])
+
+
+def _backward(ctx, grad_y):
+    x, topk_ids, topk_weights, *flat_w = ctx.saved_tensors
+    roles, i = [], 0
+    for n in ctx.lengths:
+        roles.append(list(flat_w[i : i + n]))
+        i += n
+    ni = ctx.needs_input_grad  # (x, ids, weights, [per tensor of fc1], ..., statics...)
+    needs = [bool(ni[0]), bool(ni[2]), *[bool(b) for k in range(6) for b in ni[3 + k]]]
+    none_roles = [[None] * len(role) for role in roles]
+    if not any(needs):
+        return (None, None, None, *none_roles, *([None] * 6))
+    flat = torch.ops.moe_compile.fused_moe_backward(
+        grad_y, x, topk_ids, topk_weights, *roles, *ctx.statics, needs
+    )
+    flat = [g if need else None for g, need in zip(flat, needs)]
+    dx, dg, i, role_grads = flat[0], flat[1], 2, []
+    for n in ctx.lengths:
+        role_grads.append(flat[i : i + n])
+        i += n
+    return (dx, None, dg, *role_grads, *([None] * 6))
+
+
+torch.library.register_autograd(OP_NAME, _backward, setup_context=_setup_context)
