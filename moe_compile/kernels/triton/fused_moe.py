@@ -134,6 +134,8 @@ def unsupported_reason(x, topk_ids, w: ExpertWeights, attrs: FFNAttrs) -> str | 
             continue
         if not _uniform(role):
             return f"{name}: per-expert tensors differ in shape, stride, dtype or device"
+        if len(role) > 1 and any(t.data_ptr() % 16 for t in role):
+            return f"{name}: a per-expert tensor is not 16-byte aligned"
         if role[0].device != x.device:
             return f"{name} is on {role[0].device}, x on {x.device}"
         if name in ("fc1", "fc1_up", "fc2") and role[0].dtype != x.dtype:
@@ -167,8 +169,8 @@ def _launch_gemm(a, c, b_role, u_role, bias_role, ubias_role, g, align, N, D, S,
         N, D, S,
         a.stride(0), a.stride(1), c.stride(0), c.stride(1),
         b_se, b_sn, b_sk, u_se, u_sn, u_sk, bias_se, bias_sn, ubias_se, ubias_sn,
-        row_step, up_row_off, float(limit), float(alpha),
-        A_ROW_DIV=a_row_div, GATED=gated, ACTIVATION=activation, CLAMP=clamp, SCALE=scale,
+        up_row_off, float(limit), float(alpha),
+        ROW_STEP=row_step, A_ROW_DIV=a_row_div, GATED=gated, ACTIVATION=activation, CLAMP=clamp, SCALE=scale,
         HAS_BIAS=bool(bias_role), HAS_UP_BIAS=bool(ubias_role),
         B_TABLE=b_table is not None, U_TABLE=u_table is not None,
         BIAS_TABLE=bias_table is not None, UBIAS_TABLE=ubias_table is not None,

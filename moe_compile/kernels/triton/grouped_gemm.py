@@ -49,9 +49,14 @@ SCALE_NONE, SCALE_BEFORE_BIAS, SCALE_LAST = range(3)
 
 @triton.jit
 def _expert_base(ptr, table, e, stride_e, USE_TABLE: tl.constexpr):
-    """Pointer to expert e's tensor: table[e] (per-expert tensors) or ptr + e * stride_e (stacked)."""
+    """Pointer to expert e's tensor: table[e] (per-expert tensors) or ptr + e * stride_e (stacked).
+
+    The host only builds a table whose pointers are all 16-byte aligned; saying so lets the
+    compiler vectorise (and so software-pipeline) the B loads as it does for the stacked case.
+    """
     if USE_TABLE:
-        return tl.load(table + e).to(tl.pointer_type(ptr.dtype.element_ty))
+        addr = tl.multiple_of(tl.load(table + e), 16)
+        return addr.to(tl.pointer_type(ptr.dtype.element_ty))
     else:
         return ptr + e.to(tl.int64) * stride_e
 
@@ -94,8 +99,9 @@ def grouped_gemm_kernel(
     stride_be, stride_bn, stride_bk,
     stride_ue, stride_un, stride_uk,
     stride_biase, stride_biasn, stride_ubiase, stride_ubiasn,
-    row_step, up_row_off,  # weight row of output column n: gate n*row_step, up n*row_step + up_row_off
+    up_row_off,  # weight row of output column n: gate n * ROW_STEP, up n * ROW_STEP + up_row_off
     limit, alpha,
+    ROW_STEP: tl.constexpr,  # 2 for interleaved gate/up, else 1 (constexpr: keeps B contiguity known)
     A_ROW_DIV: tl.constexpr,  # K for FC1 (A = x, one row per token), 1 for FC2 (A = h, per slot)
     GATED: tl.constexpr,  # two accumulators (gate, up) and gate*up in the epilogue
     ACTIVATION: tl.constexpr,
@@ -131,7 +137,7 @@ def grouped_gemm_kernel(
     # -- columns: output n -> weight rows (gate, up) of expert e ---------------------------------
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = offs_n < N
-    gate_rows = offs_n.to(tl.int64) * row_step
+    gate_rows = offs_n.to(tl.int64) * ROW_STEP
     b_base = _expert_base(b_ptr, b_table, e, stride_be, B_TABLE)
     b_ptrs = b_base + gate_rows[None, :] * stride_bn + offs_k[:, None] * stride_bk  # [BK, BN]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

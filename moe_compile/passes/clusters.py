@@ -1,0 +1,170 @@
+"""Find expert FFNs in a Dynamo graph and group them into MoE candidates.
+
+Shapes:  T tokens, H hidden, F expert FFN width, E experts, K top-k.
+
+An *FFN cluster* is one FC2 GEMM (``down``) together with the FC1 GEMMs (gate/up or fused gate_up)
+whose outputs reach its activation operand through element-wise ops only.  Each GEMM's weight
+operand is traced through views/casts/indexing to a graph input (a parameter): ``param``,
+``param[e]`` (a Python-int expert slice) or ``param[ids]`` (gathered per token).
+
+A cluster is *routed* when it depends on a ``topk`` node; routed clusters that share their nearest
+``topk`` form one ``Candidate``.  The family matchers decide what the candidate is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+
+from moe_compile.passes.graph import Deps, const_int_index, is_grouped_mm, is_matmul, is_view_like, target_name
+
+_ELEMENTWISE = {
+    "mul", "add", "sub", "truediv", "div", "silu", "gelu", "relu", "sigmoid", "tanh", "clamp",
+    "clamp_min", "clamp_max", "clip", "chunk", "split", "getitem", "view", "reshape", "to", "float",
+    "half", "bfloat16", "contiguous", "neg", "mul_", "add_", "silu_", "unflatten", "flatten",
+    "squeeze", "unsqueeze", "type_as", "pow", "minimum", "maximum", "__mul__", "__add__", "__sub__",
+    "__getitem__", "sigmoid_", "clamp_", "transpose", "permute",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightRef:
+    """Where a GEMM's weight operand comes from."""
+
+    param: fx.Node  # the graph input (placeholder) holding the weight
+    expert: int | None = None  # param[e] with a Python int e
+    indexed_by: fx.Node | None = None  # param[ids] with a tensor index
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    down: fx.Node
+    down_w: WeightRef
+    fc1: tuple[fx.Node, ...]
+    fc1_w: tuple[WeightRef, ...]
+
+    @property
+    def gemms(self) -> tuple[fx.Node, ...]:
+        return (*self.fc1, self.down)
+
+
+@dataclasses.dataclass
+class Candidate:
+    """Routed clusters sharing one top-k: possibly one MoE layer."""
+
+    topk: fx.Node
+    clusters: list[Cluster]
+
+
+def trace_weight(node) -> WeightRef | None:
+    """Follow views/casts/indexing from a GEMM operand to the placeholder that holds it."""
+    expert, indexed_by = None, None
+    for _ in range(16):
+        if not isinstance(node, fx.Node):
+            return None
+        if node.op == "placeholder":
+            return WeightRef(node, expert, indexed_by) if is_parameter(node) else None
+        index = const_int_index(node)
+        if index is not None:
+            expert = index
+        elif node.op == "call_function" and node.target is operator.getitem:
+            idx = node.args[1]
+            if isinstance(idx, fx.Node):
+                indexed_by = idx
+            else:
+                return None
+        elif not is_view_like(node):
+            return None
+        node = node.args[0]
+    return None
+
+
+def is_parameter(node: fx.Node) -> bool:
+    """A graph input that holds module state (parameter or buffer), not an activation."""
+    arg = node.meta.get("grapharg")
+    if arg is None:
+        return False
+    if isinstance(getattr(arg, "example", None), torch.nn.Parameter):
+        return True
+    source = getattr(arg, "source", None)
+    name = source.name() if callable(getattr(source, "name", None)) else str(getattr(source, "name", ""))
+    return "_parameters" in name or "_buffers" in name
+
+
+def gemm_operands(node: fx.Node) -> tuple[fx.Node | None, WeightRef | None]:
+    """(activation operand, weight ref) of a GEMM node; the weight is the operand tracing to an input."""
+    args = [a for a in node.args if isinstance(a, fx.Node)]
+    if target_name(node) in ("linear",) and len(args) >= 2:
+        return args[0], trace_weight(args[1])
+    refs = [(a, trace_weight(a)) for a in args]
+    weights = [(a, r) for a, r in refs if r is not None and a is not None]
+    acts = [a for a, r in refs if r is None]
+    if len(weights) == 1 and acts:
+        return acts[0], weights[0][1]
+    return None, None
+
+
+def _fc1_gemms(act: fx.Node) -> list[fx.Node]:
+    """GEMMs reaching ``act`` through element-wise ops only (the FC1 side of a down GEMM)."""
+    found, seen, stack = [], set(), [act]
+    while stack:
+        node = stack.pop()
+        if node in seen or not isinstance(node, fx.Node):
+            continue
+        seen.add(node)
+        if is_matmul(node):
+            found.append(node)
+            continue
+        name = target_name(node)
+        if node.op not in ("call_function", "call_method") or name not in _ELEMENTWISE:
+            continue
+        if name in ("getitem", "__getitem__") and isinstance(node.args[1], (fx.Node, tuple)):
+            continue  # advanced indexing (weights[tok, k]) leaves the FFN
+        stack.extend(a for a in node.args if isinstance(a, fx.Node))
+    return found
+
+
+def find_clusters(graph: fx.Graph) -> list[Cluster]:
+    clusters = []
+    for node in graph.nodes:
+        if not is_matmul(node):
+            continue
+        act, down_w = gemm_operands(node)
+        if act is None or down_w is None:
+            continue
+        fc1 = _fc1_gemms(act)
+        fc1_w = [gemm_operands(n)[1] for n in fc1]
+        if fc1 and len(fc1) <= 2 and all(w is not None for w in fc1_w):
+            clusters.append(Cluster(node, down_w, tuple(fc1), tuple(fc1_w)))
+    return clusters
+
+
+def is_topk(node: fx.Node) -> bool:
+    return node.op in ("call_function", "call_method") and target_name(node) == "topk"
+
+
+def group_by_topk(graph: fx.Graph, deps: Deps, clusters: list[Cluster]) -> tuple[list[Candidate], list[Cluster]]:
+    """Routed candidates (clusters grouped by their nearest top-k) and the unrouted clusters."""
+    topks = [n for n in graph.nodes if is_topk(n)]
+    groups: dict[fx.Node, list[Cluster]] = {}
+    unrouted = []
+    for cluster in clusters:
+        ancestors = deps.ancestors([cluster.down])
+        near = [t for t in topks if t in ancestors]
+        if not near:
+            unrouted.append(cluster)
+            continue
+        nearest = max(near, key=lambda t: deps.order[t])
+        groups.setdefault(nearest, []).append(cluster)
+    return [Candidate(t, cs) for t, cs in groups.items()], unrouted
+
+
+def uses_grouped_mm(candidate: Candidate) -> bool:
+    return any(is_grouped_mm(g) for c in candidate.clusters for g in c.gemms)
+
+
+def weight_refs(candidate: Candidate) -> list[WeightRef]:
+    return [w for c in candidate.clusters for w in (*c.fc1_w, c.down_w)]

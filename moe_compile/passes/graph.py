@@ -1,0 +1,198 @@
+"""FX helpers shared by the matchers: node metadata, op classes, mutation-aware dependencies.
+
+Dynamo graphs keep in-place ops (``index_add_``, ``y[idx] += ...``, ``setitem``): a later use of
+a mutated tensor depends on the mutation even though no FX edge says so.  ``Deps`` adds those
+implicit edges so that slices and "depends on" questions see the mutated versions.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+# Calls that multiply activations by a weight: the GEMMs an expert FFN is made of.
+_MATMUL_FUNCS = {
+    torch._C._nn.linear, F.linear, torch.matmul, torch.mm, torch.bmm, torch.einsum,
+    torch.functional.einsum, operator.matmul, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
+}
+_MATMUL_METHODS = {"matmul", "mm", "bmm", "__matmul__"}
+_GROUPED_MM_NAMES = ("_grouped_mm", "grouped_mm", "grouped_mm_fallback")
+
+# Ops that only reshape, slice or cast: a weight traced through them is still the same weight.
+_VIEW_METHODS = {"t", "transpose", "permute", "view", "reshape", "contiguous", "to", "float", "half",
+                 "bfloat16", "type", "type_as", "unsqueeze", "squeeze", "expand", "mT", "__getitem__"}
+_VIEW_FUNCS = {torch.transpose, torch.t, torch.permute, torch.reshape, operator.getitem}
+
+_INPLACE_FUNCS = {operator.setitem, operator.iadd, operator.imul, operator.itruediv, operator.isub}
+
+ACTIVATION_NAMES = {
+    "silu": "silu", "gelu": "gelu", "relu": "relu", "sigmoid": "sigmoid", "tanh": "tanh",
+}
+
+
+def meta(node) -> torch.Tensor | None:
+    """The fake tensor Dynamo recorded for a node, or None."""
+    if not isinstance(node, fx.Node):
+        return None
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def shape_of(node) -> tuple | None:
+    value = meta(node)
+    return tuple(value.shape) if value is not None else None
+
+
+def dtype_of(node) -> torch.dtype | None:
+    value = meta(node)
+    return value.dtype if value is not None else None
+
+
+def target_name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, str):
+        return target
+    return getattr(target, "__name__", str(target))
+
+
+def is_grouped_mm(node: fx.Node) -> bool:
+    return node.op in ("call_function", "call_method") and any(
+        name in target_name(node) for name in _GROUPED_MM_NAMES
+    ) or (node.op == "call_function" and "grouped_mm" in str(node.target))
+
+
+def is_matmul(node: fx.Node) -> bool:
+    if node.op == "call_function":
+        return node.target in _MATMUL_FUNCS or is_grouped_mm(node)
+    if node.op == "call_method":
+        return node.target in _MATMUL_METHODS
+    return False
+
+
+def is_inplace(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        name = node.target
+        return name.endswith("_") and not name.startswith("__") or name in ("__setitem__", "__iadd__")
+    if node.op == "call_function":
+        return node.target in _INPLACE_FUNCS or target_name(node).endswith("_") and not target_name(
+            node
+        ).startswith("_")
+    return False
+
+
+def is_view_like(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _VIEW_METHODS
+    return node.op == "call_function" and node.target in _VIEW_FUNCS
+
+
+def tensor_args(node: fx.Node) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), lambda n: out.append(n))
+    return out
+
+
+def const_int_index(node: fx.Node) -> int | None:
+    """e for ``t[e]`` with a Python int e, else None."""
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], int):
+        return node.args[1]
+    return None
+
+
+class Deps:
+    """Mutation-aware data dependencies of one graph.
+
+    ``inputs(n)`` is n's FX inputs plus, for every tensor n reads that an earlier in-place node
+    mutated, the latest such mutation.  ``version_of(b, n)`` is the node standing for b's value
+    as seen by n (b itself or its latest mutation before n).
+    """
+
+    def __init__(self, graph: fx.Graph):
+        self.order = {n: i for i, n in enumerate(graph.nodes)}
+        self._mutations: dict[fx.Node, list[fx.Node]] = {}
+        for node in graph.nodes:
+            if is_inplace(node) and node.args and isinstance(node.args[0], fx.Node):
+                self._mutations.setdefault(node.args[0], []).append(node)
+        self._inputs: dict[fx.Node, list[fx.Node]] = {}
+        for node in graph.nodes:
+            self._inputs[node] = self._compute_inputs(node)
+        self._users: dict[fx.Node, list[fx.Node]] = {n: [] for n in graph.nodes}
+        for node, ins in self._inputs.items():
+            for i in ins:
+                self._users[i].append(node)
+
+    def mutations_of(self, buffer: fx.Node) -> list[fx.Node]:
+        return self._mutations.get(buffer, [])
+
+    def version_of(self, buffer: fx.Node, reader: fx.Node) -> fx.Node:
+        before = [m for m in self.mutations_of(buffer) if self.order[m] < self.order[reader]]
+        return before[-1] if before else buffer
+
+    def _compute_inputs(self, node: fx.Node) -> list[fx.Node]:
+        ins = []
+        for arg in tensor_args(node):
+            ins.append(arg)
+            version = self.version_of(arg, node)
+            if version is not arg:
+                ins.append(version)
+        return list(dict.fromkeys(ins))
+
+    def inputs(self, node: fx.Node) -> list[fx.Node]:
+        return self._inputs[node]
+
+    def users(self, node: fx.Node) -> list[fx.Node]:
+        return self._users[node]
+
+    def ancestors(self, roots: Iterable[fx.Node], stop=lambda n: False) -> set[fx.Node]:
+        seen: set[fx.Node] = set()
+        stack = list(roots)
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if not stop(node):
+                stack.extend(self.inputs(node))
+        return seen
+
+    def descendants(self, roots: Iterable[fx.Node]) -> set[fx.Node]:
+        seen: set[fx.Node] = set()
+        stack = list(roots)
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            stack.extend(self.users(node))
+        return seen
+
+
+def source_line(node: fx.Node) -> str:
+    """The user's source line that produced a node (last frame of Dynamo's stack trace)."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
+    frames = [ln for ln in lines if ln.startswith("File ")]
+    if not frames:
+        return ""
+    last = frames[-1]
+    idx = lines.index(last)
+    code = lines[idx + 1] if idx + 1 < len(lines) else ""
+    return f"{last}: {code}"
+
+
+def module_path(node: fx.Node) -> str:
+    """Dotted module path of a parameter placeholder (``experts.0.gate_proj.weight``), or ''."""
+    arg = node.meta.get("grapharg")
+    source = getattr(arg, "source", None)
+    if source is None:
+        return ""
+    name = source.name() if callable(getattr(source, "name", None)) else str(getattr(source, "name", ""))
+    import re
+
+    parts = re.findall(r"\[['\"]([^'\"]+)['\"]\]|\.([A-Za-z_]\w*)", name)
+    keep = [a or b for a, b in parts if (a or b) not in ("_modules", "_parameters", "_buffers", "self")]
+    return ".".join(keep)

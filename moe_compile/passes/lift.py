@@ -1,0 +1,218 @@
+"""Lift a candidate to ``MoESpec``: cut the region, enumerate hypotheses, prove one.
+
+Shapes:  T tokens, H hidden, F expert FFN width, E experts, K top-k.
+
+The family matchers (loop.py, sorted.py, gathered.py, dense.py) decide which candidates are
+theirs and in which order the clusters are experts 0..E-1; everything after that is shared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import operator
+
+import torch
+import torch.fx as fx
+
+from moe_compile.ir import ExpertWeights, FFNAttrs, MoESpec
+from moe_compile.passes import prove, region as region_mod
+from moe_compile.passes.clusters import Cluster
+from moe_compile.passes.graph import Deps, module_path, shape_of, target_name
+from moe_compile.passes.region import Refusal, Region
+
+
+@dataclasses.dataclass
+class Roles:
+    """Expert weights by role, as graph inputs: one stacked node, or E per-expert nodes."""
+
+    fc1: tuple[fx.Node, ...]
+    fc1_up: tuple[fx.Node, ...]
+    fc2: tuple[fx.Node, ...]
+    gate_first_known: bool  # structure told which FC1 GEMM is the gate
+
+
+@dataclasses.dataclass
+class Match:
+    """A proven MoE region and how to replace it."""
+
+    spec: MoESpec
+    region: Region
+    weights: ExpertWeights  # real tensors (for verify)
+    error: float
+
+    def replace_with_fused_op(self, graph: fx.Graph, deps: Deps) -> fx.Node:
+        spec = self.spec
+
+        def make_call(g: fx.Graph) -> fx.Node:
+            routing = self.region.weights
+            if self.region.dense:
+                dense = g.call_method("t", (routing,)) if self.region.dense_transposed else routing
+                routing = g.call_method("gather", (dense, 1, self.region.ids))  # [T, K]
+            a = spec.attrs
+            return g.call_function(
+                torch.ops.moe_compile.fused_moe.default,
+                (self.region.x, self.region.ids, routing, list(spec.fc1), list(spec.fc1_up), list(spec.fc2),
+                 [], [], [], a.gate_up, a.transposed, a.activation, a.limit, a.alpha, a.weight_on),
+            )
+
+        return region_mod.replace_region(graph, deps, self.region, make_call)
+
+
+def _activation_options(nodes) -> list[str]:
+    found = []
+    for node in nodes:
+        name = target_name(node)
+        if name in ("silu", "silu_"):
+            found.append("silu")
+        elif name == "gelu":
+            found.append("gelu_tanh" if node.kwargs.get("approximate") == "tanh" else "gelu")
+        elif name in ("relu", "relu_"):
+            found.append("relu")
+    found = list(dict.fromkeys(found))
+    return found or ["silu", "gelu", "gelu_tanh", "relu"]
+
+
+def _clamp_limits(nodes) -> list[float]:
+    limits = {0.0}
+    for node in nodes:
+        if target_name(node) in ("clamp", "clamp_", "clip"):
+            for value in (*node.args[1:], *node.kwargs.values()):
+                if isinstance(value, (int, float)) and value > 0:
+                    limits.add(float(value))
+    return sorted(limits, reverse=True)
+
+
+def _weight_on_options(deps: Deps, region: Region, clusters: list[Cluster]) -> list[str]:
+    touched = deps.descendants([region.weights])
+    if any(g in touched for c in clusters for g in c.fc1):
+        first = "input"
+    elif any(c.down in touched for c in clusters):
+        first = "between"
+    else:
+        first = "output"
+    return [first] + [w for w in ("output", "between", "input") if w != first]
+
+
+def _layouts(roles: Roles, values, x_hidden) -> list[tuple[str, bool]]:
+    """(gate_up, transposed) pairs consistent with the weight shapes."""
+    down = values[roles.fc2[0]]
+    down_shape = tuple(down.shape[-2:])
+    fc1_out = values[roles.fc1[0]].shape[-2:]
+    out = []
+    for transposed in (False, True):
+        hidden, ffn = (down_shape[1], down_shape[0]) if transposed else down_shape
+        if hidden != x_hidden:
+            continue
+        n1 = fc1_out[1] if transposed else fc1_out[0]
+        if roles.fc1_up:
+            layouts = ["separate"] if n1 == ffn else []
+        elif n1 == 2 * ffn:
+            layouts = ["concat", "interleaved"]
+        elif n1 == ffn:
+            layouts = ["none"]
+        else:
+            layouts = []
+        out += [(layout, transposed) for layout in layouts]
+    return out
+
+
+def hypotheses(deps, region, clusters, roles: Roles, values) -> list[prove.Hypothesis]:
+    x_hidden = shape_of(region.x)[1]
+    acts = _activation_options(region.nodes)
+    limits = _clamp_limits(region.nodes)
+    places = _weight_on_options(deps, region, clusters)
+    orders = [False] if roles.gate_first_known or not roles.fc1_up else [False, True]
+    out = []
+    for (layout, transposed), act, limit, place, swap in itertools.product(
+        _layouts(roles, values, x_hidden), acts, limits, places, orders
+    ):
+        fc1, up = (roles.fc1_up, roles.fc1) if swap else (roles.fc1, roles.fc1_up)
+        weights = ExpertWeights(
+            tuple(values[n] for n in fc1), tuple(values[n] for n in up), tuple(values[n] for n in roles.fc2),
+            transposed=transposed,
+        )
+        attrs = FFNAttrs(layout, transposed, act, limit, 1.702, place)
+        out.append(prove.Hypothesis(weights, attrs, (fc1, up, roles.fc2)))
+    return out
+
+
+def evaluate(graph: fx.Graph, deps: Deps, example_inputs, wanted) -> dict:
+    """Real values of ``wanted`` nodes and every placeholder, running only what they need."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    values = dict(zip(placeholders, example_inputs))
+    needed = deps.ancestors(wanted)
+    interp = fx.Interpreter(fx.GraphModule(torch.nn.Module(), graph), garbage_collect_values=False)
+    interp.env = dict(values)
+    with torch.no_grad():
+        for node in graph.nodes:
+            if node in needed and node.op not in ("placeholder", "output") and node not in interp.env:
+                interp.env[node] = interp.run_node(node)
+    return interp.env
+
+
+def lift(family, graph, deps, candidate, roles: Roles, example_inputs, top_k, num_experts) -> Match:
+    values = {n: v for n, v in zip([n for n in graph.nodes if n.op == "placeholder"], example_inputs)}
+    down_w = values[roles.fc2[0]]
+    hidden_sizes = tuple(down_w.shape[-2:])
+    params = list(dict.fromkeys((*roles.fc1, *roles.fc1_up, *roles.fc2)))
+    region = region_mod.cut_region(
+        graph, deps, candidate.topk, [c.down for c in candidate.clusters], params, top_k, num_experts, hidden_sizes
+    )
+    values = evaluate(graph, deps, example_inputs, [region.x, region.ids, *region.extra_inputs])
+    hyps = hypotheses(deps, region, candidate.clusters, roles, values)
+    if not hyps:
+        raise Refusal("the expert weight shapes fit no supported gate/up layout", candidate.clusters[0].down)
+    region_fn = region_mod.extract(region)
+    weights_meta = region.weights.meta.get("example_value")
+    dense_mode = None if not region.dense else ("transposed" if region.dense_transposed else "plain")
+    best, err, tol = prove.run_proof(
+        region_fn, values[region.x], values[region.ids].dtype, weights_meta,
+        [values[p] for p in params], [values[s] for s in region.extra_inputs], hyps, top_k, num_experts, dense_mode,
+    )
+    if best is None:
+        raise Refusal(
+            f"could not prove the experts compute a supported FFN (closest hypothesis erred by {err:.2e}, "
+            f"tolerance {tol:.0e})", candidate.clusters[0].down,
+        )
+    if dense_mode is not None and best.attrs.weight_on != "input":
+        raise Refusal("dense-mask experts must weight their input (FFN(0) must be 0)", candidate.clusters[0].down)
+    fc1, up, fc2 = best.roles
+    spec = MoESpec(
+        family=family, x=region.x, topk_ids=region.ids, topk_weights=region.weights, output=region.output,
+        fc1=tuple(fc1), fc1_up=tuple(up), fc2=tuple(fc2), fc1_bias=(), fc1_up_bias=(), fc2_bias=(),
+        attrs=best.attrs, num_experts=num_experts, top_k=top_k, hidden=best.weights.hidden(),
+        ffn=best.weights.ffn(), region=tuple(region.nodes), source=_source_of(fc2),
+    )
+    return Match(spec, region, best.weights, err)
+
+
+def _source_of(fc2_nodes) -> str:
+    path = module_path(fc2_nodes[0])
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i])
+    return ".".join(parts[:-1])
+
+
+def int_index_roles(clusters: list[Cluster], refs_of) -> tuple[fx.Node, ...] | None:
+    """A single stacked param when every cluster reads ``param[e]`` with e = its expert index."""
+    refs = [refs_of(c) for c in clusters]
+    if all(r.expert == e and r.param is refs[0].param for e, r in enumerate(refs)):
+        return (refs[0].param,)
+    return None
+
+
+def expert_constant(deps: Deps, cluster: Cluster, ids: fx.Node) -> int | None:
+    """The e in ``ids == e`` / ``mask[e]`` that selects this cluster's tokens, if there is one."""
+    found = set()
+    for node in deps.ancestors([cluster.fc1[0]], stop=lambda n: n is ids):
+        name = target_name(node)
+        if name in ("eq", "__eq__") and len(node.args) == 2 and isinstance(node.args[1], int):
+            found.add(node.args[1])
+        elif node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], int):
+            src = node.args[0]
+            if isinstance(src, fx.Node) and ids in deps.ancestors([src]) and shape_of(src) and len(shape_of(src)) == 3:
+                found.add(node.args[1])
+    return found.pop() if len(found) == 1 else None

@@ -1,0 +1,81 @@
+"""The MoE pass: find candidates, let each family lift them, rewrite the proven ones.
+
+    clusters  = find_clusters(graph)                 # expert-shaped FFNs
+    candidates = group_by_topk(...)                  # routed clusters sharing a top-k
+    match = FINDERS[family](candidate)               # lift + prove, or Refusal(reason)
+    match.replace_with_fused_op(graph)               # one call of moe_compile::fused_moe
+
+Invariants (passes/README.md): a region is rewritten only if it is closed (reads only x, ids,
+weights and expert weights; nothing outside reads its intermediates) and a hypothesis about its
+FFN reproduced it on synthetic routing reaching every expert.  Everything else is left in place
+and reported with its reason.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from moe_compile.passes import dense, gathered, loop, sorted as sorted_family
+from moe_compile.passes.clusters import find_clusters, group_by_topk
+from moe_compile.passes.graph import Deps
+from moe_compile.passes.region import Refusal
+from moe_compile.report import Report, Rewritten, Skipped
+
+# Checked in this order: the first family that claims a candidate lifts it.
+FAMILIES = (
+    (sorted_family.FAMILY, sorted_family.claims, sorted_family.find_sorted),
+    (gathered.FAMILY, gathered.claims, gathered.find_gathered),
+    (loop.FAMILY, loop.claims, loop.find_loop),
+    (dense.FAMILY, dense.claims, dense.find_dense),
+)
+
+
+def find_matches(graph: fx.Graph, example_inputs, min_experts: int = 1):
+    deps = Deps(graph)
+    clusters = find_clusters(graph)
+    candidates, unrouted = group_by_topk(graph, deps, clusters)
+    matches, skipped = [], []
+    for candidate in candidates:
+        family = next((f for f in FAMILIES if f[1](candidate)), None)
+        if family is None:
+            skipped.append(Skipped("an FFN depends on a top-k but its weights fit no known MoE family"))
+            continue
+        try:
+            match = family[2](graph, deps, candidate, example_inputs)
+        except Refusal as refusal:
+            skipped.append(Skipped(refusal.reason, family[0]))
+            continue
+        if match.spec.num_experts < min_experts:
+            skipped.append(Skipped(f"only {match.spec.num_experts} expert(s), below min_experts", family[0]))
+            continue
+        matches.append(match)
+    skipped += _unrouted_loops(unrouted)
+    return matches, skipped
+
+
+def _unrouted_loops(unrouted) -> list[Skipped]:
+    """Several same-shaped FFNs with no routing: a loop of dense MLPs, worth a line in explain()."""
+    shapes: dict[tuple, int] = {}
+    for cluster in unrouted:
+        key = tuple(tuple(w.param.meta["example_value"].shape) for w in (*cluster.fc1_w, cluster.down_w))
+        shapes[key] = shapes.get(key, 0) + 1
+    return [
+        Skipped(f"{n} same-shaped FFNs but no top-k routing selects tokens for them: dense MLPs, left to the "
+                f"inner compiler")
+        for n in shapes.values() if n >= 2
+    ]
+
+
+def run_moe_pass(gm: fx.GraphModule, example_inputs, min_experts: int = 1) -> Report:
+    matches, skipped = find_matches(gm.graph, example_inputs, min_experts)
+    report = Report(skipped=skipped, graphs=1)
+    for match in matches:
+        match.replace_with_fused_op(gm.graph, Deps(gm.graph))
+        s = match.spec
+        a = s.attrs
+        report.rewritten.append(Rewritten(s.family, s.num_experts, s.top_k, s.hidden, s.ffn, s.variant, s.source,
+                                          a.gate_up, a.activation, a.weight_on, match.error))
+    if matches:
+        gm.graph.lint()
+        gm.recompile()
+    return report

@@ -1,0 +1,203 @@
+"""Cut an MoE candidate out of its graph: inputs, output, the nodes between, and the rewrite.
+
+Shapes:  T tokens, H hidden, E experts, K top-k.
+
+Given a candidate (routed FFN clusters and their top-k), ``cut_region`` finds
+  ids      the top-k indices [T, K];
+  weights  the last [T, K] float tensor of the router feeding the experts (or, for dense-mask
+           code, the [T, E] / [E, T] score matrix);
+  output   the first value that depends on every expert and has x's shape [T, H] — for in-place
+           accumulation (``index_add_``, ``y[idx] += ...``) the last mutation of the buffer;
+  x        the single [T, H] tensor the region reads from the router's side;
+and proves the region is closed: it reads nothing but x, ids, weights and the expert weights, and
+nothing outside it reads its intermediates.  Every failure is a ``Refusal`` with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from moe_compile.passes.graph import Deps, dtype_of, is_inplace, meta, shape_of, source_line
+
+
+class Refusal(Exception):
+    """A candidate the backend will not rewrite; the message is shown to the user."""
+
+    def __init__(self, reason: str, node: fx.Node | None = None):
+        line = source_line(node) if node is not None else ""
+        super().__init__(reason + (f" (at {line})" if line else ""))
+        self.reason = str(self)
+
+
+@dataclasses.dataclass
+class Region:
+    x: fx.Node
+    ids: fx.Node
+    weights: fx.Node
+    dense: bool  # weights is a dense [T, E] (or [E, T] if dense_transposed) score matrix
+    dense_transposed: bool
+    output: fx.Node
+    buffer: fx.Node | None  # the accumulated tensor when output is an in-place chain
+    nodes: list[fx.Node]
+    params: list[fx.Node]
+    extra_inputs: list[fx.Node]  # SymInt nodes the region reads (sizes)
+
+
+def value_shape(node: fx.Node):
+    shape = shape_of(node)
+    if shape is None and is_inplace(node) and isinstance(node.args[0], fx.Node):
+        return shape_of(node.args[0])
+    return shape
+
+
+def _root_buffer(node: fx.Node) -> fx.Node | None:
+    if not is_inplace(node):
+        return None
+    buf = node.args[0]
+    while isinstance(buf, fx.Node) and is_inplace(buf):
+        buf = buf.args[0]
+    return buf
+
+
+def topk_indices(topk: fx.Node) -> fx.Node:
+    for user in topk.users:
+        if user.op == "call_function" and user.args[1:] == (1,):
+            return user
+    raise Refusal("the top-k's indices are never used", topk)
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # unbacked symbols cannot be compared
+        return False
+
+
+def find_output(deps: Deps, downs, T, hidden_sizes) -> fx.Node:
+    common = None
+    for down in downs:
+        desc = deps.descendants([down])
+        common = desc if common is None else common & desc
+    for node in sorted(common or (), key=deps.order.get):
+        shape = value_shape(node)
+        if shape and len(shape) == 2 and _same(shape[0], T) and any(_same(shape[1], h) for h in hidden_sizes):
+            return node
+    raise Refusal("no [T, H] value combines the outputs of all experts", downs[0])
+
+
+def find_weights(deps: Deps, output, params, T, K, E) -> tuple[fx.Node, bool, bool]:
+    param_desc = deps.descendants(params)
+    best = None
+    for node in deps.ancestors([output]):
+        if node in param_desc or dtype_of(node) is None or not dtype_of(node).is_floating_point:
+            continue
+        shape = shape_of(node)
+        if shape is None or len(shape) != 2:
+            continue
+        kind = None
+        if _same(shape[0], T) and _same(shape[1], K) and not _same(K, E):
+            kind = (False, False)
+        elif _same(shape[0], T) and _same(shape[1], E):
+            kind = (True, False)
+        elif _same(shape[0], E) and _same(shape[1], T):
+            kind = (True, True)
+        if kind and (best is None or deps.order[node] > deps.order[best[0]]):
+            best = (node, *kind)
+    if best is None:
+        raise Refusal("no [T, K] routing weights (nor a dense [T, E] score matrix) reach the experts' output", output)
+    return best
+
+
+def cut_region(graph: fx.Graph, deps: Deps, topk, downs, params, K: int, E: int, hidden_sizes) -> Region:
+    ids = topk_indices(topk)
+    T = shape_of(ids)[0]
+    output = find_output(deps, downs, T, hidden_sizes)
+    weights, dense, dense_t = find_weights(deps, output, params, T, K, E)
+    router = deps.ancestors([ids])
+    stop = set(params) | {ids, weights}
+    visited = deps.ancestors([output], stop=lambda n: n in stop or n in router)
+    frontier = [n for n in visited if n in router and n not in stop]
+    nodes = {n for n in visited if n not in stop and n not in router}
+    outside = [n for n in nodes if n.op == "placeholder"]
+    if outside:
+        raise Refusal(f"the experts read graph input '{outside[0].name}', which is not an expert weight", outside[0])
+    tensors = [n for n in frontier if meta(n) is not None]
+    syms = [n for n in frontier if meta(n) is None]
+    if len(tensors) != 1 or value_shape(tensors[0]) != value_shape(output):
+        names = ", ".join(sorted(n.name for n in tensors))
+        raise Refusal(f"the experts read router-side tensors other than one [T, H] input: {names}", output)
+    x = tensors[0]
+    buffer = _root_buffer(output)
+    _absorb_dead_ends(graph, deps, nodes, stop | set(frontier))
+    _check_closed(deps, nodes, output, buffer)
+    ordered = sorted(nodes, key=deps.order.get)
+    return Region(x, ids, weights, dense, dense_t, output, buffer, ordered, list(params), syms)
+
+
+def _absorb_dead_ends(graph, deps: Deps, nodes: set, inputs: set) -> None:
+    """Add side chains fed only by the region whose results nobody else reads (the size asserts
+    Dynamo emits after ``nonzero``) to the region, so erasing it leaves nothing dangling."""
+    extra: set = set()
+    for node in graph.nodes:
+        if node in nodes or node.op in ("placeholder", "output"):
+            continue
+        ins = deps.inputs(node)
+        if ins and any(i in nodes or i in extra for i in ins) and all(i in nodes or i in inputs or i in extra for i in ins):
+            extra.add(node)
+    changed = True
+    while changed:
+        changed = False
+        for node in list(extra):
+            if any(u not in nodes and u not in extra for u in node.users):
+                extra.discard(node)
+                changed = True
+    nodes |= extra
+
+
+def _check_closed(deps: Deps, nodes: set, output: fx.Node, buffer: fx.Node | None) -> None:
+    for node in nodes:
+        if node is output or node is buffer:
+            continue
+        for user in node.users:
+            if user not in nodes:
+                raise Refusal(f"'{node.name}', computed inside the MoE region, is also used by '{user.name}'", user)
+    if buffer is not None:
+        for user in buffer.users:
+            if user not in nodes and deps.order[user] < deps.order[output]:
+                raise Refusal(f"'{buffer.name}' is read by '{user.name}' before the experts finish", user)
+
+
+def extract(region: Region) -> fx.GraphModule:
+    """The region as a standalone module: (x, ids, weights, *params, *sizes) -> output."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in (region.x, region.ids, region.weights, *region.params, *region.extra_inputs):
+        env[node] = graph.placeholder(node.name)
+    for node in region.nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    result = region.buffer if region.buffer is not None else region.output
+    graph.output(env[result])
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def replace_region(graph: fx.Graph, deps: Deps, region: Region, make_call) -> fx.Node:
+    """Insert ``make_call(graph)`` before the region's output and reroute its users to it."""
+    with graph.inserting_before(region.output):
+        new = make_call(graph)
+    members = set(region.nodes)
+    if region.buffer is not None:  # in-place chain: later readers of the buffer see the result
+        later = [u for u in list(region.buffer.users)
+                 if u not in members and u is not new and deps.order.get(u, 1 << 60) > deps.order[region.output]]
+        for user in later:
+            user.replace_input_with(region.buffer, new)
+    region.output.replace_all_uses_with(new, delete_user_cb=lambda u: u not in members and u is not new)
+    for node in reversed(region.nodes):
+        if not node.users:
+            graph.erase_node(node)
+        else:
+            remaining = [u.name for u in node.users]
+            raise RuntimeError(f"moe_compile: cannot erase {node.name}; still used by {remaining}")
+    return new

@@ -1,0 +1,68 @@
+"""What the backend did: one entry per rewritten region, one per refused candidate."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Rewritten:
+    family: str
+    num_experts: int
+    top_k: int
+    hidden: int
+    ffn: int
+    variant: str
+    source: str
+    gate_up: str
+    activation: str
+    weight_on: str
+    proof_error: float
+    graph: int = 0
+
+    def line(self) -> str:
+        where = self.source or "<unknown module>"
+        return (
+            f"  [graph {self.graph}] {where}: family={self.family} E={self.num_experts} K={self.top_k} "
+            f"H={self.hidden} F={self.ffn} {self.gate_up}/{self.activation} weight_on={self.weight_on} "
+            f"variant={self.variant} (proved, rel. err {self.proof_error:.1e})"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    reason: str
+    family: str = ""
+    graph: int = 0
+
+    def line(self) -> str:
+        fam = f" ({self.family})" if self.family else ""
+        return f"  [graph {self.graph}]{fam} {self.reason}"
+
+
+@dataclasses.dataclass
+class Report:
+    rewritten: list[Rewritten] = dataclasses.field(default_factory=list)
+    skipped: list[Skipped] = dataclasses.field(default_factory=list)
+    graphs: int = 0
+
+    def extend(self, other: Report) -> None:
+        offset = self.graphs
+        self.rewritten += [dataclasses.replace(r, graph=r.graph + offset) for r in other.rewritten]
+        self.skipped += [dataclasses.replace(s, graph=s.graph + offset) for s in other.skipped]
+        self.graphs += other.graphs
+
+    def __str__(self) -> str:
+        lines = [f"moe_compile report: {self.graphs} graph(s), {len(self.rewritten)} MoE region(s) rewritten, "
+                 f"{len(self.skipped)} skipped"]
+        if self.rewritten:
+            lines.append("rewritten:")
+            lines += [r.line() for r in self.rewritten]
+        if self.skipped:
+            lines.append("skipped:")
+            lines += [s.line() for s in self.skipped]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"graphs": self.graphs, "rewritten": [dataclasses.asdict(r) for r in self.rewritten],
+                "skipped": [dataclasses.asdict(s) for s in self.skipped]}
