@@ -166,10 +166,15 @@ def lift(family, graph, deps, candidate, roles: Roles, example_inputs, top_k, nu
     region_fn = region_mod.extract(region)
     weights_meta = region.weights.meta.get("example_value")
     dense_mode = None if not region.dense else ("transposed" if region.dense_transposed else "plain")
-    best, err, tol = prove.run_proof(
-        region_fn, values[region.x], values[region.ids].dtype, weights_meta,
-        [values[p] for p in params], [values[s] for s in region.extra_inputs], hyps, top_k, num_experts, dense_mode,
-    )
+    try:
+        best, err, tol = prove.run_proof(
+            region_fn, values[region.x], values[region.ids].dtype, weights_meta,
+            [values[p] for p in params], [values[s] for s in region.extra_inputs], hyps, top_k, num_experts,
+            dense_mode,
+        )
+    except Exception as exc:  # the region itself failed on synthetic routing: not provable
+        raise Refusal(f"running the region on synthetic routing failed ({type(exc).__name__}: {exc})",
+                      candidate.clusters[0].down) from exc
     if best is None:
         raise Refusal(
             f"could not prove the experts compute a supported FFN (closest hypothesis erred by {err:.2e}, "

@@ -118,9 +118,12 @@ def cut_region(graph: fx.Graph, deps: Deps, topk, downs, params, K: int, E: int,
     weights, dense, dense_t = find_weights(deps, output, params, T, K, E)
     router = deps.ancestors([ids])
     stop = set(params) | {ids, weights}
-    visited = deps.ancestors([output], stop=lambda n: n in stop or n in router)
-    frontier = [n for n in visited if n in router and n not in stop]
-    nodes = {n for n in visited if n not in stop and n not in router}
+    visited, frontier, nodes = _slice(deps, output, stop, router)
+    reshaped = _reshaped_input(frontier, nodes, value_shape(output))
+    if reshaped is not None:  # the experts view the block's [B, S, H] input as [T, H] themselves
+        stop.add(reshaped)
+        visited, frontier, nodes = _slice(deps, output, stop, router)
+        frontier.append(reshaped)
     outside = [n for n in nodes if n.op == "placeholder"]
     if outside:
         raise Refusal(f"the experts read graph input '{outside[0].name}', which is not an expert weight", outside[0])
@@ -135,6 +138,22 @@ def cut_region(graph: fx.Graph, deps: Deps, topk, downs, params, K: int, E: int,
     _check_closed(deps, nodes, output, buffer)
     ordered = sorted(nodes, key=deps.order.get)
     return Region(x, ids, weights, dense, dense_t, output, buffer, ordered, list(params), syms)
+
+
+def _slice(deps: Deps, output, stop: set, router: set):
+    visited = deps.ancestors([output], stop=lambda n: n in stop or n in router)
+    frontier = [n for n in visited if n in router and n not in stop]
+    nodes = {n for n in visited if n not in stop and n not in router}
+    return visited, frontier, nodes
+
+
+def _reshaped_input(frontier, nodes, out_shape):
+    """A region node viewing the one router-side tensor as [T, H], when that tensor is not [T, H]."""
+    tensors = [n for n in frontier if meta(n) is not None]
+    if len(tensors) != 1 or value_shape(tensors[0]) == out_shape:
+        return None
+    views = [u for u in tensors[0].users if u in nodes and value_shape(u) == out_shape]
+    return views[0] if len(views) == 1 else None
 
 
 def _absorb_dead_ends(graph, deps: Deps, nodes: set, inputs: set) -> None:

@@ -18,8 +18,8 @@ reads one expert id and walks D in BLOCK_K steps with a [BLOCK_M, BLOCK_K] x [BL
 only on the device) exit immediately.
 
 Weights.  Each weight role is either one stacked tensor (expert e at ``ptr + e * stride_e``) or E
-separate tensors the model holds (expert e at ``table[e]``, an int64 tensor of data pointers cast
-back to a pointer in the kernel).  Strides are generic, so [out, in] (F.linear) and transposed
+separate tensors the model holds (expert e at ``ptr + table[e]``, an int64 device table of the
+experts' data pointers, stored relative to the first expert's so alignment stays provable).  Strides are generic, so [out, in] (F.linear) and transposed
 [in, out] storage are the same code.  The gated FC1 computes the gate and up tiles of the same
 output columns side by side (two accumulators) so that SwiGLU runs in the epilogue and only the
 [S, F] activation is ever written:
@@ -49,14 +49,17 @@ SCALE_NONE, SCALE_BEFORE_BIAS, SCALE_LAST = range(3)
 
 @triton.jit
 def _expert_base(ptr, table, e, stride_e, USE_TABLE: tl.constexpr):
-    """Pointer to expert e's tensor: table[e] (per-expert tensors) or ptr + e * stride_e (stacked).
+    """Pointer to expert e's tensor: ptr + table[e] (per-expert tensors) or ptr + e * stride_e.
 
-    The host only builds a table whose pointers are all 16-byte aligned; saying so lets the
-    compiler vectorise (and so software-pipeline) the B loads as it does for the stacked case.
+    For per-expert tensors the table holds each tensor's address *relative to ptr* (the first
+    expert's tensor), in elements: ``ptr + table[e]`` keeps ptr's known 16-byte alignment, and the
+    host only builds tables whose entries are multiples of 16 bytes, so the compiler can still
+    vectorise and software-pipeline the B loads exactly as in the stacked case (a raw address cast
+    back with ``.to(tl.pointer_type(...))`` loses the alignment and with it the pipelining).
     """
     if USE_TABLE:
-        addr = tl.multiple_of(tl.load(table + e), 16)
-        return addr.to(tl.pointer_type(ptr.dtype.element_ty))
+        ALIGN: tl.constexpr = 128 // ptr.dtype.element_ty.primitive_bitwidth  # 16 bytes, in elements
+        return ptr + tl.multiple_of(tl.load(table + e), ALIGN)
     else:
         return ptr + e.to(tl.int64) * stride_e
 
