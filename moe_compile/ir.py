@@ -92,7 +92,8 @@ class ExpertWeights:
         for name, role in (("fc1", self.fc1), ("fc1_up", self.fc1_up), ("fc2", self.fc2)):
             if role and any(t.dim() != (3 if len(role) == 1 and role[0].dim() == 3 else 2) for t in role):
                 raise ValueError(f"{name}: give one stacked 3-D tensor or a list of 2-D tensors")
-        if len(set(counts.values())) != 1:
+        values = list(counts.values())
+        if any(v != values[0] for v in values):
             raise ValueError(f"expert counts differ between weight roles: {counts}")
 
     @property

@@ -1,0 +1,39 @@
+"""Shared fixtures: compile a model with the moe backend and see what it rewrote."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_compile
+from moe_compile.api import capture_flags
+from moe_compile.backend import collecting_reports
+
+# Tolerances against the model's own eager output (relative to the output's max magnitude):
+# fp32 paths differ only in summation order; bf16 rounds intermediates to 8 mantissa bits in a
+# different order than eager (and the op accumulates in fp32), so a few bf16 ulps are expected.
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    scale = want.double().abs().max().item()
+    return (got.double() - want.double()).abs().max().item() / max(scale, 1e-30)
+
+
+def run_compiled(model, *inputs, inner="eager", dynamic=None, **options):
+    """(output, report) of ``torch.compile(model, backend="moe")`` on inputs."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="moe", dynamic=dynamic, options={"inner": inner, **options})
+    with collecting_reports() as report, capture_flags():
+        out = compiled(*inputs)
+    return out, report
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+    torch._dynamo.reset()
+
+
+__all__ = ["TOL", "rel_err", "run_compiled", "moe_compile"]
