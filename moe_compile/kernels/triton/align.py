@@ -51,7 +51,7 @@ def _align_kernel(
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for start in range(0, S, CHUNK):
         offs = start + tl.arange(0, CHUNK)  # [CHUNK]
-        ids = tl.load(ids_ptr + offs, mask=offs < S, other=-1).to(tl.int32)
+        ids = tl.load(ids_ptr + offs, mask=offs < S, other=-1)  # int32 or int64, compared as is
         counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)  # [E_PAD]
     counts = tl.where(experts < E, counts, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [E_PAD]
@@ -65,7 +65,7 @@ def _align_kernel(
     seen = seg_start
     for start in range(0, S, CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < S, other=-1).to(tl.int32)
+        ids = tl.load(ids_ptr + offs, mask=offs < S, other=-1)  # int32 or int64, compared as is
         hit = (ids == e).to(tl.int32)  # [CHUNK]
         rank = tl.cumsum(hit, axis=0) - hit  # exclusive prefix sum
         tl.store(sorted_ptr + seen + rank, offs, mask=hit != 0)
