@@ -73,9 +73,41 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def candidates(num_tokens: int, top_k: int, num_experts: int) -> tuple[TileConfig, ...]:
+def candidates(num_tokens: int, top_k: int, num_experts: int, dtype=torch.bfloat16, device=None) -> tuple[TileConfig, ...]:
+    """The shape class's configs, each shrunk to fit the device's shared memory for this dtype."""
     rows_per_expert = num_tokens * top_k / max(num_experts, 1)
-    return DECODE_CONFIGS if rows_per_expert <= DECODE_ROWS_PER_EXPERT else PREFILL_CONFIGS
+    configs = DECODE_CONFIGS if rows_per_expert <= DECODE_ROWS_PER_EXPERT else PREFILL_CONFIGS
+    limit = shared_memory_limit(device)
+    item = torch.empty((), dtype=dtype).element_size()
+    return tuple(dict.fromkeys(fit_shared_memory(cfg, item, limit) for cfg in configs))
+
+
+def shared_memory_limit(device=None) -> int:
+    """Usable shared memory per program in bytes (opt-in maximum, less a margin for the epilogue)."""
+    if device is None or not torch.cuda.is_available() or torch.device(device).type != "cuda":
+        return 227 * 1024 - 8192
+    props = torch.cuda.get_device_properties(device)
+    optin = getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
+    return optin - 8192
+
+
+def fit_shared_memory(cfg: TileConfig, itemsize: int, limit: int) -> TileConfig:
+    """Fewer stages, then a shorter BLOCK_K, until the gated FC1's pipeline buffers fit: per stage
+    one A tile [BM, BK] and two B tiles [BK, BN] (gate and up).  fp32 needs this on every GPU."""
+
+    def need(c):
+        return (c.BLOCK_M * c.BLOCK_K + 2 * c.BLOCK_K * c.BLOCK_N) * itemsize * c.num_stages
+
+    while need(cfg) > limit:
+        if cfg.num_stages > 2:
+            cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+        elif cfg.BLOCK_K > 16:
+            cfg = dataclasses.replace(cfg, BLOCK_K=cfg.BLOCK_K // 2)
+        elif cfg.BLOCK_N > 16:
+            cfg = dataclasses.replace(cfg, BLOCK_N=cfg.BLOCK_N // 2)
+        else:
+            break
+    return cfg
 
 
 def cache_path() -> pathlib.Path:

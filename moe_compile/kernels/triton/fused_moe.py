@@ -232,6 +232,6 @@ def fused_moe_triton(
     if config is None:
         layout = f"{attrs.gate_up}|{'T' if w.transposed else 'N'}|{'list' if len(w.fc1) > 1 else 'stacked'}"
         key = autotune.shape_key(x, w.num_experts, H, w.ffn(), K, layout)
-        choices = autotune.candidates(T, K, w.num_experts)
+        choices = autotune.candidates(T, K, w.num_experts, x.dtype, x.device)
         config = autotune.pick_config(key, choices, lambda cfg: _forward(x, topk_ids, topk_weights, w, attrs, cfg))
     return _forward(x, topk_ids, topk_weights, w, attrs, config)
