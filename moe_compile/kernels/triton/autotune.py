@@ -161,10 +161,9 @@ def pick_config(key: str, choices: tuple[TileConfig, ...], run) -> TileConfig:
         _load_disk()
         if key in _memory:
             return _memory[key]
-    if os.environ.get("MOE_COMPILE_AUTOTUNE", "1") == "0" or len(choices) == 1:
-        best = choices[0]
-    else:
-        best = _time_choices(choices, run)
+    if os.environ.get("MOE_COMPILE_AUTOTUNE", "1") == "0":
+        return choices[0]  # untuned: not cached, so a later tuned run is not shadowed
+    best = choices[0] if len(choices) == 1 else _time_choices(choices, run)
     with _lock:
         _memory[key] = best
         _save_disk()

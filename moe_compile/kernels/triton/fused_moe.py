@@ -79,13 +79,14 @@ def _pointer_table(tensors, device) -> torch.Tensor:
     """int64 [E] device tensor: each expert tensor's address relative to the first one's, in
     elements (grouped_gemm._expert_base adds it to the first tensor's pointer).  Cached: the same
     addresses give the same table, so a model's weights cost one small copy, once."""
-    key = (str(device), tuple(t.data_ptr() for t in tensors))
+    ptrs = tuple(t.data_ptr() for t in tensors)
+    item = tensors[0].element_size()
+    key = (str(device), item, ptrs)
     table = _TABLE_CACHE.get(key)
     if table is None:
         if len(_TABLE_CACHE) >= _TABLE_CACHE_SIZE:
             _TABLE_CACHE.pop(next(iter(_TABLE_CACHE)))
-        item = tensors[0].element_size()
-        offsets = [(p - key[1][0]) // item for p in key[1]]  # exact: every address is 16-byte aligned
+        offsets = [(p - ptrs[0]) // item for p in ptrs]  # exact: every address is 16-byte aligned
         table = torch.tensor(offsets, dtype=torch.int64, device=device)
         _TABLE_CACHE[key] = table
     return table
