@@ -18,7 +18,7 @@ def capture_flags():
 
 def backend(config: MoEConfig | dict | None = None, **options):
     """A backend callable for ``torch.compile(model, backend=moe_compile.backend(...))``."""
-    from moe_compile.backend import compile_graph
+    from moe_compile.compiler import compile_graph
 
     cfg = MoEConfig.from_options(config, **options)
 
@@ -52,12 +52,12 @@ def explain(module_or_fn, *example_inputs, **options) -> Report:
     Traces with Dynamo and runs the MoE pass (including its proof); the rewritten graphs are never
     executed — the traced function runs once, unmodified, to let Dynamo see every graph.
     """
-    from moe_compile.backend import collecting_reports, rewrite_graph
+    from moe_compile.compiler import collecting_reports, rewrite_graph
 
     cfg = MoEConfig.from_options(options)
 
     def explain_backend(gm, inputs):
-        from moe_compile.backend import copy_module
+        from moe_compile.compiler import copy_module
 
         original = copy_module(gm)
         rewrite_graph(gm, inputs, cfg)

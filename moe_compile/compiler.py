@@ -1,4 +1,4 @@
-"""The ``moe`` torch.compile backend: run the MoE pass, then hand the graph to the inner compiler.
+"""The ``moe`` torch.compile backend (module `compiler`, so that `moe_compile.backend` stays the function).
 
     torch.compile(model, backend="moe", options={"verify": True})
 

@@ -7,7 +7,7 @@ import torch
 
 import moe_compile
 from moe_compile.api import capture_flags
-from moe_compile.backend import collecting_reports
+from moe_compile.compiler import collecting_reports
 
 # Tolerances against the model's own eager output (relative to the output's max magnitude):
 # fp32 paths differ only in summation order; bf16 rounds intermediates to 8 mantissa bits in a

@@ -70,10 +70,17 @@ def topk_indices(topk: fx.Node) -> fx.Node:
 
 
 def _same(a, b) -> bool:
+    """a == b for ints or SymInts, without installing a Dynamo guard (unknown counts as False)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
     try:
-        return bool(a == b)
-    except Exception:  # unbacked symbols cannot be compared
+        return bool(statically_known_true(a == b))
+    except Exception:  # unbacked symbols that cannot be compared
         return False
+
+
+def same_shape(a, b) -> bool:
+    return a is not None and b is not None and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
 
 
 def find_output(deps: Deps, downs, T, hidden_sizes) -> fx.Node:
@@ -129,7 +136,7 @@ def cut_region(graph: fx.Graph, deps: Deps, topk, downs, params, K: int, E: int,
         raise Refusal(f"the experts read graph input '{outside[0].name}', which is not an expert weight", outside[0])
     tensors = [n for n in frontier if meta(n) is not None]
     syms = [n for n in frontier if meta(n) is None]
-    if len(tensors) != 1 or value_shape(tensors[0]) != value_shape(output):
+    if len(tensors) != 1 or not same_shape(value_shape(tensors[0]), value_shape(output)):
         names = ", ".join(sorted(n.name for n in tensors))
         raise Refusal(f"the experts read router-side tensors other than one [T, H] input: {names}", output)
     x = tensors[0]
@@ -150,9 +157,9 @@ def _slice(deps: Deps, output, stop: set, router: set):
 def _reshaped_input(frontier, nodes, out_shape):
     """A region node viewing the one router-side tensor as [T, H], when that tensor is not [T, H]."""
     tensors = [n for n in frontier if meta(n) is not None]
-    if len(tensors) != 1 or value_shape(tensors[0]) == out_shape:
+    if len(tensors) != 1 or same_shape(value_shape(tensors[0]), out_shape):
         return None
-    views = [u for u in tensors[0].users if u in nodes and value_shape(u) == out_shape]
+    views = [u for u in tensors[0].users if u in nodes and same_shape(value_shape(u), out_shape)]
     return views[0] if len(views) == 1 else None
 
 

@@ -1,0 +1,61 @@
+"""Look-alikes are left untouched, and explain() says why."""
+
+import torch
+
+import moe_compile
+from moe_compile import zoo
+from tests.conftest import run_compiled
+
+
+def test_dense_mlp_loop_is_untouched_and_explained():
+    model = zoo.DenseMLPLoop()
+    x = torch.randn(3, 64)
+    got, report = run_compiled(model, x)
+    assert report.rewritten == []
+    torch.testing.assert_close(got, model(x))
+    text = " ".join(s.reason for s in moe_compile.explain(model, x).skipped)
+    assert "no top-k routing" in text
+
+
+def test_topk_for_something_else_is_untouched_and_explained():
+    model = zoo.TopKNotRouting()
+    x = torch.randn(5, 64)
+    got, report = run_compiled(model, x)
+    assert report.rewritten == []
+    torch.testing.assert_close(got, model(x))
+    assert moe_compile.explain(model, x).skipped  # a reason is recorded
+
+
+class SharedRouterRead(torch.nn.Module):
+    """An MoE whose expert intermediate is also read outside the region: not rewritable."""
+
+    def __init__(self):
+        super().__init__()
+        self.moe = zoo.ModuleListMoE(experts=4)
+        self.leak = None
+
+    def forward(self, x):
+        y = self.moe(x)
+        return y + self.moe.experts[0].down_proj.weight.sum()
+
+
+def test_unprovable_region_is_left_alone():
+    class WrongExperts(zoo.ModuleListMoE):
+        def forward(self, hidden_states):
+            x = hidden_states.view(-1, hidden_states.shape[-1])
+            weights, ids = self.gate(x)
+            out = torch.zeros_like(x)
+            mask = torch.nn.functional.one_hot(ids, num_classes=self.num_experts).permute(2, 1, 0)
+            for e in range(self.num_experts):
+                top, tok = torch.where(mask[e])
+                h = self.experts[e].gate_proj(x[tok])
+                h = torch.tanh(h) * self.experts[e].up_proj(x[tok])  # tanh: no supported activation
+                out.index_add_(0, tok, self.experts[e].down_proj(h) * weights[tok, top, None])
+            return out.view(hidden_states.shape)
+
+    model = WrongExperts(experts=4)
+    x = torch.randn(1, 6, 64)
+    got, report = run_compiled(model, x)
+    assert report.rewritten == []
+    assert any("could not prove" in s.reason for s in report.skipped)
+    torch.testing.assert_close(got, model(x))
