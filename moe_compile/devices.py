@@ -1,0 +1,56 @@
+"""Which kernel variants each device runs natively (DESIGN §8-9), as frozen data."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceKind:
+    name: str
+    variants: tuple[str, ...]  # quantized variants with a native kernel (a16w16 always runs)
+    kernel: str
+
+
+CPU_KINDS = (
+    DeviceKind("cpu-avx2", ("a16w16",), "kernels/cpu.py (torch GEMMs per expert segment)"),
+    DeviceKind("cpu-avx512-vnni", ("a16w16",), "kernels/cpu.py; int8 VNNI kernels not built yet"),
+    DeviceKind("cpu-amx", ("a16w16",), "kernels/cpu.py; AMX bf16/int8 kernels not built yet"),
+)
+CUDA_KINDS = {
+    (8, 0): DeviceKind("sm80", ("a16w16",), "kernels/triton (bf16/fp16)"),
+    (8, 9): DeviceKind("sm89", ("a16w16",), "kernels/triton (bf16/fp16)"),
+    (9, 0): DeviceKind("sm90", ("a16w16",), "kernels/triton (bf16/fp16)"),
+    (10, 0): DeviceKind("sm100", ("a16w16",), "kernels/triton (bf16/fp16)"),
+}
+# The seed operator's Ascend product table (ascend-mega-moe.zh.md), kept as data: no kernel runs here.
+ASCEND_VARIANTS = {
+    "Atlas A3 training/inference": ("a16w16", "a8w8-int", "a8w4-int"),
+    "Atlas A2 training/inference": ("a16w16", "a8w8-int"),
+}
+
+
+def cpu_kind() -> DeviceKind:
+    caps = torch.backends.cpu.get_cpu_capability()
+    if "AMX" in caps:
+        return CPU_KINDS[2]
+    if "AVX512" in caps:
+        return CPU_KINDS[1]
+    return CPU_KINDS[0]
+
+
+def describe() -> str:
+    lines = [f"cpu: {torch.backends.cpu.get_cpu_capability()} -> {cpu_kind().name}: "
+             f"{', '.join(cpu_kind().variants)} via {cpu_kind().kernel}"]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            cap = torch.cuda.get_device_capability(i)
+            kind = CUDA_KINDS.get(cap, DeviceKind(f"sm{cap[0]}{cap[1]}", ("a16w16",), "reference (no tuned kernel)"))
+            lines.append(f"cuda:{i}: {torch.cuda.get_device_name(i)} {kind.name}: {', '.join(kind.variants)} via "
+                         f"{kind.kernel}")
+    else:
+        lines.append("cuda: not available")
+    lines.append("ascend (data only): " + "; ".join(f"{k}: {', '.join(v)}" for k, v in ASCEND_VARIANTS.items()))
+    return "\n".join(lines)
