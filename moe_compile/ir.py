@@ -63,8 +63,9 @@ def _check_choice(name: str, value, choices) -> None:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
-def _role_experts(role: Sequence[torch.Tensor]) -> int:
-    if len(role) == 1 and role[0].dim() == 3:
+def _role_experts(role: Sequence[torch.Tensor], stacked_dim: int = 3) -> int:
+    """E of a weight role (stacked: one 3-D tensor) or bias role (stacked: one 2-D tensor)."""
+    if len(role) == 1 and role[0].dim() == stacked_dim:
         return role[0].shape[0]
     return len(role)
 
@@ -85,7 +86,7 @@ class ExpertWeights:
         if not self.fc1 or not self.fc2:
             raise ValueError("ExpertWeights needs fc1 and fc2 tensors")
         counts = {
-            name: _role_experts(getattr(self, name))
+            name: _role_experts(getattr(self, name), 2 if name.endswith("bias") else 3)
             for name in ("fc1", "fc1_up", "fc2", "fc1_bias", "fc1_up_bias", "fc2_bias")
             if getattr(self, name)
         }
