@@ -16,13 +16,12 @@ ROLES = ("fc1", "fc1_up", "fc2", "fc1_bias", "fc1_up_bias", "fc2_bias")
 
 
 def make_experts(E, H, F, gate_up="concat", stacked=True, transposed=False, bias=False,
-                 dtype=torch.float64, seed=0, stacked_bias=False):
+                 dtype=torch.float64, seed=0, stacked_bias=None):
     """Role name -> list of leaf tensors (requires_grad) in the requested layout.
 
-    Biases are per-expert lists unless ``stacked_bias``: ``ir._role_experts`` counts a stacked
-    [E, n] bias as one expert (it checks for a 3-D tensor), so ExpertWeights rejects stacked
-    biases today — see test_stacked_bias_tensors.
+    Biases follow the weights (one stacked [E, n] tensor or E x [n]) unless ``stacked_bias`` says.
     """
+    stacked_bias = stacked if stacked_bias is None else stacked_bias
     gen = torch.Generator().manual_seed(seed)
     f1 = F if gate_up in ("none", "separate") else 2 * F
 
@@ -72,7 +71,7 @@ def call_reference(x, ids, tw, roles, attrs: FFNAttrs):
     return fused_moe_reference(x, ids, tw, w, attrs)
 
 
-def run_gradcheck(T, H, F, E, K, attrs: FFNAttrs, stacked=True, bias=False, used=None, stacked_bias=False):
+def run_gradcheck(T, H, F, E, K, attrs: FFNAttrs, stacked=True, bias=False, used=None, stacked_bias=None):
     roles = make_experts(E, H, F, attrs.gate_up, stacked, attrs.transposed, bias, stacked_bias=stacked_bias)
     ids, tw = make_routing(T, E, K, used=used)
     x = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
@@ -126,10 +125,10 @@ def test_gradcheck_zero_token_experts(stacked, weight_on):
     run_gradcheck(5, 6, 4, 6, 2, attrs, stacked=stacked, bias=True, used=2)
 
 
-@pytest.mark.xfail(raises=ValueError, strict=False,
-                   reason="ir._role_experts counts a stacked [E, n] bias as 1 expert (checks dim 3)")
-def test_stacked_bias_tensors():
-    run_gradcheck(5, 6, 4, 4, 2, FFNAttrs(gate_up="separate"), stacked=True, bias=True, stacked_bias=True)
+@pytest.mark.parametrize("stacked,stacked_bias", [(True, False), (False, True)])
+def test_gradcheck_mixed_bias_forms(stacked, stacked_bias):
+    attrs = FFNAttrs(gate_up="separate")
+    run_gradcheck(5, 6, 4, 4, 2, attrs, stacked=stacked, bias=True, stacked_bias=stacked_bias)
 
 
 @pytest.mark.parametrize("T", [1, 7])
@@ -183,7 +182,7 @@ def test_frozen_inputs_get_no_grad_and_idle_experts_get_zeros():
 
 
 def test_stacked_frozen_role_and_idle_slices():
-    roles = make_experts(4, 6, 4, stacked=True, bias=True)
+    roles = make_experts(4, 6, 4, stacked=True, bias=True, stacked_bias=False)
     roles["fc2"][0].requires_grad_(False)
     ids, tw = make_routing(5, 4, 2, used=2)
     x = torch.randn(5, 6, dtype=torch.float64)  # x needs no grad either
@@ -192,6 +191,10 @@ def test_stacked_frozen_role_and_idle_slices():
     w1 = roles["fc1"][0].grad
     assert w1.shape == roles["fc1"][0].shape and not w1[2:].any() and w1[:2].any()
     assert all(not b.grad.any() for b in roles["fc2_bias"][2:])
+    roles = make_experts(4, 6, 4, stacked=True, bias=True)  # stacked [E, n] biases
+    call_op(x, ids, tw, roles, FFNAttrs()).sum().backward()
+    b2 = roles["fc2_bias"][0].grad
+    assert b2.shape == (4, 6) and not b2[2:].any() and b2[:2].any()
 
 
 # -- against autograd through the reference ------------------------------------------------------

@@ -1,0 +1,227 @@
+"""CPU fp32 training step (forward + backward) of one MoE block: the fused op against its peers.
+
+Shapes:  T tokens, H hidden, F expert FFN width, E experts, K experts per token.
+
+Variants, each measured in its own subprocess (so peak memory is that variant's alone):
+  op        torch.ops.moe_compile.fused_moe (stacked weights) + its registered backward
+  loop      a plain per-expert loop block in eager (HF v4 / Mixtral style: where -> gather ->
+            3 matmuls -> weight multiply -> index_add_)
+  compiled  torch.compile (default options) of that loop
+  roof      dense GEMMs of the same FLOPs: 3 x forward FLOPs (forward + dgrad + wgrad), each one
+            [T*K, H] x [H, 3F]-shaped so it does 6*T*K*H*F FLOPs like the forward.
+
+Time: median (and min..max spread) of repeated steps after warm-up.  Peak memory: the rise of
+VmHWM over VmRSS across one step, in a worker whose VmHWM was reset (``clear_refs`` 5) just
+before; before that step glibc is told to mmap every block >= 64 KiB (``mallopt``) and to trim
+its heap, so freed tensors leave RSS and the baseline is honest (timed steps run without this).
+Weights are per-expert tensors (HF v4 ``ModuleList`` of Linears) for every variant.  Gradients (x and weights) are part of the peak.
+
+    python benchmarks/bench_cpu_train.py --quick --out results/cpu_train
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+
+CONFIGS = [  # (H, F, E, K)
+    (1024, 2048, 8, 2),
+    (1024, 512, 64, 8),
+]
+TOKENS = (512, 2048)
+VARIANTS = ("op", "loop", "compiled", "roof")
+
+
+def loop_block(x, topk_ids, topk_weights, w13, w2):
+    """The eager peer: per expert, gather its tokens, SwiGLU FFN, weight, index_add_."""
+    y = torch.zeros_like(x)
+    num_experts = len(w13)
+    for e in range(num_experts):
+        tok, k = torch.where(topk_ids == e)  # [n], [n]
+        if tok.numel() == 0:
+            continue
+        xe = x[tok]  # [n, H]
+        gate, up = F.linear(xe, w13[e]).chunk(2, dim=-1)  # [n, F] each
+        out = F.linear(F.silu(gate) * up, w2[e])  # [n, H]
+        y.index_add_(0, tok, out * topk_weights[tok, k, None])
+    return y
+
+
+def op_block(x, topk_ids, topk_weights, w13, w2):
+    from moe_compile import ops  # noqa: F401  registers the op and its backward
+
+    return torch.ops.moe_compile.fused_moe(
+        x, topk_ids, topk_weights, list(w13), [], list(w2), [], [], [], "concat", False, "silu", 0.0, 1.702, "output"
+    )
+
+
+def make_inputs(T, H, Fw, E, K):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=g).requires_grad_(True)
+    logits = torch.randn(T, E, generator=g)
+    topk_weights, topk_ids = torch.topk(logits.softmax(-1), K, dim=-1)  # [T, K]
+    topk_weights = (topk_weights / topk_weights.sum(-1, keepdim=True)).requires_grad_(True)
+    # Per-expert nn.Linear-style weights (HF v4 ModuleList): the op takes the same E tensors.
+    w13 = [(torch.randn(2 * Fw, H, generator=g) / H**0.5).requires_grad_(True) for _ in range(E)]
+    w2 = [(torch.randn(H, Fw, generator=g) / Fw**0.5).requires_grad_(True) for _ in range(E)]
+    dy = torch.randn(T, H, generator=g)
+    return x, topk_ids, topk_weights, w13, w2, dy
+
+
+def make_step(variant, T, H, Fw, E, K):
+    if variant == "roof":
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(T * K, H, generator=g)
+        b = torch.randn(H, 3 * Fw, generator=g)
+        c = torch.randn(T * K, 3 * Fw, generator=g)
+
+        def roof():
+            torch.mm(a, b)  # forward-shaped
+            torch.mm(c, b.t())  # dgrad-shaped
+            torch.mm(a.t(), c)  # wgrad-shaped
+
+        return roof, []
+    x, ids, tw, w13, w2, dy = make_inputs(T, H, Fw, E, K)
+    fn = {"op": op_block, "loop": loop_block, "compiled": torch.compile(loop_block)}[variant]
+    leaves = [x, tw, *w13, *w2]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        fn(x, ids, tw, w13, w2).backward(dy)
+
+    return step, leaves
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def worker(variant, T, H, Fw, E, K, warmup, repeats) -> dict:
+    torch.manual_seed(0)
+    step, leaves = make_step(variant, T, H, Fw, E, K)
+    t0 = time.perf_counter()
+    step()  # includes compilation for "compiled"
+    first_s = time.perf_counter() - t0
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    for t in leaves:
+        t.grad = None
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 65536)  # M_MMAP_THRESHOLD: blocks >= 64 KiB are mmapped and unmapped on free
+    libc.malloc_trim(0)  # give back what the timed steps left in the heap: an honest baseline
+    rss0 = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    step()
+    peak = _status("VmHWM") - rss0
+    flops = 3 * 6 * T * K * H * Fw  # forward 2*T*K*(H*2F + F*H), times 3 for dgrad + wgrad
+    med = statistics.median(times)
+    return {
+        "variant": variant, "T": T, "H": H, "F": Fw, "E": E, "K": K,
+        "median_s": med, "min_s": min(times), "max_s": max(times), "first_call_s": first_s,
+        "gflops": flops / med / 1e9, "peak_mib": peak / 2**20, "repeats": repeats,
+    }
+
+
+def run_cell(variant, T, cfg, warmup, repeats, timeout) -> dict:
+    H, Fw, E, K = cfg
+    env = dict(os.environ)
+    cmd = [sys.executable, __file__, "--worker", variant, str(T), str(H), str(Fw), str(E), str(K),
+           str(warmup), str(repeats)]
+    try:
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except subprocess.TimeoutExpired:
+        return {"variant": variant, "T": T, "H": H, "F": Fw, "E": E, "K": K, "error": f"timeout {timeout}s"}
+    except subprocess.CalledProcessError as err:
+        tail = (err.stderr or "").strip().splitlines()[-1:] or ["?"]
+        return {"variant": variant, "T": T, "H": H, "F": Fw, "E": E, "K": K, "error": tail[0][:200]}
+
+
+def to_markdown(rows, meta) -> str:
+    lines = [
+        "# CPU fp32 training step (forward + backward) of one MoE block",
+        "",
+        f"torch {meta['torch']}, {meta['threads']} threads, warmup {meta['warmup']}, "
+        f"repeats {meta['repeats']}; time = median (min..max); x op = speed-up of the op over the variant; "
+        "roof = dense GEMMs of 3x forward FLOPs; peak = VmHWM rise over one step.",
+        "",
+        "| H | F | E | K | T | variant | median ms (spread) | GFLOP/s | x op | % of roof | peak MiB | first call s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    by_cell = {}
+    for r in rows:
+        by_cell.setdefault((r["H"], r["F"], r["E"], r["K"], r["T"]), {})[r["variant"]] = r
+    for (H, Fw, E, K, T), cell in by_cell.items():
+        op, roof = cell.get("op", {}), cell.get("roof", {})
+        for v in VARIANTS:
+            r = cell.get(v)
+            if r is None:
+                continue
+            if "error" in r:
+                lines.append(f"| {H} | {Fw} | {E} | {K} | {T} | {v} | error: {r['error']} | | | | | |")
+                continue
+            ms = r["median_s"] * 1e3
+            spread = f"{r['min_s'] * 1e3:.0f}..{r['max_s'] * 1e3:.0f}"
+            speed = f"{r['median_s'] / op['median_s']:.2f}" if "median_s" in op else "-"
+            of_roof = f"{100 * roof['median_s'] / r['median_s']:.0f}%" if "median_s" in roof else "-"
+            lines.append(
+                f"| {H} | {Fw} | {E} | {K} | {T} | {v} | {ms:.0f} ({spread}) | {r['gflops']:.1f} | "
+                f"{speed} | {of_roof} | {r['peak_mib']:.0f} | {r['first_call_s']:.1f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        variant, *nums = sys.argv[2:]
+        print(json.dumps(worker(variant, *map(int, nums))))
+        return
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="results/bench_cpu_train")
+    p.add_argument("--quick", action="store_true", help="first call as the only warm-up, 3 timed steps")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    p.add_argument("--timeout", type=int, default=600, help="seconds per (config, T, variant) worker")
+    args = p.parse_args()
+    warmup, repeats = (0, 3) if args.quick else (2, 10)
+    rows = []
+    for cfg in CONFIGS:
+        for T in map(int, args.tokens.split(",")):
+            for v in args.variants.split(","):
+                r = run_cell(v, T, cfg, warmup, repeats, args.timeout)
+                print(json.dumps(r), flush=True)
+                rows.append(r)
+    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "warmup": warmup, "repeats": repeats}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    md = to_markdown(rows, meta)
+    with open(args.out + ".md", "w") as f:
+        f.write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
