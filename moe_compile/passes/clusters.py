@@ -26,7 +26,7 @@ _ELEMENTWISE = {
     "clamp_min", "clamp_max", "clip", "chunk", "split", "getitem", "view", "reshape", "to", "float",
     "half", "bfloat16", "contiguous", "neg", "mul_", "add_", "silu_", "unflatten", "flatten",
     "squeeze", "unsqueeze", "type_as", "pow", "minimum", "maximum", "__mul__", "__add__", "__sub__",
-    "__getitem__", "sigmoid_", "clamp_", "transpose", "permute",
+    "__getitem__", "sigmoid_", "clamp_", "transpose", "permute", "masked_fill",
 }
 
 
