@@ -29,11 +29,6 @@ _VIEW_FUNCS = {torch.transpose, torch.t, torch.permute, torch.reshape, operator.
 
 _INPLACE_FUNCS = {operator.setitem, operator.iadd, operator.imul, operator.itruediv, operator.isub}
 
-ACTIVATION_NAMES = {
-    "silu": "silu", "gelu": "gelu", "relu": "relu", "sigmoid": "sigmoid", "tanh": "tanh",
-}
-
-
 def meta(node) -> torch.Tensor | None:
     """The fake tensor Dynamo recorded for a node, or None."""
     if not isinstance(node, fx.Node):

@@ -26,19 +26,6 @@ def test_topk_for_something_else_is_untouched_and_explained():
     assert moe_compile.explain(model, x).skipped  # a reason is recorded
 
 
-class SharedRouterRead(torch.nn.Module):
-    """An MoE whose expert intermediate is also read outside the region: not rewritable."""
-
-    def __init__(self):
-        super().__init__()
-        self.moe = zoo.ModuleListMoE(experts=4)
-        self.leak = None
-
-    def forward(self, x):
-        y = self.moe(x)
-        return y + self.moe.experts[0].down_proj.weight.sum()
-
-
 def test_unprovable_region_is_left_alone():
     class WrongExperts(zoo.ModuleListMoE):
         def forward(self, hidden_states):
