@@ -1,0 +1,231 @@
+"""The expert-parallel fused MoE op: ``torch.ops.moe_compile.fused_moe_ep``.
+
+Shapes:  T tokens (this rank), H hidden, E global experts, El = E // R local experts, K experts per
+         token, R ranks, S' slots routed to a valid expert.
+
+Contract (the graph matcher rewrites expert-parallel regions into exactly this call):
+
+    fused_moe_ep(x [T, H], topk_ids [T, K] (GLOBAL ids in [0, E)), topk_weights [T, K],
+                 fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias,   # this rank's El LOCAL experts
+                 gate_up, transposed, activation, limit, alpha, weight_on,   # as fused_moe
+                 group_name, num_experts, max_tokens, transport, chunks, timeout_s) -> y [T, H]
+
+    y_t = sum_k g_{t,k} FFN_{e_{t,k}}(x_t) over all experts of all ranks (kernels/reference.py).
+
+* Rank r owns experts [r*El, (r+1)*El).  ``group_name`` is ``ProcessGroup.group_name``.
+* ``max_tokens``: rows one rank may receive per call (T_max*K*R when 0 — see ``plan.receive_bound``);
+  more raises ``ValueError`` naming the bound and ``max_tokens`` on every rank (never a silent drop).
+* ``transport``: "symm" (shared-memory heap among the ranks of one host, ``ep/dispatch.py``),
+  "symm-int8" (the same with int8 rows + per-token scales on the dispatch), "collectives"
+  (chunked async all_to_all, ``ep/overlap.py``), "auto" (symm when every rank is on this host and
+  the tensors are on CPU, else collectives).
+* ``chunks``: pieces per destination block for the compute/transfer overlap; 0 = auto
+  (``dispatch.auto_chunks``).  ``timeout_s``: a missing peer raises ``TimeoutError`` naming it.
+* Backward (``register_autograd``): dispatch and combine are each other's transpose — the backward
+  sends [x | dy] rows to the experts' ranks, runs the single-device backward
+  (``kernels/cpu_backward.py``) on them, and returns [dx | dg] rows; local weight gradients stay
+  on their rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_compile.ep.context import config_tuple, get_context
+from moe_compile.ep.plan import make_plan
+from moe_compile.ir import ExpertWeights, FFNAttrs
+from moe_compile.kernels.cpu_backward import ROLES
+from moe_compile.kernels.ep_cpu import experts_backward_on_rows, experts_on_rows
+from moe_compile.kernels.reference import compute_dtype
+from moe_compile.ops import attrs_from_args, check_inputs, weights_from_args
+
+OP_NAME = "moe_compile::fused_moe_ep"
+BACKWARD_OP_NAME = "moe_compile::fused_moe_ep_backward"
+TRANSPORTS = ("auto", "symm", "symm-int8", "collectives")
+
+
+def _check(x, topk_ids, topk_weights, w, num_experts, transport, max_tokens, chunks, timeout_s):
+    check_inputs(x, topk_ids, topk_weights, w)
+    if transport not in TRANSPORTS:
+        raise ValueError(f"fused_moe_ep: transport must be one of {TRANSPORTS}, got {transport!r}")
+    if num_experts < 1 or max_tokens < 0 or chunks < 0 or timeout_s <= 0:
+        raise ValueError(
+            f"fused_moe_ep: need num_experts >= 1, max_tokens >= 0, chunks >= 0, timeout_s > 0; got "
+            f"{num_experts}, {max_tokens}, {chunks}, {timeout_s}"
+        )
+
+
+def _transport(ctx, transport: str, x):
+    """The exchange module for this call (module with ``exchange(...)``) and whether to quantize."""
+    if transport == "auto":
+        try:
+            from moe_compile.ep import dispatch
+        except ImportError:  # heap transport not built yet
+            return _collectives(), False
+        transport = "symm" if (not x.is_cuda and dispatch.same_host(ctx)) else "collectives"
+    if transport in ("symm", "symm-int8"):
+        from moe_compile.ep import dispatch
+
+        return dispatch, transport == "symm-int8"
+    return _collectives(), False
+
+
+def _collectives():
+    from moe_compile.ep import overlap
+
+    return overlap
+
+
+def ep_forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_name: str,
+               num_experts: int, max_tokens: int, transport: str, chunks: int, timeout_s: float):
+    ctx = get_context(group_name)
+    ctx.check_config(config_tuple(x, topk_ids, w, attrs, num_experts, transport, max_tokens, chunks), timeout_s)
+    if w.num_experts * ctx.world != num_experts:
+        raise ValueError(
+            f"fused_moe_ep: {w.num_experts} local experts x {ctx.world} ranks != num_experts={num_experts}"
+        )
+    plan = make_plan(topk_ids, num_experts, ctx.world)  # [S'] order, [R, El] counts
+    gpay = topk_weights.reshape(-1).index_select(0, plan.order).float()  # [S']
+    mod, quant = _transport(ctx, transport, x)
+
+    def compute(rows, g, counts, out):
+        experts_on_rows(rows, g, counts, w, attrs, out)
+
+    ret = mod.exchange(ctx, plan, x, gpay, compute, x.shape[1], x.dtype, chunks=chunks, timeout_s=timeout_s,
+                       quant=quant, max_tokens=max_tokens, top_k=topk_ids.shape[1])
+    y = torch.zeros(x.shape, dtype=compute_dtype(x.dtype))  # [T, H] fp32 accumulator
+    y.index_add_(0, plan.tokens, ret.to(y.dtype))  # weighted combine: the K rows of each token
+    return y.to(x.dtype)
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def fused_moe_ep(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    fc1: list[torch.Tensor], fc1_up: list[torch.Tensor], fc2: list[torch.Tensor],
+    fc1_bias: list[torch.Tensor], fc1_up_bias: list[torch.Tensor], fc2_bias: list[torch.Tensor],
+    gate_up: str, transposed: bool, activation: str, limit: float, alpha: float, weight_on: str,
+    group_name: str, num_experts: int, max_tokens: int, transport: str, chunks: int, timeout_s: float,
+) -> torch.Tensor:
+    w = weights_from_args(fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias, transposed)
+    attrs = attrs_from_args(gate_up, transposed, activation, limit, alpha, weight_on)
+    _check(x, topk_ids, topk_weights, w, num_experts, transport, max_tokens, chunks, timeout_s)
+    return ep_forward(x, topk_ids, topk_weights, w, attrs, group_name, num_experts, max_tokens, transport,
+                      chunks, timeout_s)
+
+
+@fused_moe_ep.register_fake
+def _fused_moe_ep_fake(x, topk_ids, topk_weights, fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias,
+                       gate_up, transposed, activation, limit, alpha, weight_on,
+                       group_name, num_experts, max_tokens, transport, chunks, timeout_s):
+    w = weights_from_args(fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias, transposed)
+    attrs_from_args(gate_up, transposed, activation, limit, alpha, weight_on)
+    _check(x, topk_ids, topk_weights, w, num_experts, transport, max_tokens, chunks, timeout_s)
+    return x.new_empty(x.shape)
+
+
+def _flat_inputs(x, topk_weights, roles):
+    return [x, topk_weights, *[t for role in roles for t in role]]
+
+
+@torch.library.custom_op(BACKWARD_OP_NAME, mutates_args=())
+def fused_moe_ep_backward(
+    grad_y: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    fc1: list[torch.Tensor], fc1_up: list[torch.Tensor], fc2: list[torch.Tensor],
+    fc1_bias: list[torch.Tensor], fc1_up_bias: list[torch.Tensor], fc2_bias: list[torch.Tensor],
+    gate_up: str, transposed: bool, activation: str, limit: float, alpha: float, weight_on: str,
+    group_name: str, num_experts: int, max_tokens: int, transport: str, chunks: int, timeout_s: float,
+    needs: list[bool],
+) -> list[torch.Tensor]:
+    """Gradients of [x, topk_weights, *fc1, ..., *fc2_bias]; an entry not needed is an empty [0]."""
+    roles = (fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias)
+    w = weights_from_args(*roles, transposed)
+    attrs = attrs_from_args(gate_up, transposed, activation, limit, alpha, weight_on)
+    need_roles, i = {}, 2
+    for name, role in zip(ROLES, roles):
+        need_roles[name] = list(needs[i : i + len(role)])
+        i += len(role)
+    dx, dg, role_grads = ep_backward(grad_y, x, topk_ids, topk_weights, w, attrs, need_roles, group_name,
+                                     num_experts, max_tokens, transport, timeout_s)
+    flat = [dx, dg, *[g for name in ROLES for g in role_grads[name]]]
+    inputs = _flat_inputs(x, topk_weights, roles)
+    return [t.new_empty(0) if (g is None or not need) else g for g, t, need in zip(flat, inputs, needs)]
+
+
+@fused_moe_ep_backward.register_fake
+def _fused_moe_ep_backward_fake(grad_y, x, topk_ids, topk_weights, fc1, fc1_up, fc2, fc1_bias, fc1_up_bias,
+                                fc2_bias, gate_up, transposed, activation, limit, alpha, weight_on,
+                                group_name, num_experts, max_tokens, transport, chunks, timeout_s, needs):
+    inputs = _flat_inputs(x, topk_weights, (fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias))
+    return [t.new_empty(t.shape) if need else t.new_empty(0) for t, need in zip(inputs, needs)]
+
+
+def ep_backward(grad_y, x, topk_ids, topk_weights, w, attrs, need_roles, group_name, num_experts,
+                max_tokens, transport, timeout_s):
+    """Transpose of dispatch/experts/combine.  Every rank takes part (it serves other ranks' rows)."""
+    ctx = get_context(group_name)
+    plan = make_plan(topk_ids, num_experts, ctx.world)
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    cdt = compute_dtype(x.dtype)
+    gpay = topk_weights.reshape(-1).index_select(0, plan.order).float()  # [S']
+    base = torch.cat([x.to(cdt), grad_y.to(cdt)], dim=1)  # [T, 2H]: rows [x_t | dy_t]
+    acc = {}
+
+    def compute(rows, g, counts, out):
+        dxr, dgr, roles = experts_backward_on_rows(rows[:, :H], rows[:, H:], g, counts, w, attrs, need_roles)
+        out[:, :H] = dxr
+        out[:, H] = dgr
+        acc.update(roles)
+
+    mod, _ = _transport(ctx, "collectives" if transport == "symm-int8" else transport, x)
+    ret = mod.exchange(ctx, plan, base, gpay, compute, H + 1, cdt, chunks=1, timeout_s=timeout_s, whole=True,
+                       quant=False, max_tokens=max_tokens, top_k=K)  # [S', H+1]
+    dx = torch.zeros(T, H, dtype=cdt)
+    dx.index_add_(0, plan.tokens, ret[:, :H])
+    dg = torch.zeros(T * K, dtype=cdt)
+    dg.index_copy_(0, plan.order, ret[:, H])
+    if not acc:  # no row arrived: zero gradients for the local experts that need one
+        acc = {r: [torch.zeros_like(t) if need else None for t, need in zip(getattr(w, r), need_roles[r])]
+               for r in ROLES}
+    return dx.to(x.dtype), dg.view(T, K).to(topk_weights.dtype), acc
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, topk_ids, topk_weights, *rest = inputs
+    roles, statics = rest[:6], rest[6:]
+    ctx.lengths = [len(role) for role in roles]
+    ctx.statics = tuple(statics)
+    ctx.save_for_backward(x, topk_ids, topk_weights, *[t for role in roles for t in role])
+
+
+def _backward(ctx, grad_y):
+    x, topk_ids, topk_weights, *flat_w = ctx.saved_tensors
+    roles, i = [], 0
+    for n in ctx.lengths:
+        roles.append(list(flat_w[i : i + n]))
+        i += n
+    ni = ctx.needs_input_grad
+    needs = [bool(ni[0]), bool(ni[2]), *[bool(b) for k in range(6) for b in ni[3 + k]]]
+    # Every rank must join the backward exchange (it serves its peers' rows) even if it needs nothing.
+    flat = torch.ops.moe_compile.fused_moe_ep_backward(grad_y, x, topk_ids, topk_weights, *roles, *ctx.statics, needs)
+    flat = [g if need else None for g, need in zip(flat, needs)]
+    dx, dg, i, role_grads = flat[0], flat[1], 2, []
+    for n in ctx.lengths:
+        role_grads.append(flat[i : i + n])
+        i += n
+    return (dx, None, dg, *role_grads, *([None] * len(ctx.statics)))
+
+
+torch.library.register_autograd(OP_NAME, _backward, setup_context=_setup_context)
+
+
+def call_fused_moe_ep(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group, num_experts: int, *,
+                      max_tokens: int = 0, transport: str = "auto", chunks: int = 0, timeout_s: float = 60.0):
+    """Python-friendly entry: the op from ``ExpertWeights`` (this rank's experts) and ``FFNAttrs``."""
+    group_name = group if isinstance(group, str) else group.group_name
+    return torch.ops.moe_compile.fused_moe_ep(
+        x, topk_ids, topk_weights,
+        list(w.fc1), list(w.fc1_up), list(w.fc2), list(w.fc1_bias), list(w.fc1_up_bias), list(w.fc2_bias),
+        attrs.gate_up, attrs.transposed, attrs.activation, attrs.limit, attrs.alpha, attrs.weight_on,
+        group_name, int(num_experts), int(max_tokens), transport, int(chunks), float(timeout_s),
+    )

@@ -1,0 +1,122 @@
+"""The "collectives" transport: the EP exchange on torch.distributed all_to_all_single (gloo/NCCL).
+
+Shapes:  S' slots this rank sends, P payload width, Q result width, R ranks, El local experts,
+         C chunks.
+
+Plan (the same as the heap transport, on collectives):
+  1. one all_gather of the per-(dest, local expert) counts [R, El] (every rank sees the whole
+     [R, R, El] matrix, so an overflow of ``max_tokens`` raises on every rank alike); the split
+     sizes are read on the host (``.tolist()``) — collectives need host split sizes;
+  2. every dest block is cut into C row pieces (``piece_bounds``); the all_to_all of all C chunks
+     is issued at once with ``async_op=True``: gloo's worker thread moves chunk j+1 while this
+     thread runs the local experts on chunk j;
+  3. each computed chunk goes back with its own async all_to_all; rows land in the send order, so
+     the combine is one ``index_add_``.
+Every wait has a deadline (``timeout_s``); on expiry the ranks that are behind are named from a
+per-call "alive" key in the group's store.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moe_compile.ep.context import EPContext, timedelta
+from moe_compile.ep.plan import check_bound
+
+
+def piece_bounds(n: int, chunks: int) -> list[int]:
+    """Row boundaries of C near-equal pieces of a block of n rows."""
+    return [n * j // chunks for j in range(chunks + 1)]
+
+
+def piece_counts(block_counts, a: int, b: int) -> list[int]:
+    """Per-local-expert rows of rows [a, b) of a block whose experts have ``block_counts`` rows."""
+    out, lo = [], 0
+    for c in block_counts:
+        hi = lo + c
+        out.append(max(0, min(b, hi) - max(a, lo)))
+        lo = hi
+    return out
+
+
+class _Deadline:
+    def __init__(self, ctx: EPContext, call: int, timeout_s: float):
+        self.ctx, self.call, self.timeout_s = ctx, call, timeout_s
+
+    def wait(self, work, what: str) -> None:
+        try:
+            ok = work.wait(timedelta(self.timeout_s))
+        except Exception as exc:  # gloo raises on a timeout or a closed peer connection
+            raise self._error(what) from exc
+        if ok is False:
+            raise self._error(what)
+
+    def _error(self, what: str) -> TimeoutError:
+        ctx, behind = self.ctx, []
+        for r in range(ctx.world):
+            key = ctx.key("alive", ctx.group_name, r)
+            if r != ctx.rank and (not ctx.store.check([key]) or int(ctx.store.get(key)) < self.call):
+                behind.append(r)
+        return TimeoutError(
+            f"fused_moe_ep: rank(s) {behind or 'unknown'} of group {ctx.group_name!r} did not complete "
+            f"{what} within timeout_s={self.timeout_s:g}s (collectives transport; this is rank {ctx.rank})"
+        )
+
+
+def exchange(ctx: EPContext, plan, base, gpay, compute, q_width: int, q_dtype, *, chunks: int,
+             timeout_s: float, whole: bool = False, max_tokens: int = 0, top_k: int = 1, quant: bool = False):
+    """Send rows ``base[plan.tokens]`` (+ fp32 ``gpay`` [S']) to their experts' ranks, run
+    ``compute(rows, g, counts, out)`` there, and return the [S', Q] results in send order.
+
+    ``whole=True`` (backward) calls ``compute`` once on every received row, counts [R, El].
+    """
+    ctx.calls += 1
+    ctx.store.set(ctx.key("alive", ctx.group_name, ctx.rank), str(ctx.calls))
+    dl = _Deadline(ctx, ctx.calls, timeout_s)
+    R, el, g = ctx.world, plan.local_experts, ctx.group
+    allc = [torch.empty_like(plan.counts) for _ in range(R)]  # R x [R, El]: every rank's counts
+    dl.wait(dist.all_gather(allc, plan.counts.contiguous(), group=g, async_op=True), "the counts exchange")
+    matrix = torch.stack(allc)  # [R_src, R_dst, El]
+    check_bound(matrix, max_tokens, top_k, ctx.rank)  # the same verdict on every rank
+    send_c, recv_c = matrix[ctx.rank].tolist(), matrix[:, ctx.rank].tolist()  # host split sizes
+    C = 1 if whole else max(1, chunks)
+    send_off = [0]
+    for d in range(R):
+        send_off.append(send_off[-1] + sum(send_c[d]))
+    P = base.shape[1]
+    pending = []
+    for j in range(C):
+        idx = torch.cat([
+            torch.arange(send_off[d] + a, send_off[d] + b)
+            for d in range(R)
+            for a, b in [piece_bounds(sum(send_c[d]), C)[j : j + 2]]
+        ]) if R else torch.empty(0, dtype=torch.long)  # [s_j] sorted-slot positions of chunk j
+        in_split = [piece_bounds(sum(send_c[d]), C)[j + 1] - piece_bounds(sum(send_c[d]), C)[j] for d in range(R)]
+        out_split = [piece_bounds(sum(recv_c[s]), C)[j + 1] - piece_bounds(sum(recv_c[s]), C)[j] for s in range(R)]
+        rows = base.index_select(0, plan.tokens.index_select(0, idx))  # [s_j, P]
+        rrows = base.new_empty(sum(out_split), P)
+        rg = torch.empty(sum(out_split), dtype=torch.float32)
+        w1 = dist.all_to_all_single(rrows, rows, out_split, in_split, group=g, async_op=True)
+        w2 = dist.all_to_all_single(rg, gpay.index_select(0, idx), out_split, in_split, group=g, async_op=True)
+        pending.append((idx, in_split, out_split, rrows, rg, w1, w2))
+    ret = torch.empty(plan.rows, q_width, dtype=q_dtype)
+    returns = []
+    for j, (idx, in_split, out_split, rrows, rg, w1, w2) in enumerate(pending):
+        dl.wait(w1, f"the dispatch of chunk {j}")
+        dl.wait(w2, f"the dispatch of chunk {j}")
+        out = torch.empty(rrows.shape[0], q_width, dtype=q_dtype)
+        if whole:
+            compute(rrows, rg, recv_c, out)
+        else:
+            lo = 0
+            for s in range(R):
+                a, b = piece_bounds(sum(recv_c[s]), C)[j : j + 2]
+                compute(rrows[lo : lo + b - a], rg[lo : lo + b - a], [piece_counts(recv_c[s], a, b)], out[lo : lo + b - a])
+                lo += b - a
+        back = torch.empty(idx.numel(), q_width, dtype=q_dtype)
+        returns.append((idx, back, dist.all_to_all_single(back, out, in_split, out_split, group=g, async_op=True)))
+    for j, (idx, back, work) in enumerate(returns):
+        dl.wait(work, f"the combine of chunk {j}")
+        ret.index_copy_(0, idx, back)
+    return ret
