@@ -38,6 +38,7 @@ class EPContext:
     configs: dict = dataclasses.field(default_factory=dict)  # config tuple -> check index
     heaps: dict = dataclasses.field(default_factory=dict)  # key -> heap (transport state)
     calls: int = 0  # forward/backward exchanges on this group by this process
+    checks: int = 0  # configuration checks done (one per distinct configuration)
 
     def key(self, *parts) -> str:
         return "moec_ep/" + "/".join(str(p) for p in parts)
@@ -63,7 +64,8 @@ class EPContext:
         """First call with this configuration: every rank publishes it and compares (E/K/H/...)."""
         if config in self.configs:
             return
-        n = len(self.configs)
+        n = self.checks  # counted on every rank alike, failed checks included
+        self.checks += 1
         self.store.set(self.key("cfg", self.group_name, n, self.rank), repr(config))
         keys = {r: self.key("cfg", self.group_name, n, r) for r in range(self.world)}
         self.wait_keys(keys, timeout_s, "configuration check")

@@ -159,3 +159,60 @@ def int8_sqnr(rank, world):
                           transport="symm-int8", timeout_s=20)
     err = (y.double() - want.double()).pow(2).sum()
     return 10 * torch.log10(want.double().pow(2).sum() / err).item()
+
+
+def misc(rank, world):
+    """Overflow (both transports), config mismatch, int8 SQNR, then a normal call still works."""
+    out = {"overflow_symm": overflow(rank, world, "symm"), "overflow_coll": overflow(rank, world, "collectives"),
+           "mismatch": mismatch(rank, world, "symm"), "sqnr": int8_sqnr(rank, world)}
+    T, H, F, E, K = 9, 16, 8, 2 * world, 2
+    fc1, fc2, xs, ids, gws = make_problem(world, T, H, F, E, K, "uniform")
+    l1, l2 = local_weights(fc1, fc2, rank, world)
+    want = fused_moe_reference(xs[rank], ids[rank], gws[rank], ExpertWeights((fc1,), (), (fc2,)), FFNAttrs())
+    y = call_fused_moe_ep(xs[rank], ids[rank], gws[rank], ExpertWeights((l1,), (), (l2,)), FFNAttrs(),
+                          dist.group.WORLD, E, transport="symm", timeout_s=20)
+    out["after"] = rel(y, want)
+    return out
+
+
+def heap_roundtrip(rank, world, timeout_s):
+    """Each rank writes a row into the next rank's buffer, signals it, waits for its own."""
+    from moe_compile.ep.context import get_context
+    from moe_compile.symm import allocate
+
+    ctx = get_context(dist.group.WORLD.group_name)
+    heap = allocate(ctx.store, rank, world, 1024, 2 + world, "test_rt", timeout_s)
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    heap.tensor(nxt, 64, (4,), torch.float32).copy_(torch.full((4,), float(rank)))
+    heap.signal(nxt, 0, 7)
+    heap.wait([0], 7, timeout_s, who=lambda s: prv, what="roundtrip")
+    got = heap.tensor(rank, 64, (4,), torch.float32).tolist()
+    heap.barrier(timeout_s)
+    out = {"got": got, "expect": [float(prv)] * 4}
+    # a flag nobody sets: the wait must time out and name the rank it waited for
+    t0 = time.monotonic()
+    try:
+        heap.wait([1], 1, 0.5, who=lambda s: prv, what="a flag nobody sets")
+        out["timeout"] = "no error"
+    except TimeoutError as exc:
+        out["timeout"] = str(exc)
+    out["elapsed"] = time.monotonic() - t0
+    heap.barrier(timeout_s)
+    heap.close()
+    return out
+
+
+def heap_missing_rank(rank, world, timeout_s):
+    """The last rank never allocates: the others' rendezvous raises, naming it."""
+    from moe_compile.ep.context import get_context
+    from moe_compile.symm import allocate
+
+    if rank == world - 1:
+        return "absent"
+    ctx = get_context(dist.group.WORLD.group_name)
+    t0 = time.monotonic()
+    try:
+        allocate(ctx.store, rank, world, 1024, 4, "test_missing", timeout_s)
+    except TimeoutError as exc:
+        return (time.monotonic() - t0, str(exc))
+    return (time.monotonic() - t0, "no error")
