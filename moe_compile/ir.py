@@ -23,7 +23,7 @@ import torch
 GATE_UP_LAYOUTS = ("separate", "concat", "interleaved", "none")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "gptoss")
 WEIGHT_PLACEMENTS = ("output", "between", "input")
-FAMILIES = ("loop", "sorted", "gathered", "dense")
+FAMILIES = ("loop", "sorted", "gathered", "dense", "expert_parallel")
 
 
 @dataclasses.dataclass(frozen=True)

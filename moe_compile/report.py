@@ -19,11 +19,14 @@ class Rewritten:
     weight_on: str
     proof_error: float
     graph: int = 0
+    world_size: int = 1  # expert parallel: ranks of the process group
+    local_experts: int = 0  # expert parallel: experts held by this rank (0: not expert parallel)
 
     def line(self) -> str:
         where = self.source or "<unknown module>"
+        ep = f" world_size={self.world_size} local_experts={self.local_experts}" if self.local_experts else ""
         return (
-            f"  [graph {self.graph}] {where}: family={self.family} E={self.num_experts} K={self.top_k} "
+            f"  [graph {self.graph}] {where}: family={self.family}{ep} E={self.num_experts} K={self.top_k} "
             f"H={self.hidden} F={self.ffn} {self.gate_up}/{self.activation} weight_on={self.weight_on} "
             f"variant={self.variant} (proved, rel. err {self.proof_error:.1e})"
         )

@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from moe_compile.passes import dense, gathered, loop, sorted as sorted_family
+from moe_compile.passes import dense, expert_parallel, gathered, loop, sorted as sorted_family
 from moe_compile.passes.clusters import find_clusters, group_by_topk
 from moe_compile.passes.graph import Deps
+from moe_compile.passes.lift import GraphValues
 from moe_compile.passes.region import Refusal
 from moe_compile.report import Report, Rewritten, Skipped
 
 # Checked in this order: the first family that claims a candidate lifts it.
 FAMILIES = (
+    (expert_parallel.FAMILY, expert_parallel.claims, expert_parallel.find_expert_parallel),  # collectives first
     (sorted_family.FAMILY, sorted_family.claims, sorted_family.find_sorted),
     (gathered.FAMILY, gathered.claims, gathered.find_gathered),
     (loop.FAMILY, loop.claims, loop.find_loop),
@@ -30,8 +32,10 @@ FAMILIES = (
 )
 
 
-def find_matches(graph: fx.Graph, example_inputs, min_experts: int = 1):
+def find_matches(gm: fx.GraphModule, example_inputs, min_experts: int = 1):
+    graph = gm.graph
     deps = Deps(graph)
+    values = GraphValues(gm, deps, example_inputs)
     clusters = find_clusters(graph)
     candidates, unrouted = group_by_topk(graph, deps, clusters)
     matches, skipped = [], []
@@ -41,7 +45,7 @@ def find_matches(graph: fx.Graph, example_inputs, min_experts: int = 1):
             skipped.append(Skipped("an FFN depends on a top-k but its weights fit no known MoE family"))
             continue
         try:
-            match = family[2](graph, deps, candidate, example_inputs)
+            match = family[2](graph, deps, candidate, values)
         except Refusal as refusal:
             skipped.append(Skipped(refusal.reason, family[0]))
             continue
@@ -67,14 +71,15 @@ def _unrouted_loops(unrouted) -> list[Skipped]:
 
 
 def run_moe_pass(gm: fx.GraphModule, example_inputs, min_experts: int = 1) -> Report:
-    matches, skipped = find_matches(gm.graph, example_inputs, min_experts)
+    matches, skipped = find_matches(gm, example_inputs, min_experts)
     report = Report(skipped=skipped, graphs=1)
     for match in matches:
         match.replace_with_fused_op(gm.graph, Deps(gm.graph))
         s = match.spec
         a = s.attrs
         report.rewritten.append(Rewritten(s.family, s.num_experts, s.top_k, s.hidden, s.ffn, s.variant, s.source,
-                                          a.gate_up, a.activation, a.weight_on, match.error))
+                                          a.gate_up, a.activation, a.weight_on, match.error,
+                                          **getattr(match, "report_extra", {})))
     if matches:
         gm.graph.lint()
         gm.recompile()

@@ -1,0 +1,600 @@
+"""Family E — expert parallelism (torchtitan / Megatron all-to-all; DeepSeek official all_reduce).
+
+Shapes:  T tokens per rank, H hidden, F expert FFN width, E experts (global), R ranks,
+         E_l = E / R local experts, K top-k, S_k = T*K routed slots, N rows one rank receives.
+
+What Dynamo makes of EP code on torch 2.13 (checked with gloo, 2 and 4 ranks): both
+``funcol.all_to_all_single`` and the legacy in-place ``dist.all_to_all_single(out, inp, ...)``
+become ``_c10d_functional.all_to_all_single(inp, out_splits, in_splits, group_name)`` +
+``wait_tensor`` (the legacy form adds ``out.copy_(wait)`` into a ``new_empty`` buffer);
+``dist.all_reduce(y)`` becomes ``_c10d_functional.all_reduce(y, "sum", group_name)`` + ``wait_tensor``
++ ``y.copy_``.  ``.tolist()`` split sizes become ``item()`` unbacked SymInts with ``_assert_scalar``
+range checks (only with ``api.capture_flags()`` or ``fullgraph=True``).  The process group is the
+collective's ``group_name`` argument, resolved with ``_resolve_process_group``.
+
+Two styles, two rewrites:
+
+(a) **all-to-all** — routed FFN clusters (the local experts) downstream of an
+    ``all_to_all_single`` that is itself downstream of their top-k.  The region runs from
+    (x, ids, weights, local expert weights) to the first [T, H] value that combines every local
+    expert's output with the [T, K] routing weights; it must hold exactly three all-to-alls on one
+    group: the count exchange (integer, equal splits), the token dispatch and the reverse combine
+    whose split lists are the dispatch's, swapped.  It is replaced by one call of
+    ``torch.ops.moe_compile.fused_moe_ep`` with the region's global ids and this rank's local experts.
+
+(b) **all_reduce** — a per-expert loop over a slice [lo, lo + E_l) of the router's E experts
+    (``ids == i``) whose accumulated output is read by an ``all_reduce``.  The region (the loop,
+    without the all_reduce) becomes ``fused_moe(x, ids - lo, weights, local experts)`` and the
+    model's all_reduce stays.  Why not the EP op: the all_reduce form is only equal to an
+    all-to-all dispatch when every rank holds the same x (DeepSeek's replicated activations), which
+    no graph shows; ``fused_moe`` on shifted ids (out-of-range ids contribute nothing) plus the
+    model's own all_reduce is equal for any inputs, and moves the same bytes the model chose.
+
+What is proven, and how (nothing here runs a collective at compile time — a rank that refused
+earlier, or compiled another graph, would deadlock the others):
+
+* (b) numerically, exactly like the single-device families: the extracted region runs on
+  synthetic routing over all E global ids (local and non-local), with ids mapped so that the
+  local slice lands on [0, E_l); ``kernels/reference.py`` on the local experts must match for one
+  FFN hypothesis.  This also proves non-local ids contribute nothing.
+* (a) numerically, in a single process: the extracted region (collectives included) runs for R
+  simulated ranks in lockstep — node by node in graph order, each collective replaced by the
+  in-memory exchange it denotes (``all_to_all_single`` by split lists, ``wait_tensor`` as the
+  identity) — on synthetic routing that reaches every global expert, plus a skewed round that sends
+  every slot to rank 0's experts (a rank that receives nothing) when K <= E_l.  Simulated rank r
+  uses this rank's expert weights scaled by (1 + r/4), so a token served by the wrong rank or the
+  wrong local expert changes the result.  Every simulated rank's output must match the reference
+  MoE over all R*E_l experts for one FFN hypothesis.  Structurally: exactly three all-to-alls on
+  one group, dispatch/combine split lists swapped, E = R * E_l, split lists of length R.
+  Assumption stated: the ranks run the same graph up to parameter values (SPMD); a graph that bakes
+  its own rank into constants may be proven for a world it does not run in.  ``verify=True`` runs
+  the original region beside the op on the first real call (all ranks in lockstep) and catches that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+import weakref
+
+import torch
+import torch.fx as fx
+
+from moe_compile.ir import ExpertWeights, MoESpec
+from moe_compile.passes import lift as lift_mod, prove, region as region_mod
+from moe_compile.passes.clusters import Candidate, Cluster, gemm_operands
+from moe_compile.passes.graph import Deps, dtype_of, is_view_like, meta, shape_of
+from moe_compile.passes.lift import Match, Roles
+from moe_compile.passes.loop import _role, _split_fc1, candidate_top_k
+from moe_compile.passes.region import Refusal, Region, topk_indices
+from moe_compile.passes.stacked import stacked_roles
+
+FAMILY = "expert_parallel"
+EP_TIMEOUT_S = 120.0  # a peer that never arrives raises after this (the op's timeout_s)
+A2A, ALL_REDUCE, WAIT = "all_to_all_single", "all_reduce", "wait_tensor"
+
+_deps_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+# ----------------------------------------------------------------------------- graph helpers
+
+
+def collective(node: fx.Node) -> str | None:
+    """``all_to_all_single`` / ``all_reduce`` / ``wait_tensor`` for c10d functional ops, else None."""
+    if node.op != "call_function":
+        return None
+    text = str(node.target)
+    if not text.startswith("_c10d_functional"):
+        return None
+    name = text.split(".")[1]
+    return name[: -len("_autograd")] if name.endswith("_autograd") else name
+
+
+def group_name_of(node: fx.Node) -> str:
+    if "group_name" in node.kwargs:
+        return node.kwargs["group_name"]
+    return node.args[3] if collective(node) == A2A else node.args[2]
+
+
+def resolve_group(name: str, at: fx.Node):
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise Refusal("the graph has collectives but torch.distributed is not initialised", at)
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        return _resolve_process_group(name)
+    except Exception as exc:  # noqa: BLE001
+        raise Refusal(f"process group '{name}' named by the collective is unknown here ({exc})", at) from exc
+
+
+def _deps(graph: fx.Graph) -> Deps:
+    cached = _deps_cache.get(graph)
+    if cached is None or cached[0] != len(graph.nodes):
+        cached = (len(graph.nodes), Deps(graph))
+        _deps_cache[graph] = cached
+    return cached[1]
+
+
+def router_width(topk: fx.Node) -> int | None:
+    scores = shape_of(topk.args[0]) if topk.args and isinstance(topk.args[0], fx.Node) else None
+    return int(scores[-1]) if scores and isinstance(scores[-1], int) else None
+
+
+def style(candidate: Candidate) -> str | None:
+    """"all_to_all", "all_reduce" or None: is this candidate an expert-parallel MoE?"""
+    if not any(collective(n) in (A2A, ALL_REDUCE) for n in candidate.topk.graph.nodes):
+        return None
+    deps = _deps(candidate.topk.graph)
+    downs = [c.down for c in candidate.clusters]
+    between = deps.ancestors(downs) & deps.descendants([candidate.topk])
+    if any(collective(n) == A2A for n in between):
+        return "all_to_all"
+    if len(candidate.clusters) < (router_width(candidate.topk) or 0) and any(
+        collective(n) == ALL_REDUCE for n in deps.descendants(downs)
+    ):
+        return "all_reduce"
+    return None
+
+
+def claims(candidate: Candidate) -> bool:
+    return style(candidate) is not None
+
+
+# ----------------------------------------------------------------------------- the match
+
+
+@dataclasses.dataclass
+class EPMatch(Match):
+    """A proven expert-parallel region; ``replace_with_fused_op`` writes the EP op or the shifted op."""
+
+    world_size: int = 1
+    local_experts: int = 0
+    group_name: str = ""
+    id_offset: int | None = None  # style (b): fused_moe on ids - offset; None: style (a), the EP op
+
+    @property
+    def report_extra(self) -> dict:
+        return {"world_size": self.world_size, "local_experts": self.local_experts}
+
+    def replace_with_fused_op(self, graph: fx.Graph, deps: Deps) -> fx.Node:
+        spec, region = self.spec, self.region
+        a = spec.attrs
+        roles = (list(spec.fc1), list(spec.fc1_up), list(spec.fc2), [], [], [])
+        statics = (a.gate_up, a.transposed, a.activation, a.limit, a.alpha, a.weight_on)
+        if self.id_offset is None:
+            from moe_compile import ep
+
+            ep.register()
+
+        def make_call(g: fx.Graph) -> fx.Node:
+            if self.id_offset is not None:
+                local_ids = g.call_function(torch.sub, (region.ids, self.id_offset))  # [T, K]
+                return g.call_function(torch.ops.moe_compile.fused_moe.default,
+                                       (region.x, local_ids, region.weights, *roles, *statics))
+            return g.call_function(
+                torch.ops.moe_compile.fused_moe_ep.default,
+                (region.x, region.ids, region.weights, *roles, *statics, self.group_name, spec.num_experts,
+                 0, "auto", 0, EP_TIMEOUT_S),
+            )
+
+        return region_mod.replace_region(graph, deps, region, make_call)
+
+
+def find_expert_parallel(graph: fx.Graph, deps: Deps, candidate: Candidate, example_inputs) -> EPMatch:
+    kind = style(candidate)
+    if kind == "all_to_all":
+        return _find_all_to_all(graph, deps, candidate, example_inputs)
+    if kind == "all_reduce":
+        return _find_all_reduce(graph, deps, candidate, example_inputs)
+    raise Refusal("no expert-parallel collective around these experts", candidate.topk)
+
+
+def _local_roles(deps: Deps, candidate: Candidate, ordered: list[Cluster]) -> tuple[Roles, int]:
+    """Roles of the local experts: one stacked grouped FFN, or one cluster per local expert."""
+    if len(ordered) == 1 and all(meta(w.param) is not None and meta(w.param).dim() == 3
+                                 for w in (*ordered[0].fc1_w, ordered[0].down_w)):
+        return stacked_roles(candidate)
+    splits = [_split_fc1(c) for c in ordered]
+    if len({s[1] is None for s in splits}) != 1:
+        raise Refusal("local experts differ in their gate/up structure", candidate.topk)
+    if any(w.indexed_by is not None for c in ordered for w in (*c.fc1_w, c.down_w)):
+        raise Refusal("local experts read weights gathered per token; only per-expert or stacked weights "
+                      "are supported under expert parallelism", candidate.topk)
+    by = dict(zip(map(id, ordered), splits))
+    fc1 = _role(ordered, lambda c: by[id(c)][0])
+    up = () if splits[0][1] is None else _role(ordered, lambda c: by[id(c)][1])
+    fc2 = _role(ordered, lambda c: c.down_w)
+    return Roles(fc1, up, fc2, gate_first_known=all(s[2] for s in splits)), len(ordered)
+
+
+def _params(roles: Roles) -> list[fx.Node]:
+    return list(dict.fromkeys((*roles.fc1, *roles.fc1_up, *roles.fc2)))
+
+
+def _spec(region: Region, roles_nodes, best: prove.Hypothesis, num_experts: int, top_k: int) -> MoESpec:
+    fc1, up, fc2 = roles_nodes
+    return MoESpec(
+        family=FAMILY, x=region.x, topk_ids=region.ids, topk_weights=region.weights, output=region.output,
+        fc1=tuple(fc1), fc1_up=tuple(up), fc2=tuple(fc2), fc1_bias=(), fc1_up_bias=(), fc2_bias=(),
+        attrs=best.attrs, num_experts=num_experts, top_k=top_k, hidden=best.weights.hidden(),
+        ffn=best.weights.ffn(), region=tuple(region.nodes), source=lift_mod._source_of(fc2),
+    )
+
+
+def _not_proven(err: float, tol: float, at: fx.Node) -> Refusal:
+    return Refusal(f"could not prove the expert-parallel region computes a supported MoE (closest hypothesis "
+                   f"erred by {err:.2e}, tolerance {tol:.0e})", at)
+
+
+# ----------------------------------------------------------------------------- style (b): all_reduce
+
+
+def _find_all_reduce(graph, deps: Deps, candidate: Candidate, example_inputs) -> EPMatch:
+    ids = topk_indices(candidate.topk)
+    E = router_width(candidate.topk)
+    keyed = [(lift_mod.expert_constant(deps, c, ids), c) for c in candidate.clusters]
+    if any(k is None for k, _ in keyed):
+        raise Refusal("could not tell which global expert each local expert serves (no `ids == i` mask)",
+                      candidate.topk)
+    keyed.sort(key=lambda kc: kc[0])
+    lo, n = keyed[0][0], len(keyed)
+    if [k for k, _ in keyed] != list(range(lo, lo + n)) or lo + n > E:
+        raise Refusal(f"the local experts {[k for k, _ in keyed]} are not one contiguous slice of the router's "
+                      f"{E} experts", candidate.topk)
+    ordered = [c for _, c in keyed]
+    roles, _ = _local_roles(deps, candidate, ordered)
+    params = _params(roles)
+    values = {n_: v for n_, v in zip([p for p in graph.nodes if p.op == "placeholder"], example_inputs)}
+    hidden_sizes = tuple(values[roles.fc2[0]].shape[-2:])
+    K = candidate_top_k(candidate)
+    region = region_mod.cut_region(graph, deps, candidate.topk, [c.down for c in ordered], params, K, E,
+                                   hidden_sizes)
+    if region.dense:
+        raise Refusal("expert-parallel loops must be routed by [T, K] weights, not a dense score matrix", ids)
+    _drop_absorbed_collectives(deps, region)
+    reduce = _reducing_collective(deps, region)
+    world = resolve_group(group_name_of(reduce), reduce).size()
+    values = lift_mod.evaluate(graph, deps, example_inputs, [region.x, region.ids, *region.extra_inputs])
+    hyps = lift_mod.hypotheses(deps, region, ordered, roles, values)
+    if not hyps:
+        raise Refusal("the expert weight shapes fit no supported gate/up layout", ordered[0].down)
+    region_fn = region_mod.extract(region)
+
+    def on_global_ids(x, local_ids, g, *rest):  # synthetic ids in [0, E): local slice first
+        return region_fn(x, (local_ids + lo) % E, g, *rest)
+
+    try:
+        best, err, tol = prove.run_proof(
+            on_global_ids, values[region.x], values[region.ids].dtype, region.weights.meta.get("example_value"),
+            [values[p] for p in params], [values[s] for s in region.extra_inputs], hyps, K, E, None,
+        )
+    except Exception as exc:  # noqa: BLE001
+        raise Refusal(f"running the region on synthetic routing failed ({type(exc).__name__}: {exc})",
+                      ordered[0].down) from exc
+    if best is None:
+        raise _not_proven(err, tol, ordered[0].down)
+    spec = _spec(region, best.roles, best, E, K)
+    return EPMatch(spec, region, best.weights, err, world_size=world, local_experts=n,
+                   group_name=group_name_of(reduce), id_offset=lo)
+
+
+def _drop_absorbed_collectives(deps: Deps, region: Region) -> None:
+    """The cut absorbs dead-end chains such as ``all_reduce(y)`` + ``y.copy_``: they stay in the graph."""
+    colls = [n for n in region.nodes if collective(n) is not None]
+    result = region.buffer if region.buffer is not None else region.output
+    needed = deps.ancestors([region.output, result])
+    if any(c in needed for c in colls):
+        raise Refusal("a collective runs inside the local experts' loop", colls[0])
+    after = deps.descendants(colls)
+    region.nodes = [n for n in region.nodes if n not in after]
+
+
+def _reducing_collective(deps: Deps, region: Region) -> fx.Node:
+    """The all_reduce that reads the region's accumulated output (the model keeps it)."""
+    result = region.buffer if region.buffer is not None else region.output
+    for user in result.users:
+        if collective(user) == ALL_REDUCE and (region.buffer is None or deps.order[user] > deps.order[region.output]):
+            return user
+    raise Refusal("the local experts' output is not what the all_reduce sums", region.output)
+
+
+# ----------------------------------------------------------------------------- style (a): all-to-all
+
+
+def _split_index(cluster: Cluster) -> int | None:
+    """e when the cluster's rows are ``split(rows, counts)[e]`` (torchtitan's for-loop experts)."""
+    node = gemm_operands(cluster.fc1[0])[0]
+    for _ in range(8):
+        if not isinstance(node, fx.Node):
+            return None
+        if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], int):
+            src = node.args[0]
+            if isinstance(src, fx.Node) and str(getattr(src.target, "__name__", src.target)) in (
+                    "split", "tensor_split", "chunk", "split_with_sizes"):
+                return node.args[1]
+            return None
+        if not is_view_like(node):
+            return None
+        node = node.args[0]
+    return None
+
+
+def _order_local(deps: Deps, clusters: list[Cluster]) -> list[Cluster]:
+    keys = [_split_index(c) for c in clusters]
+    if all(k is not None for k in keys) and sorted(keys) == list(range(len(keys))):
+        return [c for _, c in sorted(zip(keys, clusters), key=lambda kc: kc[0])]
+    return sorted(clusters, key=lambda c: deps.order[c.down])  # graph order; the proof checks it
+
+
+def _outputs_and_weights(deps: Deps, ids: fx.Node, downs, hidden_sizes, params) -> list[tuple[fx.Node, fx.Node]]:
+    """[T, H] values combining every expert with [T, K] float routing weights, in graph order.
+
+    With K = 1 the slot rows are [T, H] too (the reverse all-to-all, the weighted rows), so the
+    caller takes the first candidate whose region is closed: the combine into token order.
+    """
+    T, K = shape_of(ids)
+    router = deps.ancestors([ids])
+    not_routing = deps.descendants(params) | deps.descendants([ids])  # routing weights come from the router
+    common = None
+    for down in downs:
+        desc = deps.descendants([down])
+        common = desc if common is None else common & desc
+    found = []
+    for node in sorted(common or (), key=deps.order.get):
+        shape = region_mod.value_shape(node)
+        if not (shape and len(shape) == 2 and region_mod._same(shape[0], T)
+                and any(region_mod._same(shape[1], h) for h in hidden_sizes)):
+            continue
+        weights = [w for w in deps.ancestors([node]) if w not in router and w not in not_routing
+                   and dtype_of(w) is not None and dtype_of(w).is_floating_point
+                   and region_mod.same_shape(shape_of(w), (T, K))]
+        if weights:
+            found.append((node, max(weights, key=deps.order.get)))
+    if not found:
+        raise Refusal("no [T, H] value combines the local experts' outputs with [T, K] routing weights", downs[0])
+    return found
+
+
+def _cut_first_closed(graph, deps: Deps, ids, downs, hidden_sizes, params) -> Region:
+    first_refusal = None
+    for output, weights in _outputs_and_weights(deps, ids, downs, hidden_sizes, params)[:8]:
+        try:
+            return _cut_all_to_all(graph, deps, ids, output, weights, params)
+        except Refusal as refusal:
+            first_refusal = first_refusal or refusal
+    raise first_refusal
+
+
+def _cut_all_to_all(graph, deps: Deps, ids, output, weights, params) -> Region:
+    """cut_region with this family's output and weights (see ``region.cut_region``)."""
+    router = deps.ancestors([ids])
+    stop = set(params) | {ids, weights}
+    _, frontier, nodes = region_mod._slice(deps, output, stop, router)
+    reshaped = region_mod._reshaped_input(frontier, nodes, region_mod.value_shape(output))
+    if reshaped is not None:
+        stop.add(reshaped)
+        _, frontier, nodes = region_mod._slice(deps, output, stop, router)
+        frontier.append(reshaped)
+    outside = [n for n in nodes if n.op == "placeholder"]
+    if outside:
+        raise Refusal(f"the EP region reads graph input '{outside[0].name}', which is not a local expert weight",
+                      outside[0])
+    tensors = [n for n in frontier if meta(n) is not None]
+    syms = [n for n in frontier if meta(n) is None]
+    if len(tensors) != 1 or not region_mod.same_shape(region_mod.value_shape(tensors[0]),
+                                                      region_mod.value_shape(output)):
+        names = ", ".join(sorted(n.name for n in tensors))
+        raise Refusal(f"the EP region reads router-side tensors other than one [T, H] input: {names}", output)
+    buffer = region_mod._root_buffer(output)
+    region_mod._absorb_dead_ends(graph, deps, nodes, stop | set(frontier))
+    region_mod._check_closed(deps, nodes, output, buffer)
+    ordered = sorted(nodes, key=deps.order.get)
+    return Region(tensors[0], ids, weights, False, False, output, buffer, ordered, list(params), syms)
+
+
+@dataclasses.dataclass
+class Skeleton:
+    group_name: str
+    world: int
+    counts: fx.Node
+    dispatch: fx.Node
+    combine: fx.Node
+
+
+def _skeleton(deps: Deps, region: Region, downs, E: int, local: int) -> Skeleton:
+    """Exactly three all-to-alls on one group: counts (integer), dispatch and its reverse, splits swapped."""
+    a2a = [n for n in region.nodes if collective(n) == A2A]
+    others = [n for n in region.nodes if collective(n) not in (None, A2A, WAIT)]
+    if others:
+        raise Refusal(f"the EP region holds a collective other than all_to_all_single ({others[0].target})",
+                      others[0])
+    if len(a2a) != 3:
+        raise Refusal(f"expected three all_to_all_single (counts, dispatch, combine) in the EP region, found "
+                      f"{len(a2a)}", a2a[0] if a2a else region.output)
+    names = {group_name_of(n) for n in a2a}
+    if len(names) != 1:
+        raise Refusal(f"the EP region's all-to-alls use several process groups {sorted(names)}", a2a[0])
+    name = names.pop()
+    world = resolve_group(name, a2a[0]).size()
+    floating = [n for n in a2a if dtype_of(n.args[0]) is not None and dtype_of(n.args[0]).is_floating_point]
+    counts = [n for n in a2a if n not in floating]
+    if len(counts) != 1 or len(floating) != 2:
+        raise Refusal("expected one integer all-to-all (the per-expert counts) and two of token rows", a2a[0])
+    first, second = sorted(floating, key=deps.order.get)
+    down_anc = deps.ancestors(downs)
+    if first not in down_anc or any(second not in deps.descendants([d]) for d in downs):
+        raise Refusal("the token all-to-alls are not a dispatch before the experts and a combine after them",
+                      first)
+    out_a, in_a = _splits(first)
+    out_b, in_b = _splits(second)
+    if not (_same_list(out_a, in_b) and _same_list(in_a, out_b)) or len(out_a or ()) != world:
+        raise Refusal("the combine all-to-all does not use the dispatch's split sizes swapped (one per rank)",
+                      second)
+    if E % world or local * world != E:
+        raise Refusal(f"{local} local experts x {world} ranks != the router's {E} experts", a2a[0])
+    return Skeleton(name, world, counts[0], first, second)
+
+
+def _splits(node: fx.Node):
+    out = node.kwargs.get("output_split_sizes", node.args[1] if len(node.args) > 1 else None)
+    inp = node.kwargs.get("input_split_sizes", node.args[2] if len(node.args) > 2 else None)
+    return out, inp
+
+
+def _same_list(a, b) -> bool:
+    return a is not None and b is not None and len(a) == len(b) and all(x is y or x == y for x, y in zip(a, b))
+
+
+def _find_all_to_all(graph, deps: Deps, candidate: Candidate, example_inputs) -> EPMatch:
+    ids = topk_indices(candidate.topk)
+    E = router_width(candidate.topk)
+    if E is None:
+        raise Refusal("the router's expert count is not static", candidate.topk)
+    K = candidate_top_k(candidate)
+    ordered = _order_local(deps, candidate.clusters)
+    roles, local = _local_roles(deps, candidate, ordered)
+    params = _params(roles)
+    placeholders = [p for p in graph.nodes if p.op == "placeholder"]
+    values = dict(zip(placeholders, example_inputs))
+    hidden_sizes = tuple(values[roles.fc2[0]].shape[-2:])
+    downs = [c.down for c in ordered]
+    region = _cut_first_closed(graph, deps, ids, downs, hidden_sizes, params)
+    skeleton = _skeleton(deps, region, downs, E, local)
+    values = lift_mod.evaluate(graph, deps, example_inputs, [region.x, region.ids, *region.extra_inputs])
+    hyps = lift_mod.hypotheses(deps, region, ordered, roles, values)
+    hyps.sort(key=lambda h: h.attrs.weight_on != "output")  # the combine weights after the reverse all-to-all
+    if not hyps:
+        raise Refusal("the expert weight shapes fit no supported gate/up layout", downs[0])
+    try:
+        best, err, tol = prove_simulated(region, values, params, hyps, K, E, skeleton.world, local)
+    except Refusal:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise Refusal(f"simulating the EP region on {skeleton.world} ranks failed ({type(exc).__name__}: {exc})",
+                      downs[0]) from exc
+    if best is None:
+        raise _not_proven(err, tol, downs[0])
+    spec = _spec(region, best.roles, best, E, K)
+    return EPMatch(spec, region, best.weights, err, world_size=skeleton.world, local_experts=local,
+                   group_name=skeleton.group_name)
+
+
+# ----------------------------------------------------------------------------- lockstep simulation
+
+
+def simulate(gm: fx.GraphModule, per_rank_inputs: list[list]) -> list:
+    """Run gm for R ranks in one process, node by node; collectives exchange in memory."""
+    world = len(per_rank_inputs)
+    interps = [fx.Interpreter(gm, garbage_collect_values=False) for _ in range(world)]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for interp, inputs in zip(interps, per_rank_inputs):
+        interp.env = dict(zip(placeholders, inputs))
+    outputs = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            outputs = [interp.env[node.args[0]] for interp in interps]
+            break
+        kind = collective(node)
+        if kind is None:
+            for interp in interps:
+                interp.env[node] = interp.run_node(node)
+        elif kind == WAIT:
+            for interp in interps:
+                interp.env[node] = interp.env[node.args[0]]
+        else:
+            args = [interp.map_nodes_to_values(node.args, node) for interp in interps]
+            results = _exchange_all_to_all(args) if kind == A2A else _sum_all_reduce(args)
+            for interp, value in zip(interps, results):
+                interp.env[node] = value
+    return outputs
+
+
+def _exchange_all_to_all(args: list) -> list[torch.Tensor]:
+    world = len(args)
+    chunks = []
+    for tensor, _, in_splits, *_ in args:
+        sizes = list(in_splits) if in_splits is not None else [tensor.shape[0] // world] * world
+        chunks.append(torch.split(tensor, [int(s) for s in sizes], dim=0))
+    results = []
+    for dst, (_, out_splits, *_) in enumerate(args):
+        got = [chunks[src][dst] for src in range(world)]
+        if out_splits is not None and [c.shape[0] for c in got] != [int(s) for s in out_splits]:
+            raise ValueError(f"simulated rank {dst} expects {list(out_splits)} rows but receives "
+                             f"{[c.shape[0] for c in got]}")
+        results.append(torch.cat(got, dim=0))
+    return results
+
+
+def _sum_all_reduce(args: list) -> list[torch.Tensor]:
+    if any(a[1] != "sum" for a in args):
+        raise ValueError(f"only all_reduce 'sum' is simulated, got {args[0][1]!r}")
+    total = torch.stack([a[0] for a in args]).sum(0)
+    return [total.clone() for _ in args]
+
+
+def _rank_scale(r: int) -> float:
+    return 1.0 + 0.25 * r
+
+
+def _global_weights(w: ExpertWeights, world: int) -> ExpertWeights:
+    """R ranks' experts: rank r's local expert e is this rank's e scaled by (1 + r/4)."""
+
+    def role(pick, present):
+        if not present:
+            return ()
+        return tuple(pick(e) * _rank_scale(r) for r in range(world) for e in range(w.num_experts))
+
+    return ExpertWeights(role(w.fc1_of, w.fc1), role(w.fc1_up_of, w.fc1_up), role(w.fc2_of, w.fc2),
+                         transposed=w.transposed)
+
+
+def _routing_rounds(T, K, E, world, local, w_dtype, ids_dtype, device):
+    """Per round, per rank (ids [T, K], weights [T, K]): every global expert reached, then a skewed round."""
+    gen = torch.Generator().manual_seed(0)
+    rounds = min(-(-E // (world * T * K)), 64)
+    out = []
+    for r in range(rounds):
+        out.append([prove.synthetic_routing(T, K, E, r * world + s, w_dtype, device, gen) for s in range(world)])
+    if K <= local:  # every slot of every rank to rank 0's experts: the other ranks receive nothing
+        skew = []
+        for s in range(world):
+            _, g = prove.synthetic_routing(T, K, E, 0, w_dtype, device, gen)
+            skew.append(((torch.arange(T * K, device=device).view(T, K) + s) % local, g))
+        out.append(skew)
+    return [[(ids.to(ids_dtype), g) for ids, g in rnd] for rnd in out]
+
+
+def prove_simulated(region: Region, values, params, hyps, K, E, world, local):
+    """(best hypothesis, worst error, tolerance) of the EP region simulated on ``world`` ranks."""
+    x_real = values[region.x]
+    T = x_real.shape[0]
+    if T == 0:
+        return None, math.inf, 0.0
+    tol = prove.PROOF_TOLERANCE.get(x_real.dtype, 3e-2)
+    region_fn = region_mod.extract(region)
+    weights_like = region.weights.meta.get("example_value")
+    sizes = [values[s] for s in region.extra_inputs]
+    rank_params = [[values[p] * _rank_scale(r) for p in params] for r in range(world)]
+    xs = [x_real if r == 0 else x_real.roll(r, dims=0).flip(1) for r in range(world)]
+    globals_ = {id(h): prove.Hypothesis(_global_weights(h.weights, world), h.attrs, h.roles) for h in hyps}
+    worst = {id(h): 0.0 for h in hyps}
+    alive = list(hyps)
+    with torch.no_grad():
+        for rnd in _routing_rounds(T, K, E, world, local, weights_like.dtype, values[region.ids].dtype,
+                                   x_real.device):
+            inputs = [[xs[r], ids, g, *rank_params[r], *sizes] for r, (ids, g) in enumerate(rnd)]
+            wants = simulate(region_fn, inputs)
+            for hyp in list(alive):
+                err = max(prove._hypothesis_error(globals_[id(hyp)], xs[r], ids, g, wants[r])
+                          for r, (ids, g) in enumerate(rnd))
+                worst[id(hyp)] = max(worst[id(hyp)], err)
+                if err > tol and len(alive) > 1:
+                    alive.remove(hyp)
+    best = min(alive, key=lambda h: worst[id(h)])
+    err = worst[id(best)]
+    return (best if err <= tol else None), err, tol

@@ -1,0 +1,195 @@
+"""Expert-parallel MoE blocks written the way EP model code writes them (DESIGN §6 family E, §10).
+
+They feed the EP example, the ``demo --world-size`` command and the EP tests; none of them knows
+about moe_compile.  Every rank builds the same *global* model from one seed and keeps its slice,
+so ``GlobalReference`` (all experts on one device) gives the same answer as the EP ranks together.
+
+Shapes:  B batch, S sequence, T = B*S tokens per rank, H hidden, F expert FFN width, E experts
+(global), R ranks, E_l = E / R local experts, K top-k, S_k = T*K routed slots.
+
+* ``AllToAllEPMoE``  torchtitan / Megatron style: route locally; count tokens per global expert
+  (histc); exchange the counts with ``all_to_all_single``; split sizes by ``.tolist()``; exchange
+  the tokens with ``all_to_all_single``; permute the received rows to expert-major order; local
+  experts (for-loop over ``torch.split`` of the rows, stacked ``[E_l, ...]`` weights or a
+  ModuleList); reverse permute; reverse ``all_to_all_single``; weighted combine with
+  ``index_add_``.  ``collectives="functional"`` uses
+  ``torch.distributed._functional_collectives.all_to_all_single``, ``"legacy"`` the in-place
+  ``dist.all_to_all_single`` into preallocated outputs.
+* ``AllReduceEPMoE``  DeepSeek official inference style: every rank runs its local slice of experts
+  on all its tokens (``ids == i`` for i in its range; other ids are skipped) and ``all_reduce``s the
+  partial result, then adds the shared expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+import torch.nn.functional as F
+
+from moe_compile.zoo import SoftmaxRouter, SwiGLU
+
+COLLECTIVES = ("functional", "legacy")
+LOCAL_EXPERTS = ("stacked", "modulelist")
+
+
+def _group_info(group):
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _global_experts(hidden, ffn, experts, seed):
+    """The global expert weights, identical on every rank: w1, w3 [E, F, H], w2 [E, H, F]."""
+    gen = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(experts, ffn, hidden, generator=gen) / hidden**0.5
+    w3 = torch.randn(experts, ffn, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(experts, hidden, ffn, generator=gen) / ffn**0.5
+    return w1, w3, w2
+
+
+def _router(hidden, experts, top_k, seed):
+    gen = torch.Generator().manual_seed(seed + 1)
+    router = SoftmaxRouter(hidden, experts, top_k)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(experts, hidden, generator=gen) / hidden**0.5)
+    return router
+
+
+def _swiglu_from(w1, w3, w2) -> SwiGLU:
+    mlp = SwiGLU(w1.shape[1], w1.shape[0])
+    with torch.no_grad():
+        mlp.gate_proj.weight.copy_(w1)
+        mlp.up_proj.weight.copy_(w3)
+        mlp.down_proj.weight.copy_(w2)
+    return mlp
+
+
+class AllToAllEPMoE(nn.Module):
+    """torchtitan / Megatron expert parallelism: all-to-all dispatch and combine around local experts."""
+
+    def __init__(self, hidden=64, ffn=96, experts=8, top_k=2, group=None, collectives="functional",
+                 local_experts="stacked", seed=0):
+        super().__init__()
+        if collectives not in COLLECTIVES or local_experts not in LOCAL_EXPERTS:
+            raise ValueError(f"collectives in {COLLECTIVES}, local_experts in {LOCAL_EXPERTS}")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank, self.world = _group_info(self.group)
+        if experts % self.world:
+            raise ValueError(f"{experts} experts do not divide over {self.world} ranks")
+        self.num_experts, self.top_k, self.local = experts, top_k, experts // self.world
+        self.collectives, self.local_style = collectives, local_experts
+        self.gate = _router(hidden, experts, top_k, seed)
+        w1, w3, w2 = (w[self.rank * self.local:(self.rank + 1) * self.local] for w in
+                      _global_experts(hidden, ffn, experts, seed))
+        if local_experts == "stacked":
+            self.w1, self.w3, self.w2 = (nn.Parameter(w.clone()) for w in (w1, w3, w2))
+        else:
+            self.experts = nn.ModuleList([_swiglu_from(w1[e], w3[e], w2[e]) for e in range(self.local)])
+
+    def _all_to_all(self, tensor, out_splits, in_splits):
+        if self.collectives == "functional":
+            return funcol.all_to_all_single(tensor, out_splits, in_splits, self.group)
+        rows = sum(out_splits) if out_splits is not None else tensor.shape[0]
+        out = tensor.new_empty((rows, *tensor.shape[1:]))
+        dist.all_to_all_single(out, tensor, out_splits, in_splits, group=self.group)
+        return out
+
+    def _run_local_experts(self, h, counts):  # h [N, H] expert-major, counts: E_l Python ints
+        h = h[: sum(counts)]
+        outs = []
+        for e, rows in enumerate(torch.split(h, counts, dim=0)):
+            if self.local_style == "stacked":
+                act = F.silu(torch.matmul(rows, self.w1[e].transpose(-2, -1)))
+                act = act * torch.matmul(rows, self.w3[e].transpose(-2, -1))
+                outs.append(torch.matmul(act, self.w2[e].transpose(-2, -1)))
+            else:
+                outs.append(self.experts[e](rows))
+        return torch.cat(outs, dim=0)
+
+    def forward(self, hidden_states):  # [B, S, H]
+        shape = hidden_states.shape
+        x = hidden_states.view(-1, shape[-1])  # [T, H]
+        weights, ids = self.gate(x)  # [T, K], [T, K]
+        flat = ids.reshape(-1)  # [S_k]
+        order = torch.argsort(flat, stable=True)  # slots sorted by global expert = by owner rank
+        counts = torch.histc(flat.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
+        counts = counts.to(torch.int64)  # [E] tokens this rank sends to each global expert
+        recv_counts = self._all_to_all(counts, None, None)  # [E] = [R, E_l]: from each source rank
+        send_splits = counts.view(self.world, self.local).sum(1).tolist()
+        recv_counts = recv_counts.view(self.world, self.local)
+        recv_splits = recv_counts.sum(1).tolist()
+        routed = x[order // self.top_k]  # [S_k, H]
+        recv = self._all_to_all(routed, recv_splits, send_splits)  # [N, H] source-major
+        # source-major -> expert-major: row i's local expert from the received counts
+        bounds = torch.cumsum(recv_counts.reshape(-1), 0)  # [R*E_l]
+        slot = torch.arange(recv.shape[0], device=recv.device)
+        local_ids = torch.searchsorted(bounds, slot, right=True) % self.local  # [N]
+        perm = torch.argsort(local_ids, stable=True)
+        out = self._run_local_experts(recv[perm], recv_counts.sum(0).tolist())  # [N, H]
+        unperm = torch.empty_like(out)
+        unperm[perm] = out  # back to source-major
+        back = self._all_to_all(unperm, send_splits, recv_splits)  # [S_k, H] in `order`
+        back = back * weights.reshape(-1)[order, None]
+        y = torch.zeros_like(x).index_add_(0, order // self.top_k, back.to(x.dtype))
+        return y.view(shape)
+
+
+class AllReduceEPMoE(nn.Module):
+    """DeepSeek official inference: local expert slice on all tokens, then ``all_reduce``."""
+
+    def __init__(self, hidden=64, ffn=96, experts=8, top_k=2, group=None, collectives="legacy", shared=0,
+                 seed=0):
+        super().__init__()
+        if collectives not in COLLECTIVES:
+            raise ValueError(f"collectives must be one of {COLLECTIVES}")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank, self.world = _group_info(self.group)
+        if experts % self.world:
+            raise ValueError(f"{experts} experts do not divide over {self.world} ranks")
+        self.num_experts, self.top_k, self.local = experts, top_k, experts // self.world
+        self.start, self.end = self.rank * self.local, (self.rank + 1) * self.local
+        self.collectives = collectives
+        self.gate = _router(hidden, experts, top_k, seed)
+        w1, w3, w2 = _global_experts(hidden, ffn, experts, seed)
+        self.experts = nn.ModuleList([
+            _swiglu_from(w1[i], w3[i], w2[i]) if self.start <= i < self.end else None for i in range(experts)
+        ])
+        self.shared_experts = None
+        if shared:
+            torch.manual_seed(seed + 2)
+            self.shared_experts = SwiGLU(hidden, shared)
+
+    def forward(self, x):  # [B, S, H]
+        shape = x.size()
+        x = x.view(-1, shape[-1])  # [T, H]
+        weights, indices = self.gate(x)
+        y = torch.zeros_like(x)
+        for i in range(self.start, self.end):
+            idx, top = torch.where(indices == i)
+            y[idx] += self.experts[i](x[idx]) * weights[idx, top, None]
+        if self.world > 1:
+            if self.collectives == "functional":
+                y = funcol.all_reduce(y, "sum", self.group)
+            else:
+                dist.all_reduce(y, group=self.group)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y.view(shape)
+
+
+class GlobalReference(nn.Module):
+    """Every expert of an EP block on one device: what the R ranks compute together."""
+
+    def __init__(self, hidden=64, ffn=96, experts=8, top_k=2, seed=0):
+        super().__init__()
+        self.gate = _router(hidden, experts, top_k, seed)
+        self.w1, self.w3, self.w2 = _global_experts(hidden, ffn, experts, seed)
+
+    def forward(self, x):  # [B, S, H]
+        from moe_compile.ir import ExpertWeights, FFNAttrs
+        from moe_compile.kernels.reference import fused_moe_reference
+
+        flat = x.view(-1, x.shape[-1])
+        weights, ids = self.gate(flat)
+        w = ExpertWeights((self.w1,), (self.w3,), (self.w2,))
+        return fused_moe_reference(flat, ids, weights, w, FFNAttrs("separate")).view(x.shape)
