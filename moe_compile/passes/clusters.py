@@ -151,9 +151,9 @@ def group_by_topk(graph: fx.Graph, deps: Deps, clusters: list[Cluster]) -> tuple
     topks = [n for n in graph.nodes if is_topk(n)]
     groups: dict[fx.Node, list[Cluster]] = {}
     unrouted = []
+    reach = {t: deps.descendants([t]) for t in topks}  # one walk per top-k, not per cluster
     for cluster in clusters:
-        ancestors = deps.ancestors([cluster.down])
-        near = [t for t in topks if t in ancestors]
+        near = [t for t in topks if cluster.down in reach[t]]
         if not near:
             unrouted.append(cluster)
             continue

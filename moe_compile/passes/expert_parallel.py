@@ -595,6 +595,10 @@ def prove_simulated(region: Region, values, params, hyps, K, E, world, local):
                 worst[id(hyp)] = max(worst[id(hyp)], err)
                 if err > tol and len(alive) > 1:
                     alive.remove(hyp)
-    best = min(alive, key=lambda h: worst[id(h)])
+    # The first fitting hypothesis in the given order, not the least error: equal hypotheses
+    # ("output" / "between") differ by rounding, and every rank must pick the same one (the EP op
+    # checks that the ranks agree on their attributes).
+    fitting = [h for h in alive if worst[id(h)] <= tol]
+    best = fitting[0] if fitting else min(alive, key=lambda h: worst[id(h)])
     err = worst[id(best)]
     return (best if err <= tol else None), err, tol

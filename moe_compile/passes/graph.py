@@ -143,6 +143,13 @@ class Deps:
         return self._users[node]
 
     def ancestors(self, roots: Iterable[fx.Node], stop=lambda n: False) -> set[fx.Node]:
+        return self._walk(roots, self.inputs, stop)
+
+    def descendants(self, roots: Iterable[fx.Node], stop=lambda n: False) -> set[fx.Node]:
+        return self._walk(roots, self.users, stop)
+
+    @staticmethod
+    def _walk(roots, step, stop) -> set[fx.Node]:
         seen: set[fx.Node] = set()
         stack = list(roots)
         while stack:
@@ -151,19 +158,29 @@ class Deps:
                 continue
             seen.add(node)
             if not stop(node):
-                stack.extend(self.inputs(node))
+                stack.extend(step(node))
         return seen
 
-    def descendants(self, roots: Iterable[fx.Node]) -> set[fx.Node]:
-        seen: set[fx.Node] = set()
-        stack = list(roots)
-        while stack:
-            node = stack.pop()
-            if node in seen:
+    def first_reached_by_all(self, sources: list[fx.Node], accept) -> fx.Node | None:
+        """The earliest node (graph order) that depends on every source and passes ``accept``.
+
+        One forward pass with a bitset per node (bit i = depends on sources[i]): linear in the
+        graph, where intersecting per-source descendant sets would be quadratic.
+        """
+        full = (1 << len(sources)) - 1
+        bits = {src: 1 << i for i, src in enumerate(sources)}
+        start = min(self.order[s] for s in sources)
+        for node, index in self.order.items():
+            if index < start:
                 continue
-            seen.add(node)
-            stack.extend(self.users(node))
-        return seen
+            mask = bits.get(node, 0)
+            for i in self.inputs(node):
+                mask |= bits.get(i, 0)
+            if mask:
+                bits[node] = mask
+                if mask == full and accept(node):
+                    return node
+        return None
 
 
 def source_line(node: fx.Node) -> str:

@@ -137,29 +137,49 @@ def hypotheses(deps, region, clusters, roles: Roles, values) -> list[prove.Hypot
     return out
 
 
-def evaluate(graph: fx.Graph, deps: Deps, example_inputs, wanted) -> dict:
-    """Real values of ``wanted`` nodes and every placeholder, running only what they need."""
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    values = dict(zip(placeholders, example_inputs))
-    needed = deps.ancestors(wanted)
-    interp = fx.Interpreter(fx.GraphModule(torch.nn.Module(), graph), garbage_collect_values=False)
-    interp.env = dict(values)
-    with torch.no_grad():
-        for node in graph.nodes:
-            if node in needed and node.op not in ("placeholder", "output") and node not in interp.env:
-                interp.env[node] = interp.run_node(node)
-    return interp.env
+class GraphValues:
+    """Real values of a graph's nodes on the example inputs, computed on demand and kept.
+
+    The proof needs the real x (and any sizes) of each candidate; candidates of one graph share
+    this cache, so the layers before them run once, not once per candidate.
+    """
+
+    def __init__(self, gm: fx.GraphModule, deps: Deps, example_inputs):
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.deps = deps
+        self.inputs = dict(zip(placeholders, example_inputs))
+        self._interp = fx.Interpreter(gm, garbage_collect_values=False)
+        self._interp.env = dict(self.inputs)
+
+    def __getitem__(self, node: fx.Node):
+        return self._interp.env[node]
+
+    def __iter__(self):  # the example inputs, in placeholder order
+        return iter(self.inputs.values())
+
+    def compute(self, wanted) -> GraphValues:
+        env = self._interp.env
+        needed = self.deps.ancestors(wanted, stop=lambda n: n in env)
+        with torch.no_grad():
+            for node in sorted(needed, key=self.deps.order.get):
+                if node.op not in ("placeholder", "output") and node not in env:
+                    env[node] = self._interp.run_node(node)
+        return self
 
 
-def lift(family, graph, deps, candidate, roles: Roles, example_inputs, top_k, num_experts) -> Match:
-    values = {n: v for n, v in zip([n for n in graph.nodes if n.op == "placeholder"], example_inputs)}
+def evaluate(graph, deps, values: GraphValues, wanted) -> dict:
+    """Real values of ``wanted`` (and everything computed so far) as a node -> value mapping."""
+    return values.compute(wanted)._interp.env
+
+
+def lift(family, graph, deps, candidate, roles: Roles, values: GraphValues, top_k, num_experts) -> Match:
     down_w = values[roles.fc2[0]]
     hidden_sizes = tuple(down_w.shape[-2:])
     params = list(dict.fromkeys((*roles.fc1, *roles.fc1_up, *roles.fc2)))
     region = region_mod.cut_region(
         graph, deps, candidate.topk, [c.down for c in candidate.clusters], params, top_k, num_experts, hidden_sizes
     )
-    values = evaluate(graph, deps, example_inputs, [region.x, region.ids, *region.extra_inputs])
+    values.compute([region.x, region.ids, *region.extra_inputs])
     hyps = hypotheses(deps, region, candidate.clusters, roles, values)
     if not hyps:
         raise Refusal("the expert weight shapes fit no supported gate/up layout", candidate.clusters[0].down)
@@ -209,15 +229,21 @@ def int_index_roles(clusters: list[Cluster], refs_of) -> tuple[fx.Node, ...] | N
     return None
 
 
-def expert_constant(deps: Deps, cluster: Cluster, ids: fx.Node) -> int | None:
-    """The e in ``ids == e`` / ``mask[e]`` that selects this cluster's tokens, if there is one."""
+def expert_constant(deps: Deps, cluster: Cluster, ids: fx.Node, from_ids: set) -> int | None:
+    """The e in ``ids == e`` / ``mask[e]`` that selects this cluster's tokens, if there is one.
+
+    ``from_ids`` is the set of nodes depending on ids; the walk stays inside it, so it only visits
+    the mask chain between the router and this expert.
+    """
     found = set()
-    for node in deps.ancestors([cluster.fc1[0]], stop=lambda n: n is ids):
+    for node in deps.ancestors([cluster.fc1[0]], stop=lambda n: n is ids or n not in from_ids):
+        if node not in from_ids:
+            continue
         name = target_name(node)
         if name in ("eq", "__eq__") and len(node.args) == 2 and isinstance(node.args[1], int):
             found.add(node.args[1])
         elif node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], int):
             src = node.args[0]
-            if isinstance(src, fx.Node) and ids in deps.ancestors([src]) and shape_of(src) and len(shape_of(src)) == 3:
+            if src in from_ids and shape_of(src) and len(shape_of(src)) == 3:
                 found.add(node.args[1])
     return found.pop() if len(found) == 1 else None

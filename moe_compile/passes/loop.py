@@ -47,7 +47,8 @@ def _split_fc1(cluster: Cluster):
 
 def ordered_clusters(deps, candidate: Candidate) -> list[Cluster]:
     ids = topk_indices(candidate.topk)
-    keyed = [(expert_constant(deps, c, ids), deps.order[c.down], c) for c in candidate.clusters]
+    from_ids = deps.descendants([ids])
+    keyed = [(expert_constant(deps, c, ids, from_ids), deps.order[c.down], c) for c in candidate.clusters]
     if all(k[0] is not None for k in keyed):
         if sorted(k[0] for k in keyed) != list(range(len(keyed))):
             raise Refusal("the per-expert masks do not select experts 0..E-1 exactly once", candidate.topk)

@@ -62,26 +62,33 @@ def run_proof(region_fn, x_real, ids_dtype, weights_like, params, sizes, hypothe
         return None, math.inf, 0.0
     gen = torch.Generator().manual_seed(0)
     tol = PROOF_TOLERANCE.get(x_real.dtype, 3e-2)
-    rounds = min(-(-E // (T * K)), 64)
-    worst = {id(h): 0.0 for h in hypotheses}
-    alive = list(hypotheses)
+    rounds = []  # (ids, weights, region output) per round, computed once and shared by hypotheses
+    for r in range(min(-(-E // (T * K)), 64)):
+        ids0, g0 = synthetic_routing(T, K, E, r, weights_like.dtype, x_real.device, gen)
+        rounds.append((ids0.to(ids_dtype), g0, None))
+    closest = math.inf
     with torch.no_grad():
-        for r in range(rounds):
-            ids0, g0 = synthetic_routing(T, K, E, r, weights_like.dtype, x_real.device, gen)
-            ids0 = ids0.to(ids_dtype)
-            routed = g0
-            if dense_mode is not None:
-                dense = torch.zeros(T, E, dtype=g0.dtype, device=g0.device).scatter_(1, ids0.long(), g0)
-                routed = dense.t().contiguous() if dense_mode == "transposed" else dense
-            want = region_fn(x_real, ids0, routed, *params, *sizes)
-            for hyp in list(alive):
-                err = _hypothesis_error(hyp, x_real, ids0, g0, want)
-                worst[id(hyp)] = max(worst[id(hyp)], err)
-                if err > tol and len(alive) > 1:
-                    alive.remove(hyp)
-    best = min(alive, key=lambda h: worst[id(h)])
-    err = worst[id(best)]
-    return (best if err <= tol else None), err, tol
+        for hyp in hypotheses:  # ordered by structural likelihood: the first usually passes
+            worst = 0.0
+            for i, (ids0, g0, want) in enumerate(rounds):
+                if want is None:
+                    want = region_fn(x_real, ids0, _routed(ids0, g0, E, dense_mode), *params, *sizes)
+                    rounds[i] = (ids0, g0, want)
+                worst = max(worst, _hypothesis_error(hyp, x_real, ids0, g0, want))
+                if worst > tol:
+                    break
+            if worst <= tol:
+                return hyp, worst, tol
+            closest = min(closest, worst)
+    return None, closest, tol
+
+
+def _routed(ids, g, E, dense_mode):
+    """What the region reads as routing weights: [T, K], or the dense [T, E] / [E, T] matrix."""
+    if dense_mode is None:
+        return g
+    dense = torch.zeros(ids.shape[0], E, dtype=g.dtype, device=g.device).scatter_(1, ids.long(), g)
+    return dense.t().contiguous() if dense_mode == "transposed" else dense
 
 
 def _hypothesis_error(hyp, x, ids, g, want) -> float:

@@ -84,15 +84,14 @@ def same_shape(a, b) -> bool:
 
 
 def find_output(deps: Deps, downs, T, hidden_sizes) -> fx.Node:
-    common = None
-    for down in downs:
-        desc = deps.descendants([down])
-        common = desc if common is None else common & desc
-    for node in sorted(common or (), key=deps.order.get):
+    def is_combined(node) -> bool:
         shape = value_shape(node)
-        if shape and len(shape) == 2 and _same(shape[0], T) and any(_same(shape[1], h) for h in hidden_sizes):
-            return node
-    raise Refusal("no [T, H] value combines the outputs of all experts", downs[0])
+        return bool(shape) and len(shape) == 2 and _same(shape[0], T) and any(_same(shape[1], h) for h in hidden_sizes)
+
+    output = deps.first_reached_by_all(list(downs), is_combined)
+    if output is None:
+        raise Refusal("no [T, H] value combines the outputs of all experts", downs[0])
+    return output
 
 
 def find_weights(deps: Deps, output, params, T, K, E) -> tuple[fx.Node, bool, bool]:
