@@ -93,7 +93,7 @@ def ep_forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, gro
 
     ret = mod.exchange(ctx, plan, x, gpay, compute, x.shape[1], x.dtype, chunks=chunks, timeout_s=timeout_s,
                        quant=quant, max_tokens=max_tokens, top_k=topk_ids.shape[1])
-    y = torch.zeros(x.shape, dtype=compute_dtype(x.dtype))  # [T, H] fp32 accumulator
+    y = torch.zeros(x.shape, dtype=compute_dtype(x.dtype), device=x.device)  # [T, H] fp32 accumulator
     y.index_add_(0, plan.tokens, ret.to(y.dtype))  # weighted combine: the K rows of each token
     return y.to(x.dtype)
 
@@ -180,9 +180,9 @@ def ep_backward(grad_y, x, topk_ids, topk_weights, w, attrs, need_roles, group_n
     mod, _ = _transport(ctx, "collectives" if transport == "symm-int8" else transport, x)
     ret = mod.exchange(ctx, plan, base, gpay, compute, H + 1, cdt, chunks=1, timeout_s=timeout_s, whole=True,
                        quant=False, max_tokens=max_tokens, top_k=K)  # [S', H+1]
-    dx = torch.zeros(T, H, dtype=cdt)
+    dx = torch.zeros(T, H, dtype=cdt, device=x.device)
     dx.index_add_(0, plan.tokens, ret[:, :H])
-    dg = torch.zeros(T * K, dtype=cdt)
+    dg = torch.zeros(T * K, dtype=cdt, device=x.device)
     dg.index_copy_(0, plan.order, ret[:, H])
     if not acc:  # no row arrived: zero gradients for the local experts that need one
         acc = {r: [torch.zeros_like(t) if need else None for t, need in zip(getattr(w, r), need_roles[r])]

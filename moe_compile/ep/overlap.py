@@ -80,32 +80,36 @@ def exchange(ctx: EPContext, plan, base, gpay, compute, q_width: int, q_dtype, *
     matrix = torch.stack(allc)  # [R_src, R_dst, El]
     check_bound(matrix, max_tokens, top_k, ctx.rank)  # the same verdict on every rank
     send_c, recv_c = matrix[ctx.rank].tolist(), matrix[:, ctx.rank].tolist()  # host split sizes
+    if chunks <= 0 and not whole:  # auto: the heap transport's rule (the same sweep), from the same matrix
+        from moe_compile.ep.dispatch import auto_chunks
+
+        chunks = auto_chunks(matrix)
     C = 1 if whole else max(1, chunks)
     send_off = [0]
     for d in range(R):
         send_off.append(send_off[-1] + sum(send_c[d]))
-    P = base.shape[1]
+    P, dev = base.shape[1], base.device
     pending = []
     for j in range(C):
         idx = torch.cat([
-            torch.arange(send_off[d] + a, send_off[d] + b)
+            torch.arange(send_off[d] + a, send_off[d] + b, device=dev)
             for d in range(R)
             for a, b in [piece_bounds(sum(send_c[d]), C)[j : j + 2]]
-        ]) if R else torch.empty(0, dtype=torch.long)  # [s_j] sorted-slot positions of chunk j
+        ])  # [s_j] sorted-slot positions of chunk j
         in_split = [piece_bounds(sum(send_c[d]), C)[j + 1] - piece_bounds(sum(send_c[d]), C)[j] for d in range(R)]
         out_split = [piece_bounds(sum(recv_c[s]), C)[j + 1] - piece_bounds(sum(recv_c[s]), C)[j] for s in range(R)]
         rows = base.index_select(0, plan.tokens.index_select(0, idx))  # [s_j, P]
         rrows = base.new_empty(sum(out_split), P)
-        rg = torch.empty(sum(out_split), dtype=torch.float32)
+        rg = torch.empty(sum(out_split), dtype=torch.float32, device=dev)
         w1 = dist.all_to_all_single(rrows, rows, out_split, in_split, group=g, async_op=True)
         w2 = dist.all_to_all_single(rg, gpay.index_select(0, idx), out_split, in_split, group=g, async_op=True)
         pending.append((idx, in_split, out_split, rrows, rg, w1, w2))
-    ret = torch.empty(plan.rows, q_width, dtype=q_dtype)
+    ret = torch.empty(plan.rows, q_width, dtype=q_dtype, device=dev)
     returns = []
     for j, (idx, in_split, out_split, rrows, rg, w1, w2) in enumerate(pending):
         dl.wait(w1, f"the dispatch of chunk {j}")
         dl.wait(w2, f"the dispatch of chunk {j}")
-        out = torch.empty(rrows.shape[0], q_width, dtype=q_dtype)
+        out = torch.empty(rrows.shape[0], q_width, dtype=q_dtype, device=dev)
         if whole:
             compute(rrows, rg, recv_c, out)
         else:
@@ -114,7 +118,7 @@ def exchange(ctx: EPContext, plan, base, gpay, compute, q_width: int, q_dtype, *
                 a, b = piece_bounds(sum(recv_c[s]), C)[j : j + 2]
                 compute(rrows[lo : lo + b - a], rg[lo : lo + b - a], [piece_counts(recv_c[s], a, b)], out[lo : lo + b - a])
                 lo += b - a
-        back = torch.empty(idx.numel(), q_width, dtype=q_dtype)
+        back = torch.empty(idx.numel(), q_width, dtype=q_dtype, device=dev)
         returns.append((idx, back, dist.all_to_all_single(back, out, in_split, out_split, group=g, async_op=True)))
     for j, (idx, back, work) in enumerate(returns):
         dl.wait(work, f"the combine of chunk {j}")

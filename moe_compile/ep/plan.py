@@ -37,7 +37,7 @@ def make_plan(topk_ids: torch.Tensor, num_experts: int, world: int) -> RoutePlan
     K = topk_ids.shape[1] if topk_ids.dim() == 2 else 1
     flat = topk_ids.reshape(-1).long()  # [S]
     sorted_ids, order = torch.sort(flat, stable=True)  # [S], [S]
-    bounds = torch.searchsorted(sorted_ids, torch.tensor([0, num_experts], dtype=torch.long))
+    bounds = torch.searchsorted(sorted_ids, torch.tensor([0, num_experts], dtype=torch.long, device=flat.device))
     lo, hi = int(bounds[0]), int(bounds[1])  # host read of two ints (CPU path)
     order = order[lo:hi]  # [S']
     counts = torch.bincount(sorted_ids[lo:hi], minlength=num_experts).view(world, el)  # [R, El]

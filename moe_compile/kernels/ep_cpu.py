@@ -38,7 +38,8 @@ def experts_backward_on_rows(x_rows, dy_rows, g, counts, w: ExpertWeights, attrs
     """
     el = w.num_experts
     ids = torch.repeat_interleave(
-        torch.arange(el, dtype=torch.long).repeat(len(counts)), torch.as_tensor(counts, dtype=torch.long).reshape(-1)
+        torch.arange(el, dtype=torch.long, device=x_rows.device).repeat(len(counts)),
+        torch.as_tensor(counts, dtype=torch.long, device=x_rows.device).reshape(-1),
     )[:, None]  # [n, 1] local expert of each row
     gw = g.to(x_rows.dtype)[:, None]  # [n, 1]
     dx, dg, roles = fused_moe_backward_cpu(dy_rows, x_rows, ids, gw, w, attrs, Needs(True, True, need_roles))
