@@ -47,9 +47,24 @@ def _global_experts(hidden, ffn, experts, seed):
     return w1, w3, w2
 
 
-def _router(hidden, experts, top_k, seed):
+class BiasedRouter(SoftmaxRouter):
+    """softmax(logits + bias) -> topk -> renormalise; a large bias skews routing (uneven EP load)."""
+
+    def __init__(self, hidden: int, experts: int, top_k: int, bias: torch.Tensor):
+        super().__init__(hidden, experts, top_k)
+        self.register_buffer("bias", bias.float())
+
+    def forward(self, x):  # x [T, H]
+        probs = F.softmax(F.linear(x, self.weight) + self.bias, dim=-1, dtype=torch.float)  # [T, E]
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, K], [T, K]
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+
+def _router(hidden, experts, top_k, seed, route_bias=None):
     gen = torch.Generator().manual_seed(seed + 1)
-    router = SoftmaxRouter(hidden, experts, top_k)
+    router = SoftmaxRouter(hidden, experts, top_k) if route_bias is None else BiasedRouter(
+        hidden, experts, top_k, torch.as_tensor(route_bias))
     with torch.no_grad():
         router.weight.copy_(torch.randn(experts, hidden, generator=gen) / hidden**0.5)
     return router
@@ -68,7 +83,7 @@ class AllToAllEPMoE(nn.Module):
     """torchtitan / Megatron expert parallelism: all-to-all dispatch and combine around local experts."""
 
     def __init__(self, hidden=64, ffn=96, experts=8, top_k=2, group=None, collectives="functional",
-                 local_experts="stacked", seed=0):
+                 local_experts="stacked", seed=0, route_bias=None):
         super().__init__()
         if collectives not in COLLECTIVES or local_experts not in LOCAL_EXPERTS:
             raise ValueError(f"collectives in {COLLECTIVES}, local_experts in {LOCAL_EXPERTS}")
@@ -78,7 +93,7 @@ class AllToAllEPMoE(nn.Module):
             raise ValueError(f"{experts} experts do not divide over {self.world} ranks")
         self.num_experts, self.top_k, self.local = experts, top_k, experts // self.world
         self.collectives, self.local_style = collectives, local_experts
-        self.gate = _router(hidden, experts, top_k, seed)
+        self.gate = _router(hidden, experts, top_k, seed, route_bias)
         w1, w3, w2 = (w[self.rank * self.local:(self.rank + 1) * self.local] for w in
                       _global_experts(hidden, ffn, experts, seed))
         if local_experts == "stacked":
@@ -138,7 +153,7 @@ class AllReduceEPMoE(nn.Module):
     """DeepSeek official inference: local expert slice on all tokens, then ``all_reduce``."""
 
     def __init__(self, hidden=64, ffn=96, experts=8, top_k=2, group=None, collectives="legacy", shared=0,
-                 seed=0):
+                 seed=0, route_bias=None):
         super().__init__()
         if collectives not in COLLECTIVES:
             raise ValueError(f"collectives must be one of {COLLECTIVES}")
@@ -149,7 +164,7 @@ class AllReduceEPMoE(nn.Module):
         self.num_experts, self.top_k, self.local = experts, top_k, experts // self.world
         self.start, self.end = self.rank * self.local, (self.rank + 1) * self.local
         self.collectives = collectives
-        self.gate = _router(hidden, experts, top_k, seed)
+        self.gate = _router(hidden, experts, top_k, seed, route_bias)
         w1, w3, w2 = _global_experts(hidden, ffn, experts, seed)
         self.experts = nn.ModuleList([
             _swiglu_from(w1[i], w3[i], w2[i]) if self.start <= i < self.end else None for i in range(experts)
@@ -180,9 +195,9 @@ class AllReduceEPMoE(nn.Module):
 class GlobalReference(nn.Module):
     """Every expert of an EP block on one device: what the R ranks compute together."""
 
-    def __init__(self, hidden=64, ffn=96, experts=8, top_k=2, seed=0):
+    def __init__(self, hidden=64, ffn=96, experts=8, top_k=2, seed=0, route_bias=None):
         super().__init__()
-        self.gate = _router(hidden, experts, top_k, seed)
+        self.gate = _router(hidden, experts, top_k, seed, route_bias)
         self.w1, self.w3, self.w2 = _global_experts(hidden, ffn, experts, seed)
 
     def forward(self, x):  # [B, S, H]

@@ -184,6 +184,7 @@ class EPMatch(Match):
 
 
 def find_expert_parallel(graph: fx.Graph, deps: Deps, candidate: Candidate, example_inputs) -> EPMatch:
+    """``example_inputs``: the pipeline's ``lift.GraphValues`` (iterates as the example inputs)."""
     kind = style(candidate)
     if kind == "all_to_all":
         return _find_all_to_all(graph, deps, candidate, example_inputs)
@@ -235,7 +236,8 @@ def _not_proven(err: float, tol: float, at: fx.Node) -> Refusal:
 def _find_all_reduce(graph, deps: Deps, candidate: Candidate, example_inputs) -> EPMatch:
     ids = topk_indices(candidate.topk)
     E = router_width(candidate.topk)
-    keyed = [(lift_mod.expert_constant(deps, c, ids), c) for c in candidate.clusters]
+    from_ids = deps.descendants([ids])
+    keyed = [(lift_mod.expert_constant(deps, c, ids, from_ids), c) for c in candidate.clusters]
     if any(k is None for k, _ in keyed):
         raise Refusal("could not tell which global expert each local expert serves (no `ids == i` mask)",
                       candidate.topk)
@@ -252,6 +254,8 @@ def _find_all_reduce(graph, deps: Deps, candidate: Candidate, example_inputs) ->
     K = candidate_top_k(candidate)
     region = region_mod.cut_region(graph, deps, candidate.topk, [c.down for c in ordered], params, K, E,
                                    hidden_sizes)
+    if region.dense and K == E and not region.dense_transposed:
+        region.dense = False  # K == E: [T, K] and [T, E] look alike; the proof decides on [T, K]
     if region.dense:
         raise Refusal("expert-parallel loops must be routed by [T, K] weights, not a dense score matrix", ids)
     _drop_absorbed_collectives(deps, region)
