@@ -64,7 +64,7 @@ import torch.fx as fx
 from moe_compile.ir import ExpertWeights, MoESpec
 from moe_compile.passes import lift as lift_mod, prove, region as region_mod
 from moe_compile.passes.clusters import Candidate, Cluster, gemm_operands
-from moe_compile.passes.graph import Deps, dtype_of, is_view_like, meta, shape_of
+from moe_compile.passes.graph import Deps, dtype_of, is_view_like, meta, module_path, shape_of
 from moe_compile.passes.lift import Match, Roles
 from moe_compile.passes.loop import _role, _split_fc1, candidate_top_k
 from moe_compile.passes.region import Refusal, Region, topk_indices
@@ -221,7 +221,8 @@ def _spec(region: Region, roles_nodes, best: prove.Hypothesis, num_experts: int,
         family=FAMILY, x=region.x, topk_ids=region.ids, topk_weights=region.weights, output=region.output,
         fc1=tuple(fc1), fc1_up=tuple(up), fc2=tuple(fc2), fc1_bias=(), fc1_up_bias=(), fc2_bias=(),
         attrs=best.attrs, num_experts=num_experts, top_k=top_k, hidden=best.weights.hidden(),
-        ffn=best.weights.ffn(), region=tuple(region.nodes), source=lift_mod._source_of(fc2),
+        ffn=best.weights.ffn(), region=tuple(region.nodes),
+        source=lift_mod._source_of(fc2) or module_path(fc2[0]),
     )
 
 
