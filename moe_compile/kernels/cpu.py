@@ -38,14 +38,28 @@ def _linear_into(x, weight, transposed: bool, out=None):
     return torch.mm(x, w, out=out) if out is not None else torch.mm(x, w)
 
 
-def _activate(h: torch.Tensor, attrs: FFNAttrs) -> torch.Tensor:
-    """FC1 output [n, 2F] -> [n, F], in place where the layout allows it."""
+def _fc1(xs, w: ExpertWeights, attrs: FFNAttrs, e: int):
+    """FC1 of expert e -> (gate [n, F], up [n, F] or None): views of one GEMM's output for fused
+    layouts, two separate GEMM outputs for separate weights (no concatenation copy)."""
+    h = _linear_into(xs, w.fc1_of(e), w.transposed)  # [n, 2F] or [n, F]
+    if w.fc1_bias:
+        h.add_(w.fc1_bias_of(e).to(h.dtype))
     if attrs.gate_up == "none":
-        return _act_inplace(h, attrs.activation)
+        return h, None
+    if attrs.gate_up == "separate":
+        up = _linear_into(xs, w.fc1_up_of(e), w.transposed)
+        if w.fc1_up_bias:
+            up.add_(w.fc1_up_bias_of(e).to(up.dtype))
+        return h, up
     if attrs.gate_up == "interleaved":
-        gate, up = h[:, 0::2], h[:, 1::2]
-    else:
-        gate, up = h.chunk(2, dim=-1)
+        return h[:, 0::2], h[:, 1::2]
+    return h.chunk(2, dim=-1)
+
+
+def _activate(gate: torch.Tensor, up: torch.Tensor | None, attrs: FFNAttrs) -> torch.Tensor:
+    """act(gate) * up -> [n, F], in place in gate's storage where the activation allows it."""
+    if up is None:
+        return _act_inplace(gate, attrs.activation)
     if attrs.activation == "gptoss":
         gate = gate.clamp(max=attrs.limit)
         up = up.clamp(-attrs.limit, attrs.limit)
@@ -72,14 +86,7 @@ def _expert_segment(xs, g, w: ExpertWeights, attrs: FFNAttrs, e: int, out) -> No
     """Run expert e on its rows xs [n, H] with weights g [n, 1]; write [n, H] into out."""
     if attrs.weight_on == "input":
         xs = xs * g
-    h = _linear_into(xs, w.fc1_of(e), w.transposed)  # [n, 2F] or [n, F]
-    if w.fc1_up:
-        h = torch.cat([h, _linear_into(xs, w.fc1_up_of(e), w.transposed)], dim=1)
-        if w.fc1_bias:
-            h.add_(torch.cat([w.fc1_bias_of(e), w.fc1_up_bias_of(e)]).to(h.dtype))
-    elif w.fc1_bias:
-        h.add_(w.fc1_bias_of(e).to(h.dtype))
-    h = _activate(h, attrs)  # [n, F]
+    h = _activate(*_fc1(xs, w, attrs, e), attrs)  # [n, F]
     if attrs.weight_on == "between":
         h = h * g
     _linear_into(h, w.fc2_of(e), w.transposed, out=out)  # [n, H]
