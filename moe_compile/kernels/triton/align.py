@@ -38,11 +38,13 @@ def _align_kernel(
     sorted_ptr,  # [P_max] int32 out: slot ids grouped by expert, sentinel S in padding
     block_expert_ptr,  # [P_max / BLOCK_M] int32 out: expert of each block
     total_ptr,  # [1] int32 out: P, the padded number of rows actually used
+    segments_ptr,  # [2E] int32 out (when STORE_SEGMENTS): segment start, then padded rows, per expert
     S,
     E,
     BLOCK_M: tl.constexpr,
     E_PAD: tl.constexpr,  # next power of two >= E
     CHUNK: tl.constexpr,  # ids read per step; CHUNK * E_PAD one-hot compares live at once
+    STORE_SEGMENTS: tl.constexpr = False,  # the backward's weight-gradient GEMMs walk segments
 ):
     e = tl.program_id(0)
     experts = tl.arange(0, E_PAD)  # [E_PAD]
@@ -60,6 +62,9 @@ def _align_kernel(
     seg_count = tl.sum(tl.where(experts == e, counts, 0))
     if e == 0:
         tl.store(total_ptr, tl.sum(padded))
+    if STORE_SEGMENTS:
+        tl.store(segments_ptr + e, seg_start)
+        tl.store(segments_ptr + E + e, seg_rows)
 
     # Pass 2: place this expert's slots in order.
     seen = seg_start
@@ -87,8 +92,9 @@ def max_padded_rows(num_slots: int, num_experts: int, block_m: int) -> int:
     return num_slots + min(num_experts, num_slots) * (block_m - 1)
 
 
-def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """topk_ids [T, K] -> (sorted_slots [P_max], block_expert [P_max/BM], total [1]), all int32."""
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int, with_segments: bool = False):
+    """topk_ids [T, K] -> (sorted_slots [P_max], block_expert [P_max/BM], total [1]), all int32;
+    with_segments adds segments [2E] int32: each expert's segment start, then its padded rows."""
     ids = topk_ids.reshape(-1)  # [S]
     if not ids.is_contiguous():
         ids = ids.contiguous()
@@ -100,8 +106,11 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     total = torch.empty(1, dtype=torch.int32, device=ids.device)
     e_pad = triton.next_power_of_2(max(num_experts, 2))
     chunk = max(16, min(triton.next_power_of_2(max(S, 1)), 8192 // e_pad, 1024))
+    segments = torch.empty(2 * num_experts if with_segments else 1, dtype=torch.int32, device=ids.device)
     _align_kernel[(num_experts,)](
-        ids, sorted_slots, block_expert, total, S, num_experts,
-        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk,
+        ids, sorted_slots, block_expert, total, segments, S, num_experts,
+        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, STORE_SEGMENTS=with_segments,
     )
+    if with_segments:
+        return sorted_slots, block_expert, total, segments
     return sorted_slots, block_expert, total
