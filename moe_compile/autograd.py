@@ -7,7 +7,8 @@ Shapes:  T tokens, H hidden, F expert FFN width, E experts, K experts per token.
   compiled training step — forward, loss, backward, optimizer step — compiles end to end.
 * Memory: the forward saves only its inputs (x, ids, routing weights and the weight tensors it
   was given — references, no copies).  No FC1 output or activation is kept; the backward kernel
-  recomputes FC1 and the activation per expert segment (``kernels/cpu_backward.py``).  That costs
+  recomputes FC1 and the activation per expert segment (``kernels/cpu_backward.py``; on CUDA
+  ``kernels/triton/backward.py`` where it supports the layout, see ``triton_dispatch.backward``).  That costs
   one extra FC1 GEMM (~1/3 of the forward FLOPs) and saves [T*K, 2F] of activations per layer.
 * Gradients go to x, topk_weights and every weight / bias tensor in every layout; list arguments
   get a list of gradients back.  Inputs with ``requires_grad=False`` (frozen experts, a frozen
@@ -22,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_compile.kernels.cpu_backward import ROLES, Needs, fused_moe_backward_cpu
+from moe_compile.kernels import triton_dispatch
+from moe_compile.kernels.cpu_backward import ROLES, Needs
 from moe_compile.ops import OP_NAME, attrs_from_args, weights_from_args
 
 BACKWARD_OP_NAME = "moe_compile::fused_moe_backward"
@@ -64,8 +66,8 @@ def fused_moe_backward(
     for name, role in zip(ROLES, roles):
         need_roles[name] = list(needs[i : i + len(role)])
         i += len(role)
-    # The segment kernel is plain torch, so it also serves CUDA tensors until a Triton backward lands.
-    dx, dg, role_grads = fused_moe_backward_cpu(
+    # CUDA tensors the Triton backward supports go to it; the rest to the plain-torch segment kernel.
+    dx, dg, role_grads = triton_dispatch.backward(
         grad_y, x, topk_ids, topk_weights, w, attrs, Needs(needs[0], needs[1], need_roles)
     )
     flat = [dx, dg, *[g for name in ROLES for g in role_grads[name]]]

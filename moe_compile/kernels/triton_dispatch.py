@@ -46,3 +46,25 @@ def triton_or_reference(x, topk_ids, topk_weights, w, attrs):
     except Exception as exc:  # noqa: BLE001 - compile/launch failure: the reference is always right
         _warn_once(f"moe_compile: Triton MoE kernel failed ({type(exc).__name__}: {exc}); running the reference")
         return fused_moe_reference(x, topk_ids, topk_weights, w, attrs)
+
+
+def backward(grad_y, x, topk_ids, topk_weights, w, attrs, needs):
+    """Gradients of the fused op (``cpu_backward.fused_moe_backward_cpu``'s contract): the Triton
+    backward for CUDA tensors it supports (``triton.backward.unsupported_reason``: gated silu without
+    clamp, weight_on output/between, no biases), the plain-torch segment backward otherwise."""
+    from moe_compile.kernels.cpu_backward import fused_moe_backward_cpu
+
+    if x.is_cuda and os.environ.get("MOE_COMPILE_TRITON", "1") != "0":
+        try:
+            from moe_compile.kernels.triton.backward import fused_moe_backward_triton, unsupported_reason
+        except ImportError:
+            unsupported_reason = None
+        if unsupported_reason is not None:
+            reason = unsupported_reason(grad_y, x, topk_ids, topk_weights, w, attrs)
+            if reason is None:
+                try:
+                    return fused_moe_backward_triton(grad_y, x, topk_ids, topk_weights, w, attrs, needs)
+                except Exception as exc:  # noqa: BLE001 - the torch backward is always right
+                    _warn_once(f"moe_compile: Triton MoE backward failed ({type(exc).__name__}: {exc}); "
+                               "running the torch backward")
+    return fused_moe_backward_cpu(grad_y, x, topk_ids, topk_weights, w, attrs, needs)
