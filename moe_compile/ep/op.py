@@ -177,7 +177,7 @@ def ep_backward(grad_y, x, topk_ids, topk_weights, w, attrs, need_roles, group_n
         out[:, H] = dgr
         acc.update(roles)
 
-    mod, _ = _transport(ctx, "collectives" if transport == "symm-int8" else transport, x)
+    mod, _ = _transport(ctx, "symm" if transport == "symm-int8" else transport, x)  # backward rows unquantized
     ret = mod.exchange(ctx, plan, base, gpay, compute, H + 1, cdt, chunks=1, timeout_s=timeout_s, whole=True,
                        quant=False, max_tokens=max_tokens, top_k=K)  # [S', H+1]
     dx = torch.zeros(T, H, dtype=cdt, device=x.device)
