@@ -12,6 +12,10 @@ Methods, measured side by side in one run on the same inputs:
   roof         prefill: one cuBLAS bf16 GEMM of the same FLOPs ([S, H] x [H, 3F] = 6*S*H*F);
                decode: bytes of the touched experts' weights / measured HBM copy bandwidth.
 
+Training (DeepSeek EP8 T=2048 only): forward + backward through the op's autograd (Triton forward
+and backward kernels) vs autograd through the grouped_mm path; roof_train = 3 dense GEMMs of the
+forward's FLOPs.  Its rows are labelled ``deepseek_v3_ep8_train`` ("triton" there is triton_train).
+
 Time: ``triton.testing.do_bench`` (L2 flushed before every run) median and p20..p80 spread.
 
     python benchmarks/bench_gpu_moe.py --out results/bench_gpu_moe      # writes .md and .json
@@ -37,6 +41,9 @@ SHAPES = [  # (name, T, H, F, E, K) — prefill first: the decode-only "compiled
     ("deepseek_v3_ep8_decode", 64, 7168, 2048, 32, 8),
 ]
 METHODS = ("triton", "triton_list", "grouped_mm", "loop", "compiled", "roof")
+# Training step of one block (forward + backward, bf16), run after the forward of the same shape.
+TRAIN_SHAPES = {("deepseek_v3_ep8_prefill", 2048)}
+TRAIN_METHODS = ("triton_train", "grouped_mm_train", "roof_train")
 
 
 # -- peers -----------------------------------------------------------------------------------------
@@ -67,7 +74,7 @@ def loop_forward(x, ids, weights, w13, w2):
         tok, k = torch.where(ids == e)  # [n], [n]
         gate, up = F.linear(x[tok], w13[e]).chunk(2, dim=-1)
         out = F.linear(F.silu(gate) * up, w2[e])
-        y.index_add_(0, tok, out * weights[tok, k, None])
+        y.index_add_(0, tok, (out * weights[tok, k, None]).to(y.dtype))
     return y
 
 
@@ -164,6 +171,71 @@ def run_shape(name, T, H, F_, E, K, args, bandwidth, compiled_cache):
     return row
 
 
+def run_train(name, T, H, F_, E, K, args):
+    """Forward + backward (bf16) of one block: the op's autograd (Triton forward and backward)
+    against autograd through the grouped_mm path; gradients to x, routing weights and both weights.
+    roof_train: three dense cuBLAS GEMMs of the forward's FLOPs (forward, dgrad, wgrad)."""
+    from moe_compile.ir import ExpertWeights, FFNAttrs
+    from moe_compile.ops import call_fused_moe
+
+    x, ids, weights, w13, w2 = make_inputs(T, H, F_, E, K)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weights, w13, w2)]
+    dy = torch.randn_like(x)
+    attrs = FFNAttrs()
+
+    def step_triton():
+        xl, wl, w13l, w2l = leaves
+        y = call_fused_moe(xl, ids, wl, ExpertWeights((w13l,), (), (w2l,)), attrs)
+        return torch.autograd.grad(y, leaves, dy)
+
+    def step_grouped():
+        xl, wl, w13l, w2l = leaves
+        y = grouped_mm_forward(xl, ids, wl, w13l, w2l)
+        return torch.autograd.grad(y, leaves, dy)
+
+    row = {"shape": name.replace("prefill", "train"), "T": T, "H": H, "F": F_, "E": E, "K": K, "results": {}}
+    flops = 3 * 6 * T * K * H * F_
+    row["flops"], row["touched_experts"], row["touched_weight_bytes"] = flops, E, E * 3 * H * F_ * 2
+    reference = None
+    for method, fn in (("grouped_mm_train", step_grouped), ("triton_train", step_triton)):
+        if method not in args.train_methods:
+            continue
+        t0 = time.time()
+        try:
+            grads = fn()
+            torch.cuda.synchronize()
+            setup_s = time.time() - t0
+            if reference is None:
+                reference = [g.float() for g in (grads if method == "grouped_mm_train" else step_grouped())]
+            errs = [((g.float() - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for g, r in zip(grads, reference)]
+            res = bench(fn)
+            res.update(setup_s=round(setup_s, 2), max_rel_err_vs_grouped_mm=max(errs),
+                       rel_err_dx_dg_dw13_dw2=[float(f"{e:.2e}") for e in errs])
+        except Exception as exc:  # noqa: BLE001
+            res = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        row["results"][method] = res
+        print(f"  {row['shape']} T={T} {method}: {res}", flush=True)
+    if "roof_train" in args.train_methods:
+        a = torch.randn(T * K, H, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(H, 3 * F_, device="cuda", dtype=torch.bfloat16)
+        res = bench(lambda: a @ b)
+        for key in ("ms", "p20", "p80"):
+            res[key] *= 3
+        res["basis"] = "3 x cuBLAS GEMM of the forward's FLOPs"
+        row["results"]["roof_train"] = res
+        del a, b
+    for res in row["results"].values():
+        if "ms" in res:
+            res["tflops"] = flops / (res["ms"] * 1e-3) / 1e12
+            res["weight_gbps"] = row["touched_weight_bytes"] / (res["ms"] * 1e-3) / 1e9
+    # The table's "x triton" column divides by the row's "triton" entry: give it the Triton step.
+    if "ms" in row["results"].get("triton_train", {}):
+        row["results"] = {"triton": row["results"].pop("triton_train"), **row["results"]}
+    del x, ids, weights, w13, w2, leaves, dy
+    torch.cuda.empty_cache()
+    return row
+
+
 # -- output ----------------------------------------------------------------------------------------
 
 
@@ -199,9 +271,11 @@ def main(argv=None):
     parser.add_argument("--out", required=True, help="path prefix: writes OUT.md and OUT.json")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {METHODS}")
     parser.add_argument("--budget-s", type=float, default=300.0, help="skip the remaining shapes after this")
+    parser.add_argument("--train-methods", default=",".join(TRAIN_METHODS), help=f"comma list of {TRAIN_METHODS}")
     parser.add_argument("--quick", action="store_true", help="one prefill and one decode shape")
     args = parser.parse_args(argv)
     args.methods = [m for m in args.methods.split(",") if m]
+    args.train_methods = [m for m in args.train_methods.split(",") if m]
     if not torch.cuda.is_available():
         print("bench_gpu_moe: no CUDA device", file=sys.stderr)
         return 2
@@ -222,6 +296,11 @@ def main(argv=None):
             rows.append({"shape": shape[0], "T": shape[1], "skipped": "time budget", "results": {}})
             continue
         rows.append(run_shape(*shape, args, bandwidth, compiled_cache))
+        if (shape[0], shape[1]) in TRAIN_SHAPES and args.train_methods:
+            try:
+                rows.append(run_train(*shape, args))
+            except Exception as exc:  # noqa: BLE001 - keep the forward figures whatever happens
+                rows.append({"shape": "train", "T": shape[1], "skipped": f"{type(exc).__name__}: {exc}"[:200], "results": {}})
         with open(args.out + ".json", "w") as f:  # rewritten after every shape: a timeout keeps results
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
         with open(args.out + ".md", "w") as f:

@@ -12,6 +12,9 @@ Shape classes, by the mean rows per expert  m = T*K / E  (the M of each expert's
 The candidates are the shapes that vLLM's fused_moe sweeps most often pick on sm90 (H100/H200
 bf16 tables for E=8, H=4096, F=14336 and DeepSeek-like E>=64 shapes), trimmed to four per class so
 that a new shape tunes in a few seconds (each candidate: 2 kernel compiles + ~20 ms of timing).
+FC2 is tuned second (key prefix ``fc2|``) among FC1's pick and two wider / narrower tiles with
+the same BLOCK_M (one align serves both GEMMs): its single accumulator affords 128 x 256 tiles,
+which the gated FC1 (two accumulators) cannot hold in registers.
 Note the gated FC1 keeps two fp32 accumulators and two B tiles per stage, so 128x128x64 with 3
 stages is the largest tile that fits sm90's shared memory; nothing here has been swept on this
 stack yet (no GPU in the development sandbox) — rerun ``benchmarks/bench_gpu_moe.py`` and
@@ -52,12 +55,25 @@ DECODE_CONFIGS = (
     TileConfig(16, 128, 128, 1, num_warps=4, num_stages=3),
     TileConfig(16, 64, 256, 1, num_warps=4, num_stages=3),
     TileConfig(32, 64, 128, 1, num_warps=4, num_stages=4),
+    TileConfig(16, 32, 128, 1, num_warps=2, num_stages=5),  # T=1: more, smaller programs in flight
 )
 PREFILL_CONFIGS = (
     TileConfig(64, 128, 64, 8, num_warps=4, num_stages=4),
     TileConfig(128, 128, 64, 8, num_warps=8, num_stages=3),
+    TileConfig(128, 128, 64, 8, num_warps=8, num_stages=4),  # 192 KB on sm90: deeper pipeline
     TileConfig(128, 64, 64, 8, num_warps=4, num_stages=4),
-    TileConfig(64, 64, 64, 8, num_warps=4, num_stages=4),
+    TileConfig(64, 256, 64, 8, num_warps=8, num_stages=3),  # shrinks to 2 stages on sm90
+)
+# FC2 (one accumulator, N = H): candidates besides FC1's own config, with FC1's BLOCK_M.
+# 128 x 256 keeps one fp32 accumulator in 128 registers per thread at 8 warps.
+FC2_PREFILL_EXTRA = (
+    TileConfig(0, 256, 64, 8, num_warps=8, num_stages=3),
+    TileConfig(0, 128, 64, 8, num_warps=8, num_stages=4),
+)
+# Decode FC2: D = F is short and N = H wide; narrower N tiles give more programs per expert.
+FC2_DECODE_EXTRA = (
+    TileConfig(0, 32, 256, 1, num_warps=4, num_stages=3),
+    TileConfig(0, 64, 128, 1, num_warps=4, num_stages=5),
 )
 # The interpreter runs tiles as numpy arrays: a few mid-sized tiles beat many small ones.
 INTERPRETER_CONFIG = TileConfig(16, 32, 32, 4, num_warps=1, num_stages=1)
@@ -82,6 +98,20 @@ def candidates(num_tokens: int, top_k: int, num_experts: int, dtype=torch.bfloat
     return tuple(dict.fromkeys(fit_shared_memory(cfg, item, limit) for cfg in configs))
 
 
+def fc2_candidates(fc1: TileConfig, num_tokens: int, top_k: int, num_experts: int, dtype=torch.bfloat16,
+                   device=None) -> tuple[TileConfig, ...]:
+    """FC2 tiles to try after FC1's pick: FC1's config first, then wider ones with its BLOCK_M."""
+    rows_per_expert = num_tokens * top_k / max(num_experts, 1)
+    extra = FC2_DECODE_EXTRA if rows_per_expert <= DECODE_ROWS_PER_EXPERT else FC2_PREFILL_EXTRA
+    limit = shared_memory_limit(device)
+    item = torch.empty((), dtype=dtype).element_size()
+    out = [fc1]
+    for cfg in extra:
+        cfg = dataclasses.replace(cfg, BLOCK_M=fc1.BLOCK_M, GROUP_M=fc1.GROUP_M)
+        out.append(fit_shared_memory(cfg, item, limit, b_tiles=1))
+    return tuple(dict.fromkeys(out))
+
+
 def shared_memory_limit(device=None) -> int:
     """Usable shared memory per program in bytes (opt-in maximum, less a margin for the epilogue)."""
     if device is None or not torch.cuda.is_available() or torch.device(device).type != "cuda":
@@ -91,12 +121,13 @@ def shared_memory_limit(device=None) -> int:
     return optin - 8192
 
 
-def fit_shared_memory(cfg: TileConfig, itemsize: int, limit: int) -> TileConfig:
+def fit_shared_memory(cfg: TileConfig, itemsize: int, limit: int, b_tiles: int = 2) -> TileConfig:
     """Fewer stages, then a shorter BLOCK_K, until the gated FC1's pipeline buffers fit: per stage
-    one A tile [BM, BK] and two B tiles [BK, BN] (gate and up).  fp32 needs this on every GPU."""
+    one A tile [BM, BK] and two B tiles [BK, BN] (gate and up; ``b_tiles=1`` for FC2).  fp32 needs
+    this on every GPU."""
 
     def need(c):
-        return (c.BLOCK_M * c.BLOCK_K + 2 * c.BLOCK_K * c.BLOCK_N) * itemsize * c.num_stages
+        return (c.BLOCK_M * c.BLOCK_K + b_tiles * c.BLOCK_K * c.BLOCK_N) * itemsize * c.num_stages
 
     while need(cfg) > limit:
         if cfg.num_stages > 2:

@@ -184,7 +184,9 @@ def _launch_gemm(a, c, b_role, u_role, bias_role, ubias_role, g, align, N, D, S,
     )
 
 
-def _forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, cfg: autotune.TileConfig):
+def _forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, cfg: autotune.TileConfig,
+             fc2_cfg: autotune.TileConfig | None = None):
+    """FC1 runs with ``cfg``, FC2 with ``fc2_cfg`` (same BLOCK_M: one align serves both)."""
     T, H = x.shape
     K = topk_ids.shape[1]
     E, F, S = w.num_experts, w.ffn(), T * K
@@ -205,7 +207,7 @@ def _forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, cfg: 
     )
     o = x.new_empty(S, H)  # [S, H] expert outputs, slot order
     _launch_gemm(
-        h, o, w.fc2, (), w.fc2_bias, (), g, align, H, F, S, 1, cfg,
+        h, o, w.fc2, (), w.fc2_bias, (), g, align, H, F, S, 1, fc2_cfg or cfg,
         transposed=w.transposed, gated=False, activation=ACT_NONE, clamp=False,
         scale=SCALE_LAST if attrs.weight_on == "output" else SCALE_NONE,
         row_step=1, up_row_off=0, limit=0.0, alpha=0.0,
@@ -235,4 +237,13 @@ def fused_moe_triton(
         key = autotune.shape_key(x, w.num_experts, H, w.ffn(), K, layout)
         choices = autotune.candidates(T, K, w.num_experts, x.dtype, x.device)
         config = autotune.pick_config(key, choices, lambda cfg: _forward(x, topk_ids, topk_weights, w, attrs, cfg))
+        # FC2 has one accumulator and N = H: wider tiles than the gated FC1 fit; tuned second,
+        # with FC1's BLOCK_M (the first candidate is FC1's own config, so untuned runs share it).
+        fc2_choices = autotune.fc2_candidates(config, T, K, w.num_experts, x.dtype, x.device)
+        fc2_config = autotune.pick_config(
+            "fc2|" + key, fc2_choices, lambda cfg: _forward(x, topk_ids, topk_weights, w, attrs, config, cfg)
+        )
+        if fc2_config.BLOCK_M != config.BLOCK_M:  # a cache entry from another FC1 pick
+            fc2_config = config
+        return _forward(x, topk_ids, topk_weights, w, attrs, config, fc2_config)
     return _forward(x, topk_ids, topk_weights, w, attrs, config)
