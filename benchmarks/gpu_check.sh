@@ -8,6 +8,7 @@
 #   pytest_gpu.log       python -m pytest -m gpu -q tests
 #   bench_gpu_moe.log    the benchmark's progress
 #   bench_gpu_moe.md     its table            bench_gpu_moe.json   its raw numbers
+#                        (incl. deepseek_v3_ep8_train: forward+backward vs grouped_mm autograd)
 #   triton_autotune.json the tile configs the autotuner picked (seed for autotune.py's lists)
 #   summary.txt          exit codes of each step
 # Time: at most ~7.2 minutes (45 + 180 + 200 s of timeouts) on an H200 (each step runs under `timeout`; the benchmark also stops

@@ -203,8 +203,13 @@ def test_gpu_op_backward_uses_triton(monkeypatch, tmp_path):
     """The op's autograd on CUDA runs the Triton backward (no fallback warning) and matches."""
     import warnings
 
+    from moe_compile.kernels import cpu_backward
     from moe_compile.ops import call_fused_moe
 
+    def no_torch_backward(*args, **kwargs):
+        raise AssertionError("the torch segment backward ran instead of the Triton backward")
+
+    monkeypatch.setattr(cpu_backward, "fused_moe_backward_cpu", no_torch_backward)
     monkeypatch.setenv("MOE_COMPILE_CACHE_DIR", str(tmp_path))
     x, ids, weights, w, dy = make_case(65, 2, 8, 128, 64, dtype=torch.bfloat16, device="cuda", stacked=False)
     xs = x.clone().requires_grad_()
