@@ -67,9 +67,12 @@ def fused_moe_backward(
         need_roles[name] = list(needs[i : i + len(role)])
         i += len(role)
     # CUDA tensors the Triton backward supports go to it; the rest to the plain-torch segment kernel.
-    dx, dg, role_grads = triton_dispatch.backward(
-        grad_y, x, topk_ids, topk_weights, w, attrs, Needs(needs[0], needs[1], need_roles)
-    )
+    # A backward run inside torch.autocast must not re-cast its GEMMs: the forward's autocast
+    # kernel (ops.py) already chose the dtypes, and the gradient buffers follow them.
+    with torch.autocast(x.device.type, enabled=False):
+        dx, dg, role_grads = triton_dispatch.backward(
+            grad_y, x, topk_ids, topk_weights, w, attrs, Needs(needs[0], needs[1], need_roles)
+        )
     flat = [dx, dg, *[g for name in ROLES for g in role_grads[name]]]
     inputs = _flat_inputs(x, topk_weights, roles)
     return [t.new_empty(0) if g is None else g for g, t in zip(flat, inputs)]

@@ -115,6 +115,37 @@ def _fused_moe_fake(
     return x.new_empty(x.shape)
 
 
+# Under torch.autocast the op behaves like the Linears it replaces: floating inputs (activations,
+# routing weights, expert weights) are cast to the autocast dtype and the op runs with autocast off;
+# the result comes back in x's own dtype, as the replaced regions accumulate into ``zeros_like(x)``
+# (or cast back with ``.to(x.dtype)``).
+_AUTOCAST_LIB = torch.library.Library("moe_compile", "IMPL")
+
+
+def _autocast_kernel(device_type: str, key):
+    def kernel(x, topk_ids, topk_weights, fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias, *static):
+        dtype = torch.get_autocast_dtype(device_type)
+
+        def cast(t):
+            return t.to(dtype) if t.is_floating_point() else t
+
+        def casts(ts):
+            return [cast(t) for t in ts]
+
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+            y = torch.ops.moe_compile.fused_moe(
+                cast(x), topk_ids, cast(topk_weights), casts(fc1), casts(fc1_up), casts(fc2),
+                casts(fc1_bias), casts(fc1_up_bias), casts(fc2_bias), *static,
+            )
+        return y.to(x.dtype)
+
+    return kernel
+
+
+for _device, _key in (("cpu", torch._C.DispatchKey.AutocastCPU), ("cuda", torch._C.DispatchKey.AutocastCUDA)):
+    _AUTOCAST_LIB.impl("fused_moe", _autocast_kernel(_device, _key), _key.name)
+
+
 def call_fused_moe(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs) -> torch.Tensor:
     """Python-friendly entry: the op from an ``ExpertWeights`` and ``FFNAttrs``."""
     return torch.ops.moe_compile.fused_moe(

@@ -112,3 +112,20 @@ def test_thirty_steps_track_eager():
     assert want_losses[-1] < want_losses[0] * 0.9  # the run actually trains
     for (name, p), q in zip(got_model.named_parameters(), want_model.parameters()):
         assert rel_err(p.detach(), q.detach()) <= 1e-3, name
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_autocast_bf16_with_fp32_master_weights(inner):
+    # fp32 parameters, bf16 compute under torch.autocast: the op casts like the Linears it
+    # replaces and returns x's dtype; both sides round GEMM inputs to bf16 (3e-2, see GRAD_TOL).
+    model = zoo.ModuleListMoE(experts=4)
+    x = torch.randn(2, 5, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want_out, want, _ = grads_after_step(model, x, compiled=False)
+        got_out, got, report = grads_after_step(model, x, compiled=True, inner=inner)
+    assert len(report.rewritten) == 1
+    assert got_out.dtype == want_out.dtype == torch.float32
+    assert rel_err(got_out, want_out) <= GRAD_TOL[torch.bfloat16]
+    for name in want:
+        assert got[name].dtype == torch.float32
+        assert rel_err(got[name], want[name]) <= GRAD_TOL[torch.bfloat16], name

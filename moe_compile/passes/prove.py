@@ -61,7 +61,7 @@ def run_proof(region_fn, x_real, ids_dtype, weights_like, params, sizes, hypothe
     if T == 0:
         return None, math.inf, 0.0
     gen = torch.Generator().manual_seed(0)
-    tol = PROOF_TOLERANCE.get(x_real.dtype, 3e-2)
+    tol = PROOF_TOLERANCE.get(_compute_dtype(x_real), 3e-2)
     rounds = []  # (ids, weights, region output) per round, computed once and shared by hypotheses
     for r in range(min(-(-E // (T * K)), 64)):
         ids0, g0 = synthetic_routing(T, K, E, r, weights_like.dtype, x_real.device, gen)
@@ -81,6 +81,15 @@ def run_proof(region_fn, x_real, ids_dtype, weights_like, params, sizes, hypothe
                 return hyp, worst, tol
             closest = min(closest, worst)
     return None, closest, tol
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the region's GEMMs run in: the autocast dtype when autocast is on (the backend
+    compiles inside the caller's autocast region), else x's."""
+    device = x.device.type
+    if torch._C._is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
 
 
 def _routed(ids, g, E, dense_mode):

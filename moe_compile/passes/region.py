@@ -16,6 +16,7 @@ nothing outside it reads its intermediates.  Every failure is a ``Refusal`` with
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 import torch.fx as fx
@@ -162,12 +163,20 @@ def _reshaped_input(frontier, nodes, out_shape):
     return views[0] if len(views) == 1 else None
 
 
+def _is_size_check(node: fx.Node) -> bool:
+    """Nodes worth absorbing: non-tensor results (sizes, comparisons, asserts) and tuple items —
+    never a collective, an in-place write or any other tensor computation with effects."""
+    if is_inplace(node) or "c10d" in str(node.target) or "wait_tensor" in str(node.target):
+        return False
+    return meta(node) is None or (node.op == "call_function" and node.target is operator.getitem)
+
+
 def _absorb_dead_ends(graph, deps: Deps, nodes: set, inputs: set) -> None:
     """Add side chains fed only by the region whose results nobody else reads (the size asserts
     Dynamo emits after ``nonzero``) to the region, so erasing it leaves nothing dangling."""
     extra: set = set()
     for node in graph.nodes:
-        if node in nodes or node.op in ("placeholder", "output"):
+        if node in nodes or node.op in ("placeholder", "output") or not _is_size_check(node):
             continue
         ins = deps.inputs(node)
         if ins and any(i in nodes or i in extra for i in ins) and all(i in nodes or i in inputs or i in extra for i in ins):
