@@ -183,13 +183,13 @@ class EPMatch(Match):
         return region_mod.replace_region(graph, deps, region, make_call)
 
 
-def find_expert_parallel(graph: fx.Graph, deps: Deps, candidate: Candidate, example_inputs) -> EPMatch:
-    """``example_inputs``: the pipeline's ``lift.GraphValues`` (iterates as the example inputs)."""
+def find_expert_parallel(graph: fx.Graph, deps: Deps, candidate: Candidate, values) -> EPMatch:
+    """``values``: the pipeline's ``lift.GraphValues`` (real values on the example inputs)."""
     kind = style(candidate)
     if kind == "all_to_all":
-        return _find_all_to_all(graph, deps, candidate, example_inputs)
+        return _find_all_to_all(graph, deps, candidate, values)
     if kind == "all_reduce":
-        return _find_all_reduce(graph, deps, candidate, example_inputs)
+        return _find_all_reduce(graph, deps, candidate, values)
     raise Refusal("no expert-parallel collective around these experts", candidate.topk)
 
 
@@ -234,7 +234,7 @@ def _not_proven(err: float, tol: float, at: fx.Node) -> Refusal:
 # ----------------------------------------------------------------------------- style (b): all_reduce
 
 
-def _find_all_reduce(graph, deps: Deps, candidate: Candidate, example_inputs) -> EPMatch:
+def _find_all_reduce(graph, deps: Deps, candidate: Candidate, values) -> EPMatch:
     ids = topk_indices(candidate.topk)
     E = router_width(candidate.topk)
     from_ids = deps.descendants([ids])
@@ -250,7 +250,6 @@ def _find_all_reduce(graph, deps: Deps, candidate: Candidate, example_inputs) ->
     ordered = [c for _, c in keyed]
     roles, _ = _local_roles(deps, candidate, ordered)
     params = _params(roles)
-    values = {n_: v for n_, v in zip([p for p in graph.nodes if p.op == "placeholder"], example_inputs)}
     hidden_sizes = tuple(values[roles.fc2[0]].shape[-2:])
     K = candidate_top_k(candidate)
     region = region_mod.cut_region(graph, deps, candidate.topk, [c.down for c in ordered], params, K, E,
@@ -262,7 +261,7 @@ def _find_all_reduce(graph, deps: Deps, candidate: Candidate, example_inputs) ->
     _drop_absorbed_collectives(deps, region)
     reduce = _reducing_collective(deps, region)
     world = resolve_group(group_name_of(reduce), reduce).size()
-    values = lift_mod.evaluate(graph, deps, example_inputs, [region.x, region.ids, *region.extra_inputs])
+    values.compute([region.x, region.ids, *region.extra_inputs])
     hyps = lift_mod.hypotheses(deps, region, ordered, roles, values)
     if not hyps:
         raise Refusal("the expert weight shapes fit no supported gate/up layout", ordered[0].down)
@@ -453,7 +452,7 @@ def _same_list(a, b) -> bool:
     return a is not None and b is not None and len(a) == len(b) and all(x is y or x == y for x, y in zip(a, b))
 
 
-def _find_all_to_all(graph, deps: Deps, candidate: Candidate, example_inputs) -> EPMatch:
+def _find_all_to_all(graph, deps: Deps, candidate: Candidate, values) -> EPMatch:
     ids = topk_indices(candidate.topk)
     E = router_width(candidate.topk)
     if E is None:
@@ -462,13 +461,11 @@ def _find_all_to_all(graph, deps: Deps, candidate: Candidate, example_inputs) ->
     ordered = _order_local(deps, candidate.clusters)
     roles, local = _local_roles(deps, candidate, ordered)
     params = _params(roles)
-    placeholders = [p for p in graph.nodes if p.op == "placeholder"]
-    values = dict(zip(placeholders, example_inputs))
     hidden_sizes = tuple(values[roles.fc2[0]].shape[-2:])
     downs = [c.down for c in ordered]
     region = _cut_first_closed(graph, deps, ids, downs, hidden_sizes, params)
     skeleton = _skeleton(deps, region, downs, E, local)
-    values = lift_mod.evaluate(graph, deps, example_inputs, [region.x, region.ids, *region.extra_inputs])
+    values.compute([region.x, region.ids, *region.extra_inputs])
     hyps = lift_mod.hypotheses(deps, region, ordered, roles, values)
     hyps.sort(key=lambda h: h.attrs.weight_on != "output")  # the combine weights after the reverse all-to-all
     if not hyps:

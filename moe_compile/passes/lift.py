@@ -154,9 +154,6 @@ class GraphValues:
     def __getitem__(self, node: fx.Node):
         return self._interp.env[node]
 
-    def __iter__(self):  # the example inputs, in placeholder order
-        return iter(self.inputs.values())
-
     def compute(self, wanted) -> GraphValues:
         env = self._interp.env
         needed = self.deps.ancestors(wanted, stop=lambda n: n in env)
@@ -165,11 +162,6 @@ class GraphValues:
                 if node.op not in ("placeholder", "output") and node not in env:
                     env[node] = self._interp.run_node(node)
         return self
-
-
-def evaluate(graph, deps, values: GraphValues, wanted) -> dict:
-    """Real values of ``wanted`` (and everything computed so far) as a node -> value mapping."""
-    return values.compute(wanted)._interp.env
 
 
 def lift(family, graph, deps, candidate, roles: Roles, values: GraphValues, top_k, num_experts) -> Match:
