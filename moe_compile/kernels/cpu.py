@@ -39,7 +39,7 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int):
 SKINNY_ROWS = 256
 
 
-def _linear_into(x, weight, transposed: bool, out=None):
+def expert_linear(x, weight, transposed: bool, out=None):
     """x [n, in] times the expert's weight as stored -> [n, out] (no copy of the weight)."""
     w_out_in = weight.t() if transposed else weight  # [out, in] view
     if w_out_in.dtype != x.dtype:
@@ -53,13 +53,13 @@ def _linear_into(x, weight, transposed: bool, out=None):
 def _fc1(xs, w: ExpertWeights, attrs: FFNAttrs, e: int):
     """FC1 of expert e -> (gate [n, F], up [n, F] or None): views of one GEMM's output for fused
     layouts, two separate GEMM outputs for separate weights (no concatenation copy)."""
-    h = _linear_into(xs, w.fc1_of(e), w.transposed)  # [n, 2F] or [n, F]
+    h = expert_linear(xs, w.fc1_of(e), w.transposed)  # [n, 2F] or [n, F]
     if w.fc1_bias:
         h.add_(w.fc1_bias_of(e).to(h.dtype))
     if attrs.gate_up == "none":
         return h, None
     if attrs.gate_up == "separate":
-        up = _linear_into(xs, w.fc1_up_of(e), w.transposed)
+        up = expert_linear(xs, w.fc1_up_of(e), w.transposed)
         if w.fc1_up_bias:
             up.add_(w.fc1_up_bias_of(e).to(up.dtype))
         return h, up
@@ -101,7 +101,7 @@ def _expert_segment(xs, g, w: ExpertWeights, attrs: FFNAttrs, e: int, out) -> No
     h = _activate(*_fc1(xs, w, attrs, e), attrs)  # [n, F]
     if attrs.weight_on == "between":
         h = h * g
-    _linear_into(h, w.fc2_of(e), w.transposed, out=out)  # [n, H]
+    expert_linear(h, w.fc2_of(e), w.transposed, out=out)  # [n, H]
     if w.fc2_bias:
         out.add_(w.fc2_bias_of(e).to(out.dtype))
     if attrs.weight_on == "output":
