@@ -50,7 +50,9 @@ def explain(module_or_fn, *example_inputs, **options) -> Report:
     """What ``backend="moe"`` would rewrite in ``module_or_fn(*example_inputs)``, and why not.
 
     Traces with Dynamo and runs the MoE pass (including its proof); the rewritten graphs are never
-    executed — the traced function runs once, unmodified, to let Dynamo see every graph.
+    executed — the traced function runs once, unmodified, to let Dynamo see every graph.  Dynamo's
+    caches are reset before and after (explain's traces must not linger in them), so functions
+    compiled earlier recompile on their next call.
     """
     from moe_compile.compiler import collecting_reports, rewrite_graph
 

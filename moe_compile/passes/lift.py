@@ -210,7 +210,7 @@ def _source_of(fc2_nodes) -> str:
     for i, part in enumerate(parts):
         if part.isdigit():
             return ".".join(parts[:i])
-    return ".".join(parts[:-1])
+    return ".".join(parts[:-1]) or path  # weights held by the block itself: name the tensor
 
 
 def int_index_roles(clusters: list[Cluster], refs_of) -> tuple[fx.Node, ...] | None:
