@@ -25,10 +25,15 @@ CUDA_KINDS = {
     (9, 0): DeviceKind("sm90", ("a16w16",), "kernels/triton (bf16/fp16)"),
     (10, 0): DeviceKind("sm100", ("a16w16",), "kernels/triton (bf16/fp16)"),
 }
-# The seed operator's Ascend product table (ascend-mega-moe.zh.md), kept as data: no kernel runs here.
+# The seed operator's Ascend product table (shared/seeds/ascend-mega-moe.zh.md: supported products,
+# and which Linear data types each runs), kept as data: no Ascend kernel runs here.
 ASCEND_VARIANTS = {
-    "Atlas A3 training/inference": ("a16w16", "a8w8-int", "a8w4-int"),
-    "Atlas A2 training/inference": ("a16w16", "a8w8-int"),
+    "Ascend 950PR / 950DT": ("a8w8-fp", "a8w4-fp", "a4w4-fp"),
+    "Atlas A3 training / inference": ("a16w16", "a8w8-int", "a8w4-int"),
+    "Atlas A2 training / inference": ("a16w16", "a8w8-int", "a8w4-int"),
+    "Atlas 200I/500 A2 inference": (),
+    "Atlas inference series": (),
+    "Atlas training series": (),
 }
 
 
@@ -52,5 +57,6 @@ def describe() -> str:
                          f"{kind.kernel}")
     else:
         lines.append("cuda: not available")
-    lines.append("ascend (data only): " + "; ".join(f"{k}: {', '.join(v)}" for k, v in ASCEND_VARIANTS.items()))
+    lines.append("ascend (data only): " + "; ".join(
+        f"{k}: {', '.join(v) or 'not supported'}" for k, v in ASCEND_VARIANTS.items()))
     return "\n".join(lines)
