@@ -44,10 +44,11 @@ def expert_linear(x, weight, transposed: bool, out=None):
     w_out_in = weight.t() if transposed else weight  # [out, in] view
     if w_out_in.dtype != x.dtype:
         w_out_in = w_out_in.to(x.dtype)
+    if out is not None:  # rows of a shared buffer: write in place (a transposed result would need a copy)
+        return torch.mm(x, w_out_in.t(), out=out)
     if x.shape[0] <= SKINNY_ROWS:
-        y = torch.mm(w_out_in, x.t()).t()  # [n, out], a transposed view of [out, n]
-        return out.copy_(y) if out is not None else y
-    return torch.mm(x, w_out_in.t(), out=out) if out is not None else torch.mm(x, w_out_in.t())
+        return torch.mm(w_out_in, x.t()).t()  # [n, out], a transposed view of [out, n]
+    return torch.mm(x, w_out_in.t())
 
 
 def _fc1(xs, w: ExpertWeights, attrs: FFNAttrs, e: int):
