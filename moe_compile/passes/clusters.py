@@ -45,6 +45,8 @@ class Cluster:
     down_w: WeightRef
     fc1: tuple[fx.Node, ...]
     fc1_w: tuple[WeightRef, ...]
+    down_b: WeightRef | None = None  # F.linear's bias operand, when the GEMM has one
+    fc1_b: tuple[WeightRef | None, ...] = ()
 
     @property
     def gemms(self) -> tuple[fx.Node, ...]:
@@ -107,6 +109,14 @@ def gemm_operands(node: fx.Node) -> tuple[fx.Node | None, WeightRef | None]:
     return None, None
 
 
+def linear_bias(node: fx.Node) -> WeightRef | None:
+    """The parameter behind ``F.linear(x, w, b)``'s bias, or None (no bias, or not a linear)."""
+    if target_name(node) != "linear":
+        return None
+    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    return trace_weight(bias) if isinstance(bias, fx.Node) else None
+
+
 def _fc1_gemms(act: fx.Node) -> list[fx.Node]:
     """GEMMs reaching ``act`` through element-wise ops only (the FC1 side of a down GEMM)."""
     found, seen, stack = [], set(), [act]
@@ -138,7 +148,8 @@ def find_clusters(graph: fx.Graph) -> list[Cluster]:
         fc1 = _fc1_gemms(act)
         fc1_w = [gemm_operands(n)[1] for n in fc1]
         if fc1 and len(fc1) <= 2 and all(w is not None for w in fc1_w):
-            clusters.append(Cluster(node, down_w, tuple(fc1), tuple(fc1_w)))
+            clusters.append(Cluster(node, down_w, tuple(fc1), tuple(fc1_w), linear_bias(node),
+                                    tuple(linear_bias(n) for n in fc1)))
     return clusters
 
 

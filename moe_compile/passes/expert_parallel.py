@@ -162,7 +162,8 @@ class EPMatch(Match):
     def replace_with_fused_op(self, graph: fx.Graph, deps: Deps) -> fx.Node:
         spec, region = self.spec, self.region
         a = spec.attrs
-        roles = (list(spec.fc1), list(spec.fc1_up), list(spec.fc2), [], [], [])
+        roles = (list(spec.fc1), list(spec.fc1_up), list(spec.fc2), list(spec.fc1_bias), list(spec.fc1_up_bias),
+                 list(spec.fc2_bias))
         statics = (a.gate_up, a.transposed, a.activation, a.limit, a.alpha, a.weight_on)
         if self.id_offset is None:
             from moe_compile import ep
@@ -212,14 +213,15 @@ def _local_roles(deps: Deps, candidate: Candidate, ordered: list[Cluster]) -> tu
 
 
 def _params(roles: Roles) -> list[fx.Node]:
-    return list(dict.fromkeys((*roles.fc1, *roles.fc1_up, *roles.fc2)))
+    return roles.nodes()
 
 
 def _spec(region: Region, roles_nodes, best: prove.Hypothesis, num_experts: int, top_k: int) -> MoESpec:
-    fc1, up, fc2 = roles_nodes
+    fc1, up, fc2, b1, b1u, b2 = roles_nodes
     return MoESpec(
         family=FAMILY, x=region.x, topk_ids=region.ids, topk_weights=region.weights, output=region.output,
-        fc1=tuple(fc1), fc1_up=tuple(up), fc2=tuple(fc2), fc1_bias=(), fc1_up_bias=(), fc2_bias=(),
+        fc1=tuple(fc1), fc1_up=tuple(up), fc2=tuple(fc2), fc1_bias=tuple(b1), fc1_up_bias=tuple(b1u),
+        fc2_bias=tuple(b2),
         attrs=best.attrs, num_experts=num_experts, top_k=top_k, hidden=best.weights.hidden(),
         ffn=best.weights.ffn(), region=tuple(region.nodes),
         source=lift_mod._source_of(fc2) or module_path(fc2[0]),

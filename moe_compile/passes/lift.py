@@ -30,6 +30,13 @@ class Roles:
     fc1_up: tuple[fx.Node, ...]
     fc2: tuple[fx.Node, ...]
     gate_first_known: bool  # structure told which FC1 GEMM is the gate
+    fc1_bias: tuple[fx.Node, ...] = ()  # same forms as the weights: stacked [E, n] or E x [n]
+    fc1_up_bias: tuple[fx.Node, ...] = ()
+    fc2_bias: tuple[fx.Node, ...] = ()
+
+    def nodes(self) -> list[fx.Node]:
+        return list(dict.fromkeys((*self.fc1, *self.fc1_up, *self.fc2, *self.fc1_bias, *self.fc1_up_bias,
+                                   *self.fc2_bias)))
 
 
 @dataclasses.dataclass
@@ -53,7 +60,8 @@ class Match:
             return g.call_function(
                 torch.ops.moe_compile.fused_moe.default,
                 (self.region.x, self.region.ids, routing, list(spec.fc1), list(spec.fc1_up), list(spec.fc2),
-                 [], [], [], a.gate_up, a.transposed, a.activation, a.limit, a.alpha, a.weight_on),
+                 list(spec.fc1_bias), list(spec.fc1_up_bias), list(spec.fc2_bias),
+                 a.gate_up, a.transposed, a.activation, a.limit, a.alpha, a.weight_on),
             )
 
         return region_mod.replace_region(graph, deps, self.region, make_call)
@@ -128,12 +136,11 @@ def hypotheses(deps, region, clusters, roles: Roles, values) -> list[prove.Hypot
         _layouts(roles, values, x_hidden), acts, limits, places, orders
     ):
         fc1, up = (roles.fc1_up, roles.fc1) if swap else (roles.fc1, roles.fc1_up)
-        weights = ExpertWeights(
-            tuple(values[n] for n in fc1), tuple(values[n] for n in up), tuple(values[n] for n in roles.fc2),
-            transposed=transposed,
-        )
+        b1, b1u = (roles.fc1_up_bias, roles.fc1_bias) if swap else (roles.fc1_bias, roles.fc1_up_bias)
+        nodes = (fc1, up, roles.fc2, b1, b1u, roles.fc2_bias)
+        weights = ExpertWeights(*(tuple(values[n] for n in role) for role in nodes), transposed=transposed)
         attrs = FFNAttrs(layout, transposed, act, limit, 1.702, place)
-        out.append(prove.Hypothesis(weights, attrs, (fc1, up, roles.fc2)))
+        out.append(prove.Hypothesis(weights, attrs, nodes))
     return out
 
 
@@ -167,7 +174,7 @@ class GraphValues:
 def lift(family, graph, deps, candidate, roles: Roles, values: GraphValues, top_k, num_experts) -> Match:
     down_w = values[roles.fc2[0]]
     hidden_sizes = tuple(down_w.shape[-2:])
-    params = list(dict.fromkeys((*roles.fc1, *roles.fc1_up, *roles.fc2)))
+    params = roles.nodes()
     region = region_mod.cut_region(
         graph, deps, candidate.topk, [c.down for c in candidate.clusters], params, top_k, num_experts, hidden_sizes
     )
@@ -194,10 +201,11 @@ def lift(family, graph, deps, candidate, roles: Roles, values: GraphValues, top_
         )
     if dense_mode is not None and best.attrs.weight_on != "input":
         raise Refusal("dense-mask experts must weight their input (FFN(0) must be 0)", candidate.clusters[0].down)
-    fc1, up, fc2 = best.roles
+    fc1, up, fc2, b1, b1u, b2 = best.roles
     spec = MoESpec(
         family=family, x=region.x, topk_ids=region.ids, topk_weights=region.weights, output=region.output,
-        fc1=tuple(fc1), fc1_up=tuple(up), fc2=tuple(fc2), fc1_bias=(), fc1_up_bias=(), fc2_bias=(),
+        fc1=tuple(fc1), fc1_up=tuple(up), fc2=tuple(fc2), fc1_bias=tuple(b1), fc1_up_bias=tuple(b1u),
+        fc2_bias=tuple(b2),
         attrs=best.attrs, num_experts=num_experts, top_k=top_k, hidden=best.weights.hidden(),
         ffn=best.weights.ffn(), region=tuple(region.nodes), source=_source_of(fc2),
     )

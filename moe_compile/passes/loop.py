@@ -70,9 +70,34 @@ def find_loop(graph, deps, candidate: Candidate, example_inputs):
     fc1 = _role(clusters, lambda c: by_cluster[id(c)][0])
     up = () if splits[0][1] is None else _role(clusters, lambda c: by_cluster[id(c)][1])
     fc2 = _role(clusters, lambda c: c.down_w)
-    roles = Roles(fc1, up, fc2, gate_first_known=all(s[2] for s in splits))
+    roles = Roles(fc1, up, fc2, gate_first_known=all(s[2] for s in splits),
+                  **_bias_roles(clusters, by_cluster, candidate))
     top_k = candidate_top_k(candidate)
     return lift(FAMILY, graph, deps, candidate, roles, example_inputs, top_k, len(clusters))
+
+
+def _bias_roles(clusters, by_cluster, candidate: Candidate) -> dict:
+    """Bias roles from ``F.linear``'s bias operands; every expert must agree on having one."""
+    def bias_of(c, gemm_ref):
+        if gemm_ref is None:
+            return None
+        return c.fc1_b[c.fc1_w.index(gemm_ref)] if c.fc1_b else None
+
+    picks = {
+        "fc1_bias": lambda c: bias_of(c, by_cluster[id(c)][0]),
+        "fc1_up_bias": lambda c: bias_of(c, by_cluster[id(c)][1]),
+        "fc2_bias": lambda c: c.down_b,
+    }
+    roles = {}
+    for name, pick in picks.items():
+        refs = [pick(c) for c in clusters]
+        if all(r is None for r in refs):
+            roles[name] = ()
+        elif any(r is None for r in refs):
+            raise Refusal(f"some experts have a {name.replace('_', ' ')} and others not", candidate.topk)
+        else:
+            roles[name] = _role(clusters, pick)
+    return roles
 
 
 def candidate_top_k(candidate: Candidate) -> int:

@@ -99,3 +99,23 @@ def test_clamped_gelu_tanh_experts():
     (entry,) = report.rewritten
     assert entry.activation == "gelu_tanh"
     assert rel_err(got, model(x)) <= TOL[torch.float32]
+
+
+class BiasedExperts(zoo.ModuleListMoE):
+    """Experts built from nn.Linear(bias=True) (GPT-OSS-like experts carry biases)."""
+
+    def __init__(self, hidden=64, ffn=48, experts=4, top_k=2):
+        super().__init__(hidden, ffn, experts, top_k)
+        for expert in self.experts:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                old = getattr(expert, name)
+                setattr(expert, name, nn.Linear(old.in_features, old.out_features, bias=True))
+
+
+def test_experts_with_biases():
+    model = BiasedExperts()
+    x = torch.randn(1, 9, 64)
+    want = model(x)
+    got, report = run_compiled(model, x)
+    assert len(report.rewritten) == 1
+    assert rel_err(got, want) <= TOL[torch.float32]
