@@ -106,3 +106,23 @@ def test_fake_impl_keeps_tokens_symbolic():
                              ExpertWeights(tuple(mode.from_tensor(t) for t in w.fc1), (),
                                            tuple(mode.from_tensor(t) for t in w.fc2)), FFNAttrs())
     assert tuple(out.shape) == (5, 16)
+
+
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad", "grad"])
+def test_decode_streaming_threads_respect_grad_modes(mode):
+    # Decode-sized segments run on a small thread pool; grad/inference modes are thread-local, so
+    # the op must behave the same under each mode of the caller (and never record history there).
+    x, ids, g, w = make_case(3, 32, 24, 8, 2)
+    w = ExpertWeights(tuple(torch.nn.Parameter(t) for t in w.fc1), (), tuple(torch.nn.Parameter(t) for t in w.fc2))
+    want = fused_moe_reference(x, ids, g, w, FFNAttrs()).detach()
+    if mode == "inference_mode":
+        with torch.inference_mode():
+            out = call_fused_moe(x, ids, g, w, FFNAttrs())
+    elif mode == "no_grad":
+        with torch.no_grad():
+            out = call_fused_moe(x, ids, g, w, FFNAttrs())
+    else:
+        out = call_fused_moe(x, ids, g, w, FFNAttrs())
+        out.sum().backward()
+        assert w.fc1[0].grad is not None
+    torch.testing.assert_close(out.detach(), want, rtol=1e-5, atol=1e-5)
