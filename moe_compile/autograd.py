@@ -87,16 +87,19 @@ def _fused_moe_backward_fake(
     return [t.new_empty(t.shape) if need else t.new_empty(0) for t, need in zip(inputs, needs)]
 
 
-def _setup_context(ctx, inputs, output) -> None:
+def save_inputs(ctx, inputs, output) -> None:
+    """setup_context shared by the fused ops (single-device and expert-parallel): save the inputs
+    only (references to tensors the caller holds anyway); FC1/activation are recomputed."""
     x, topk_ids, topk_weights, *rest = inputs
     roles, statics = rest[:6], rest[6:]
     ctx.lengths = [len(role) for role in roles]
-    ctx.statics = tuple(statics)  # gate_up, transposed, activation, limit, alpha, weight_on
-    # Inputs only (references to tensors the caller holds anyway); FC1/activation are recomputed.
+    ctx.statics = tuple(statics)  # gate_up, transposed, activation, limit, alpha, weight_on, [EP options]
     ctx.save_for_backward(x, topk_ids, topk_weights, *[t for role in roles for t in role])
 
 
-def _backward(ctx, grad_y):
+def unpack_saved(ctx):
+    """(x, topk_ids, topk_weights, roles, needs): ``needs`` has one bool per gradient the backward
+    op returns — x, topk_weights, then every tensor of every role."""
     x, topk_ids, topk_weights, *flat_w = ctx.saved_tensors
     roles, i = [], 0
     for n in ctx.lengths:
@@ -104,18 +107,27 @@ def _backward(ctx, grad_y):
         i += n
     ni = ctx.needs_input_grad  # (x, ids, weights, [per tensor of fc1], ..., statics...)
     needs = [bool(ni[0]), bool(ni[2]), *[bool(b) for k in range(6) for b in ni[3 + k]]]
-    none_roles = [[None] * len(role) for role in roles]
-    if not any(needs):
-        return (None, None, None, *none_roles, *([None] * 6))
-    flat = torch.ops.moe_compile.fused_moe_backward(
-        grad_y, x, topk_ids, topk_weights, *roles, *ctx.statics, needs
-    )
+    return x, topk_ids, topk_weights, roles, needs
+
+
+def pack_grads(ctx, flat, needs) -> tuple:
+    """The backward op's flat gradient list -> autograd's per-input tuple (None where not needed)."""
     flat = [g if need else None for g, need in zip(flat, needs)]
     dx, dg, i, role_grads = flat[0], flat[1], 2, []
     for n in ctx.lengths:
         role_grads.append(flat[i : i + n])
         i += n
-    return (dx, None, dg, *role_grads, *([None] * 6))
+    return (dx, None, dg, *role_grads, *([None] * len(ctx.statics)))
 
 
-torch.library.register_autograd(OP_NAME, _backward, setup_context=_setup_context)
+def _backward(ctx, grad_y):
+    x, topk_ids, topk_weights, roles, needs = unpack_saved(ctx)
+    if not any(needs):
+        return pack_grads(ctx, [None] * len(needs), needs)
+    flat = torch.ops.moe_compile.fused_moe_backward(
+        grad_y, x, topk_ids, topk_weights, *roles, *ctx.statics, needs
+    )
+    return pack_grads(ctx, flat, needs)
+
+
+torch.library.register_autograd(OP_NAME, _backward, setup_context=save_inputs)

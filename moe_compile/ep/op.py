@@ -38,6 +38,7 @@ from moe_compile.kernels.cpu_backward import ROLES
 from moe_compile.kernels.ep_cpu import experts_backward_on_rows, experts_on_rows
 from moe_compile.kernels.reference import compute_dtype
 from moe_compile.ops import attrs_from_args, check_inputs, weights_from_args
+from moe_compile.autograd import pack_grads, save_inputs, unpack_saved
 
 OP_NAME = "moe_compile::fused_moe_ep"
 BACKWARD_OP_NAME = "moe_compile::fused_moe_ep_backward"
@@ -190,33 +191,14 @@ def ep_backward(grad_y, x, topk_ids, topk_weights, w, attrs, need_roles, group_n
     return dx.to(x.dtype), dg.view(T, K).to(topk_weights.dtype), acc
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    x, topk_ids, topk_weights, *rest = inputs
-    roles, statics = rest[:6], rest[6:]
-    ctx.lengths = [len(role) for role in roles]
-    ctx.statics = tuple(statics)
-    ctx.save_for_backward(x, topk_ids, topk_weights, *[t for role in roles for t in role])
-
-
 def _backward(ctx, grad_y):
-    x, topk_ids, topk_weights, *flat_w = ctx.saved_tensors
-    roles, i = [], 0
-    for n in ctx.lengths:
-        roles.append(list(flat_w[i : i + n]))
-        i += n
-    ni = ctx.needs_input_grad
-    needs = [bool(ni[0]), bool(ni[2]), *[bool(b) for k in range(6) for b in ni[3 + k]]]
+    x, topk_ids, topk_weights, roles, needs = unpack_saved(ctx)
     # Every rank must join the backward exchange (it serves its peers' rows) even if it needs nothing.
     flat = torch.ops.moe_compile.fused_moe_ep_backward(grad_y, x, topk_ids, topk_weights, *roles, *ctx.statics, needs)
-    flat = [g if need else None for g, need in zip(flat, needs)]
-    dx, dg, i, role_grads = flat[0], flat[1], 2, []
-    for n in ctx.lengths:
-        role_grads.append(flat[i : i + n])
-        i += n
-    return (dx, None, dg, *role_grads, *([None] * len(ctx.statics)))
+    return pack_grads(ctx, flat, needs)
 
 
-torch.library.register_autograd(OP_NAME, _backward, setup_context=_setup_context)
+torch.library.register_autograd(OP_NAME, _backward, setup_context=save_inputs)
 
 
 def call_fused_moe_ep(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group, num_experts: int, *,
