@@ -30,8 +30,25 @@ from moe_compile.ops import OP_NAME, attrs_from_args, weights_from_args
 BACKWARD_OP_NAME = "moe_compile::fused_moe_backward"
 
 
-def _flat_inputs(x, topk_weights, roles):
+def flat_inputs(x, topk_weights, roles):
+    """The differentiable inputs in the backward ops' output order."""
     return [x, topk_weights, *[t for role in roles for t in role]]
+
+
+def needs_by_role(roles, needs) -> dict:
+    """Split the flat ``needs`` (x, topk_weights, then every role tensor) into role -> [bool]."""
+    out, i = {}, 2
+    for name, role in zip(ROLES, roles):
+        out[name] = list(needs[i : i + len(role)])
+        i += len(role)
+    return out
+
+
+def flat_grads(dx, dg, role_grads: dict, x, topk_weights, roles, needs) -> list:
+    """Backward-op result: one tensor per flat input; an empty [0] where none is needed or made."""
+    flat = [dx, dg, *[g for name in ROLES for g in role_grads[name]]]
+    inputs = flat_inputs(x, topk_weights, roles)
+    return [t.new_empty(0) if (g is None or not need) else g for g, t, need in zip(flat, inputs, needs)]
 
 
 @torch.library.custom_op(BACKWARD_OP_NAME, mutates_args=())
@@ -62,10 +79,7 @@ def fused_moe_backward(
     roles = (fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias)
     w = weights_from_args(*roles, transposed)
     attrs = attrs_from_args(gate_up, transposed, activation, limit, alpha, weight_on)
-    need_roles, i = {}, 2
-    for name, role in zip(ROLES, roles):
-        need_roles[name] = list(needs[i : i + len(role)])
-        i += len(role)
+    need_roles = needs_by_role(roles, needs)
     # CUDA tensors the Triton backward supports go to it; the rest to the plain-torch segment kernel.
     # A backward run inside torch.autocast must not re-cast its GEMMs: the forward's autocast
     # kernel (ops.py) already chose the dtypes, and the gradient buffers follow them.
@@ -73,9 +87,7 @@ def fused_moe_backward(
         dx, dg, role_grads = triton_dispatch.backward(
             grad_y, x, topk_ids, topk_weights, w, attrs, Needs(needs[0], needs[1], need_roles)
         )
-    flat = [dx, dg, *[g for name in ROLES for g in role_grads[name]]]
-    inputs = _flat_inputs(x, topk_weights, roles)
-    return [t.new_empty(0) if g is None else g for g, t in zip(flat, inputs)]
+    return flat_grads(dx, dg, role_grads, x, topk_weights, roles, needs)
 
 
 @fused_moe_backward.register_fake
@@ -83,7 +95,7 @@ def _fused_moe_backward_fake(
     grad_y, x, topk_ids, topk_weights, fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias,
     gate_up, transposed, activation, limit, alpha, weight_on, needs,
 ):
-    inputs = _flat_inputs(x, topk_weights, (fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias))
+    inputs = flat_inputs(x, topk_weights, (fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias))
     return [t.new_empty(t.shape) if need else t.new_empty(0) for t, need in zip(inputs, needs)]
 
 

@@ -181,17 +181,3 @@ class MoESpec:
                 raise ValueError(f"MoESpec.{name} must be a positive int, got {value!r}")
         if not self.fc1 or not self.fc2:
             raise ValueError("MoESpec needs fc1 and fc2 weight nodes")
-
-    def summary(self) -> dict:
-        return {
-            "family": self.family,
-            "num_experts": self.num_experts,
-            "top_k": self.top_k,
-            "hidden": self.hidden,
-            "ffn": self.ffn,
-            "variant": self.variant,
-            "gate_up": self.attrs.gate_up,
-            "activation": self.attrs.activation,
-            "weight_on": self.attrs.weight_on,
-            "source": self.source,
-        }

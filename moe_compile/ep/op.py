@@ -38,7 +38,7 @@ from moe_compile.kernels.cpu_backward import ROLES
 from moe_compile.kernels.ep_cpu import experts_backward_on_rows, experts_on_rows
 from moe_compile.kernels.reference import compute_dtype
 from moe_compile.ops import attrs_from_args, check_inputs, weights_from_args
-from moe_compile.autograd import pack_grads, save_inputs, unpack_saved
+from moe_compile.autograd import flat_grads, flat_inputs, needs_by_role, pack_grads, save_inputs, unpack_saved
 
 OP_NAME = "moe_compile::fused_moe_ep"
 BACKWARD_OP_NAME = "moe_compile::fused_moe_ep_backward"
@@ -124,10 +124,6 @@ def _fused_moe_ep_fake(x, topk_ids, topk_weights, fc1, fc1_up, fc2, fc1_bias, fc
     return x.new_empty(x.shape)
 
 
-def _flat_inputs(x, topk_weights, roles):
-    return [x, topk_weights, *[t for role in roles for t in role]]
-
-
 @torch.library.custom_op(BACKWARD_OP_NAME, mutates_args=())
 def fused_moe_ep_backward(
     grad_y: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -141,22 +137,17 @@ def fused_moe_ep_backward(
     roles = (fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias)
     w = weights_from_args(*roles, transposed)
     attrs = attrs_from_args(gate_up, transposed, activation, limit, alpha, weight_on)
-    need_roles, i = {}, 2
-    for name, role in zip(ROLES, roles):
-        need_roles[name] = list(needs[i : i + len(role)])
-        i += len(role)
+    need_roles = needs_by_role(roles, needs)
     dx, dg, role_grads = ep_backward(grad_y, x, topk_ids, topk_weights, w, attrs, need_roles, group_name,
                                      num_experts, max_tokens, transport, timeout_s)
-    flat = [dx, dg, *[g for name in ROLES for g in role_grads[name]]]
-    inputs = _flat_inputs(x, topk_weights, roles)
-    return [t.new_empty(0) if (g is None or not need) else g for g, t, need in zip(flat, inputs, needs)]
+    return flat_grads(dx, dg, role_grads, x, topk_weights, roles, needs)
 
 
 @fused_moe_ep_backward.register_fake
 def _fused_moe_ep_backward_fake(grad_y, x, topk_ids, topk_weights, fc1, fc1_up, fc2, fc1_bias, fc1_up_bias,
                                 fc2_bias, gate_up, transposed, activation, limit, alpha, weight_on,
                                 group_name, num_experts, max_tokens, transport, chunks, timeout_s, needs):
-    inputs = _flat_inputs(x, topk_weights, (fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias))
+    inputs = flat_inputs(x, topk_weights, (fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias))
     return [t.new_empty(t.shape) if need else t.new_empty(0) for t, need in zip(inputs, needs)]
 
 

@@ -74,7 +74,7 @@ def exchange(ctx: EPContext, plan, base, gpay, compute, q_width: int, q_dtype, *
     ctx.calls += 1
     ctx.store.set(ctx.key("alive", ctx.group_name, ctx.rank), str(ctx.calls))
     dl = _Deadline(ctx, ctx.calls, timeout_s)
-    R, el, g = ctx.world, plan.local_experts, ctx.group
+    R, g = ctx.world, ctx.group
     allc = [torch.empty_like(plan.counts) for _ in range(R)]  # R x [R, El]: every rank's counts
     dl.wait(dist.all_gather(allc, plan.counts.contiguous(), group=g, async_op=True), "the counts exchange")
     matrix = torch.stack(allc)  # [R_src, R_dst, El]

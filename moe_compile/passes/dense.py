@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from moe_compile.passes.clusters import Candidate
+from moe_compile.passes.clusters import Candidate, weight_refs
 from moe_compile.passes.graph import is_view_like, target_name
 from moe_compile.passes.lift import Match
 from moe_compile.passes.region import Refusal, topk_indices
@@ -23,7 +23,7 @@ FAMILY = "dense"
 
 
 def claims(candidate: Candidate) -> bool:
-    refs = [w for c in candidate.clusters for w in (*c.fc1_w, c.down_w)]
+    refs = weight_refs(candidate)
     return all(w.indexed_by is None and w.expert is None for w in refs) and all(
         w.param.meta["example_value"].dim() == 3 for w in refs
     )

@@ -283,7 +283,7 @@ def _find_all_reduce(graph, deps: Deps, candidate: Candidate, values) -> EPMatch
     if best is None:
         raise _not_proven(err, tol, ordered[0].down)
     spec = _spec(region, best.roles, best, E, K)
-    return EPMatch(spec, region, best.weights, err, world_size=world, local_experts=n,
+    return EPMatch(spec, region, err, world_size=world, local_experts=n,
                    group_name=group_name_of(reduce), id_offset=lo)
 
 
@@ -482,7 +482,7 @@ def _find_all_to_all(graph, deps: Deps, candidate: Candidate, values) -> EPMatch
     if best is None:
         raise _not_proven(err, tol, downs[0])
     spec = _spec(region, best.roles, best, E, K)
-    return EPMatch(spec, region, best.weights, err, world_size=skeleton.world, local_experts=local,
+    return EPMatch(spec, region, err, world_size=skeleton.world, local_experts=local,
                    group_name=skeleton.group_name)
 
 

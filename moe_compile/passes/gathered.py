@@ -9,14 +9,14 @@ materialising T*K copies of them.
 
 from __future__ import annotations
 
-from moe_compile.passes.clusters import Candidate
+from moe_compile.passes.clusters import Candidate, weight_refs
 from moe_compile.passes.stacked import find_stacked
 
 FAMILY = "gathered"
 
 
 def claims(candidate: Candidate) -> bool:
-    refs = [w for c in candidate.clusters for w in (*c.fc1_w, c.down_w)]
+    refs = weight_refs(candidate)
     return bool(refs) and all(w.indexed_by is not None for w in refs)
 
 

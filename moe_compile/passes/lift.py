@@ -45,7 +45,6 @@ class Match:
 
     spec: MoESpec
     region: Region
-    weights: ExpertWeights  # real tensors (for verify)
     error: float
 
     def replace_with_fused_op(self, graph: fx.Graph, deps: Deps) -> fx.Node:
@@ -209,7 +208,7 @@ def lift(family, graph, deps, candidate, roles: Roles, values: GraphValues, top_
         attrs=best.attrs, num_experts=num_experts, top_k=top_k, hidden=best.weights.hidden(),
         ffn=best.weights.ffn(), region=tuple(region.nodes), source=_source_of(fc2),
     )
-    return Match(spec, region, best.weights, err)
+    return Match(spec, region, err)
 
 
 def _source_of(fc2_nodes) -> str:

@@ -10,7 +10,7 @@ by the constant e of their mask when the graph shows it, else by graph order; th
 
 from __future__ import annotations
 
-from moe_compile.passes.clusters import Candidate, Cluster
+from moe_compile.passes.clusters import Candidate, Cluster, weight_refs
 from moe_compile.passes.graph import target_name
 from moe_compile.passes.lift import Roles, expert_constant, int_index_roles, lift
 from moe_compile.passes.region import Refusal, topk_indices
@@ -20,7 +20,7 @@ FAMILY = "loop"
 
 def claims(candidate: Candidate) -> bool:
     """Per-expert 2-D weights (Linears, or int slices of a stacked tensor), no gathered weights."""
-    refs = [w for c in candidate.clusters for w in (*c.fc1_w, c.down_w)]
+    refs = weight_refs(candidate)
     if any(w.indexed_by is not None for w in refs):
         return False
     return all(w.expert is not None or _ndim(w.param) == 2 for w in refs)
