@@ -5,11 +5,13 @@ Shapes:  T tokens, H hidden, F expert FFN width, E experts, K experts per token.
 * The backward is its own custom op, ``moe_compile::fused_moe_backward``, with a fake impl, so
   AOTAutograd and Inductor see one opaque node in the backward graph (like the forward) and a
   compiled training step — forward, loss, backward, optimizer step — compiles end to end.
-* Memory: the forward saves only its inputs (x, ids, routing weights and the weight tensors it
-  was given — references, no copies).  No FC1 output or activation is kept; the backward kernel
-  recomputes FC1 and the activation per expert segment (``kernels/cpu_backward.py``; on CUDA
-  ``kernels/triton/backward.py`` where it supports the layout, see ``triton_dispatch.backward``).  That costs
-  one extra FC1 GEMM (~1/3 of the forward FLOPs) and saves [T*K, 2F] of activations per layer.
+* What is saved: the inputs (x, ids, routing weights and the weight tensors it was given —
+  references, no copies).  ``fused_moe_train``, the form the passes emit where the graph will be
+  differentiated, also saves FC1's output [T*K, F2] on CPU (what an eager loop keeps, in one
+  buffer), so the backward does no FC1 GEMM again; only the activation is recomputed from it.
+  ``fused_moe`` called directly under autograd saves no activation and the backward recomputes FC1
+  per expert segment (one extra FC1 GEMM, ~1/3 of the forward FLOPs, for [T*K, F2] less memory);
+  so does the Triton backward on CUDA (``kernels/triton/backward.py``, ``triton_dispatch.backward``).
 * Gradients go to x, topk_weights and every weight / bias tensor in every layout; list arguments
   get a list of gradients back.  Inputs with ``requires_grad=False`` (frozen experts, a frozen
   router) are skipped: ``ctx.needs_input_grad`` has one bool per tensor of a ``Tensor[]``
@@ -25,7 +27,7 @@ import torch
 
 from moe_compile.kernels import triton_dispatch
 from moe_compile.kernels.cpu_backward import ROLES, Needs
-from moe_compile.ops import OP_NAME, attrs_from_args, weights_from_args
+from moe_compile.ops import OP_NAME, TRAIN_OP_NAME, attrs_from_args, weights_from_args
 
 BACKWARD_OP_NAME = "moe_compile::fused_moe_backward"
 
@@ -70,11 +72,13 @@ def fused_moe_backward(
     alpha: float,
     weight_on: str,
     needs: list[bool],
+    fc1_out: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Gradients of [x, topk_weights, *fc1, *fc1_up, *fc2, *fc1_bias, *fc1_up_bias, *fc2_bias].
 
     ``needs`` has one bool per entry of that list; an entry not needed comes back as an empty
     [0] tensor (an op cannot return None inside a Tensor[]), which the autograd glue maps to None.
+    ``fc1_out``: FC1's output saved by ``fused_moe_train`` (None or empty: recompute it).
     """
     roles = (fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias)
     w = weights_from_args(*roles, transposed)
@@ -84,8 +88,9 @@ def fused_moe_backward(
     # A backward run inside torch.autocast must not re-cast its GEMMs: the forward's autocast
     # kernel (ops.py) already chose the dtypes, and the gradient buffers follow them.
     with torch.autocast(x.device.type, enabled=False):
+        saved = fc1_out if fc1_out is not None and fc1_out.numel() > 0 else None
         dx, dg, role_grads = triton_dispatch.backward(
-            grad_y, x, topk_ids, topk_weights, w, attrs, Needs(needs[0], needs[1], need_roles)
+            grad_y, x, topk_ids, topk_weights, w, attrs, Needs(needs[0], needs[1], need_roles), saved
         )
     return flat_grads(dx, dg, role_grads, x, topk_weights, roles, needs)
 
@@ -93,26 +98,37 @@ def fused_moe_backward(
 @fused_moe_backward.register_fake
 def _fused_moe_backward_fake(
     grad_y, x, topk_ids, topk_weights, fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias,
-    gate_up, transposed, activation, limit, alpha, weight_on, needs,
+    gate_up, transposed, activation, limit, alpha, weight_on, needs, fc1_out=None,
 ):
     inputs = flat_inputs(x, topk_weights, (fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias))
     return [t.new_empty(t.shape) if need else t.new_empty(0) for t, need in zip(inputs, needs)]
 
 
-def save_inputs(ctx, inputs, output) -> None:
+def save_inputs(ctx, inputs, output, fc1_out=None) -> None:
     """setup_context shared by the fused ops (single-device and expert-parallel): save the inputs
-    only (references to tensors the caller holds anyway); FC1/activation are recomputed."""
+    (references to tensors the caller holds anyway) and, from ``fused_moe_train``, FC1's output;
+    without it the backward recomputes FC1."""
     x, topk_ids, topk_weights, *rest = inputs
     roles, statics = rest[:6], rest[6:]
     ctx.lengths = [len(role) for role in roles]
     ctx.statics = tuple(statics)  # gate_up, transposed, activation, limit, alpha, weight_on, [EP options]
-    ctx.save_for_backward(x, topk_ids, topk_weights, *[t for role in roles for t in role])
+    ctx.saves_fc1 = fc1_out is not None
+    extra = [fc1_out] if ctx.saves_fc1 else []
+    ctx.save_for_backward(x, topk_ids, topk_weights, *[t for role in roles for t in role], *extra)
+
+
+def _save_inputs_and_fc1(ctx, inputs, output) -> None:
+    """setup_context of ``fused_moe_train``: output = (y, fc1_out); fc1_out gets no gradient."""
+    ctx.mark_non_differentiable(output[1])
+    save_inputs(ctx, inputs, output, fc1_out=output[1])
 
 
 def unpack_saved(ctx):
     """(x, topk_ids, topk_weights, roles, needs): ``needs`` has one bool per gradient the backward
     op returns — x, topk_weights, then every tensor of every role."""
     x, topk_ids, topk_weights, *flat_w = ctx.saved_tensors
+    if ctx.saves_fc1:
+        flat_w = flat_w[:-1]  # the last one is fc1_out (``saved_fc1``)
     roles, i = [], 0
     for n in ctx.lengths:
         roles.append(list(flat_w[i : i + n]))
@@ -132,14 +148,20 @@ def pack_grads(ctx, flat, needs) -> tuple:
     return (dx, None, dg, *role_grads, *([None] * len(ctx.statics)))
 
 
-def _backward(ctx, grad_y):
+def saved_fc1(ctx):
+    """FC1's output saved by ``fused_moe_train``'s forward, or None."""
+    return ctx.saved_tensors[-1] if ctx.saves_fc1 else None
+
+
+def _backward(ctx, grad_y, grad_fc1_out=None):
     x, topk_ids, topk_weights, roles, needs = unpack_saved(ctx)
     if not any(needs):
         return pack_grads(ctx, [None] * len(needs), needs)
     flat = torch.ops.moe_compile.fused_moe_backward(
-        grad_y, x, topk_ids, topk_weights, *roles, *ctx.statics, needs
+        grad_y, x, topk_ids, topk_weights, *roles, *ctx.statics, needs, saved_fc1(ctx)
     )
     return pack_grads(ctx, flat, needs)
 
 
 torch.library.register_autograd(OP_NAME, _backward, setup_context=save_inputs)
+torch.library.register_autograd(TRAIN_OP_NAME, _backward, setup_context=_save_inputs_and_fc1)

@@ -135,6 +135,12 @@ class ExpertWeights:
         w = self.fc2_of(0)
         return w.shape[0] if self.transposed else w.shape[1]
 
+    def fc1_width(self) -> int:
+        """F2: the width of FC1's output, gate and up together (2F gated, F for gate_up "none")."""
+        dim = 1 if self.transposed else 0
+        up = self.fc1_up_of(0).shape[dim] if self.fc1_up else 0
+        return self.fc1_of(0).shape[dim] + up
+
 
 def _pick_bias(role: tuple[torch.Tensor, ...], e: int) -> torch.Tensor | None:
     """Biases: one stacked [E, n] tensor, or E tensors [n]."""

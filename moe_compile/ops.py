@@ -28,6 +28,7 @@ import torch
 from moe_compile.ir import ExpertWeights, FFNAttrs
 
 OP_NAME = "moe_compile::fused_moe"
+TRAIN_OP_NAME = "moe_compile::fused_moe_train"
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -88,6 +89,60 @@ def fused_moe(
     return run_experts(x, topk_ids, topk_weights, w, attrs)
 
 
+@torch.library.custom_op(TRAIN_OP_NAME, mutates_args=())
+def fused_moe_train(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    fc1: list[torch.Tensor],
+    fc1_up: list[torch.Tensor],
+    fc2: list[torch.Tensor],
+    fc1_bias: list[torch.Tensor],
+    fc1_up_bias: list[torch.Tensor],
+    fc2_bias: list[torch.Tensor],
+    gate_up: str,
+    transposed: bool,
+    activation: str,
+    limit: float,
+    alpha: float,
+    weight_on: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_moe`` for a forward whose backward will run: (y [T, H], fc1_out).
+
+    On CPU ``fc1_out`` [T*K, F2] holds FC1's output (before the activation) of the valid slots in
+    expert-sorted order, so the backward reads it instead of recomputing FC1 (1/3 of the forward's
+    FLOPs).  It is what an eager loop keeps for its own backward, in one buffer.  On CUDA it is
+    empty: the Triton backward recomputes FC1 inside its fused kernels.  The passes emit this op
+    (and use only y) where the compiled graph will be differentiated."""
+    w = weights_from_args(fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias, transposed)
+    attrs = attrs_from_args(gate_up, transposed, activation, limit, alpha, weight_on)
+    check_inputs(x, topk_ids, topk_weights, w)
+    fc1_out = _fc1_buffer(x, topk_ids, w)
+    if x.device.type != "cpu":
+        return run_experts(x, topk_ids, topk_weights, w, attrs), fc1_out
+    from moe_compile.kernels.cpu import fused_moe_cpu
+
+    return fused_moe_cpu(x, topk_ids, topk_weights, w, attrs, fc1_out), fc1_out
+
+
+def _fc1_buffer(x, topk_ids, w: ExpertWeights) -> torch.Tensor:
+    """[T*K, F2] in x's dtype on CPU (rows of invalid ids stay unwritten); [0] elsewhere."""
+    if x.device.type != "cpu":
+        return x.new_empty(0)
+    return x.new_empty(topk_ids.numel(), w.fc1_width())
+
+
+@fused_moe_train.register_fake
+def _fused_moe_train_fake(
+    x, topk_ids, topk_weights, fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias,
+    gate_up, transposed, activation, limit, alpha, weight_on,
+):
+    w = weights_from_args(fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias, transposed)
+    attrs_from_args(gate_up, transposed, activation, limit, alpha, weight_on)
+    check_inputs(x, topk_ids, topk_weights, w)
+    return x.new_empty(x.shape), _fc1_buffer(x, topk_ids, w)
+
+
 def run_experts(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs) -> torch.Tensor:
     """Pick the kernel for the device: Triton on CUDA when available, the CPU path otherwise."""
     if x.is_cuda:
@@ -122,7 +177,7 @@ def _fused_moe_fake(
 _AUTOCAST_LIB = torch.library.Library("moe_compile", "IMPL")
 
 
-def _autocast_kernel(device_type: str, key):
+def _autocast_kernel(op, device_type: str, key):
     def kernel(x, topk_ids, topk_weights, fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias, *static):
         dtype = torch.get_autocast_dtype(device_type)
 
@@ -133,17 +188,20 @@ def _autocast_kernel(device_type: str, key):
             return [cast(t) for t in ts]
 
         with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
-            y = torch.ops.moe_compile.fused_moe(
+            out = op(
                 cast(x), topk_ids, cast(topk_weights), casts(fc1), casts(fc1_up), casts(fc2),
                 casts(fc1_bias), casts(fc1_up_bias), casts(fc2_bias), *static,
             )
-        return y.to(x.dtype)
+        if isinstance(out, tuple):  # fused_moe_train: fc1_out stays in the GEMMs' dtype
+            return out[0].to(x.dtype), out[1]
+        return out.to(x.dtype)
 
     return kernel
 
 
 for _device, _key in (("cpu", torch._C.DispatchKey.AutocastCPU), ("cuda", torch._C.DispatchKey.AutocastCUDA)):
-    _AUTOCAST_LIB.impl("fused_moe", _autocast_kernel(_device, _key), _key.name)
+    for _name in ("fused_moe", "fused_moe_train"):
+        _AUTOCAST_LIB.impl(_name, _autocast_kernel(getattr(torch.ops.moe_compile, _name), _device, _key), _key.name)
 
 
 def call_fused_moe(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs) -> torch.Tensor:

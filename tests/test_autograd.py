@@ -59,11 +59,15 @@ def make_routing(T, E, K, dtype=torch.float64, used=None, seed=1):
     return ids.long(), weights.requires_grad_(True)
 
 
-def call_op(x, ids, tw, roles, attrs: FFNAttrs):
-    return torch.ops.moe_compile.fused_moe(
+def call_op(x, ids, tw, roles, attrs: FFNAttrs, train=False):
+    """``fused_moe`` (backward recomputes FC1) or ``fused_moe_train``'s y (backward reads FC1's
+    output saved by the forward): both must give the same, exact gradients."""
+    op = torch.ops.moe_compile.fused_moe_train if train else torch.ops.moe_compile.fused_moe
+    out = op(
         x, ids, tw, *[roles[r] for r in ROLES],
         attrs.gate_up, attrs.transposed, attrs.activation, attrs.limit, attrs.alpha, attrs.weight_on,
     )
+    return out[0] if train else out
 
 
 def call_reference(x, ids, tw, roles, attrs: FFNAttrs):
@@ -71,7 +75,8 @@ def call_reference(x, ids, tw, roles, attrs: FFNAttrs):
     return fused_moe_reference(x, ids, tw, w, attrs)
 
 
-def run_gradcheck(T, H, F, E, K, attrs: FFNAttrs, stacked=True, bias=False, used=None, stacked_bias=None):
+def run_gradcheck(T, H, F, E, K, attrs: FFNAttrs, stacked=True, bias=False, used=None, stacked_bias=None,
+                  train=False):
     roles = make_experts(E, H, F, attrs.gate_up, stacked, attrs.transposed, bias, stacked_bias=stacked_bias)
     ids, tw = make_routing(T, E, K, used=used)
     x = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
@@ -82,7 +87,7 @@ def run_gradcheck(T, H, F, E, K, attrs: FFNAttrs, stacked=True, bias=False, used
         for r, n in zip(ROLES, lengths):
             rebuilt[r] = list(flat[i : i + n])
             i += n
-        return call_op(x, ids, tw, rebuilt, attrs)
+        return call_op(x, ids, tw, rebuilt, attrs, train)
 
     flat = [t for r in ROLES for t in roles[r]]
     assert torch.autograd.gradcheck(fn, (x, tw, *flat), eps=1e-6, atol=1e-6, rtol=1e-4)
@@ -94,9 +99,10 @@ def run_gradcheck(T, H, F, E, K, attrs: FFNAttrs, stacked=True, bias=False, used
 @pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "list"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["linear", "transposed"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-def test_gradcheck_layouts(gate_up, stacked, transposed, bias):
+@pytest.mark.parametrize("train", [False, True], ids=["recompute", "saved_fc1"])
+def test_gradcheck_layouts(gate_up, stacked, transposed, bias, train):
     attrs = FFNAttrs(gate_up=gate_up, transposed=transposed)
-    run_gradcheck(5, 6, 4, 4, 2, attrs, stacked=stacked, bias=bias)
+    run_gradcheck(5, 6, 4, 4, 2, attrs, stacked=stacked, bias=bias, train=train)
 
 
 @pytest.mark.parametrize("weight_on", ["output", "between", "input"])
@@ -104,7 +110,8 @@ def test_gradcheck_layouts(gate_up, stacked, transposed, bias):
 @pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "list"])
 def test_gradcheck_weight_on_and_k(weight_on, K, stacked):
     attrs = FFNAttrs(gate_up="concat", weight_on=weight_on)
-    run_gradcheck(5, 6, 4, max(4, K), K, attrs, stacked=stacked, bias=True)
+    # the list form runs the training op: weight_on "input" saves FC1 of the scaled input
+    run_gradcheck(5, 6, 4, max(4, K), K, attrs, stacked=stacked, bias=True, train=not stacked)
 
 
 @pytest.mark.parametrize(
@@ -112,9 +119,10 @@ def test_gradcheck_weight_on_and_k(weight_on, K, stacked):
     [("gelu", 0.0, "concat"), ("gelu_tanh", 0.0, "separate"), ("relu", 0.0, "none"),
      ("silu", 0.0, "none"), ("silu", 0.7, "concat"), ("gptoss", 0.7, "interleaved")],
 )
-def test_gradcheck_activations(activation, limit, gate_up):
+@pytest.mark.parametrize("train", [False, True], ids=["recompute", "saved_fc1"])
+def test_gradcheck_activations(activation, limit, gate_up, train):
     attrs = FFNAttrs(gate_up=gate_up, activation=activation, limit=limit)
-    run_gradcheck(5, 6, 4, 4, 2, attrs, bias=True)
+    run_gradcheck(5, 6, 4, 4, 2, attrs, bias=True, train=train)
 
 
 @pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "list"])
@@ -122,7 +130,7 @@ def test_gradcheck_activations(activation, limit, gate_up):
 def test_gradcheck_zero_token_experts(stacked, weight_on):
     # ids drawn from experts {0, 1} only: experts 2..5 receive no token.
     attrs = FFNAttrs(gate_up="separate", weight_on=weight_on)
-    run_gradcheck(5, 6, 4, 6, 2, attrs, stacked=stacked, bias=True, used=2)
+    run_gradcheck(5, 6, 4, 6, 2, attrs, stacked=stacked, bias=True, used=2, train=stacked)
 
 
 @pytest.mark.parametrize("stacked,stacked_bias", [(True, False), (False, True)])
@@ -136,15 +144,16 @@ def test_gradcheck_odd_token_counts(T):
     run_gradcheck(T, 6, 4, 4, 2, FFNAttrs(gate_up="interleaved", transposed=True), stacked=False, bias=True)
 
 
-def test_out_of_range_ids_get_no_gradient():
+@pytest.mark.parametrize("train", [False, True], ids=["recompute", "saved_fc1"])
+def test_out_of_range_ids_get_no_gradient(train):
     roles = make_experts(4, 6, 4, bias=True)
     ids, tw = make_routing(5, 4, 2)
-    ids[0, 1] = -1  # sentinel: contributes nothing
+    ids[0, 1] = -1  # sentinel: contributes nothing (sorts before every segment: saved rows shift)
     ids[3, 0] = 4
     x = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
-    call_op(x, ids, tw, roles, FFNAttrs()).square().sum().backward()
+    call_op(x, ids, tw, roles, FFNAttrs(), train).square().sum().backward()
     assert tw.grad[0, 1] == 0 and tw.grad[3, 0] == 0
-    assert torch.autograd.gradcheck(lambda x, tw: call_op(x, ids, tw, roles, FFNAttrs()), (x, tw))
+    assert torch.autograd.gradcheck(lambda x, tw: call_op(x, ids, tw, roles, FFNAttrs(), train), (x, tw))
 
 
 def test_empty_batch_backward():

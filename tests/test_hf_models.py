@@ -75,3 +75,27 @@ def test_hf_mixtral_full_model_inductor():
         got, report = run_compiled(model, ids, inner="inductor")
     assert len(report.rewritten) == 1
     assert rel_err(got.logits, want) <= 1e-4  # fp32 through attention + norm: a few ulps amplify
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_hf_experts_called_with_outside_routing(impl):
+    # The experts module alone, routed from logits the caller hands in: the tokens are a graph input
+    # the router never reads, and still the one [T, H] input of the region.
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    cfg = configs()["mixtral"]
+    cfg._experts_implementation = impl
+    experts = MixtralExperts(cfg)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+
+    def routed(x, logits):
+        tw, ids = torch.topk(logits.softmax(-1), 2, dim=-1)  # [T, 2]
+        return experts(x, ids, tw)
+
+    x, logits = torch.randn(11, H), torch.randn(11, 8)
+    with torch.no_grad():
+        want = routed(x, logits)
+        got, report = run_compiled(routed, x, logits)
+    assert [r.family for r in report.rewritten] == [FAMILY[impl]]
+    assert rel_err(got, want) <= TOL[torch.float32]

@@ -129,3 +129,19 @@ def test_autocast_bf16_with_fp32_master_weights(inner):
     for name in want:
         assert got[name].dtype == torch.float32
         assert rel_err(got[name], want[name]) <= GRAD_TOL[torch.bfloat16], name
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "no_grad"])
+def test_training_graph_saves_fc1_and_inference_graph_does_not(training, tmp_path):
+    # A graph that will be differentiated gets fused_moe_train (its backward reads the saved FC1
+    # output); under no_grad the plain op runs and nothing extra is kept.
+    torch._dynamo.reset()
+    model = zoo.ModuleListMoE(experts=4)
+    compiled = torch.compile(model, backend="moe", options={"dump": str(tmp_path), "inner": "eager"})
+    x = torch.randn(1, 6, 64)
+    with capture_flags(), torch.set_grad_enabled(training):
+        out = compiled(x)
+    assert rel_err(out, model(x)) <= GRAD_TOL[torch.float32]
+    (after,) = [p.read_text() for p in tmp_path.rglob("after.py")]
+    op = "fused_moe_train.default" if training else "fused_moe.default"
+    assert op in after and ("fused_moe_train" in after) == training

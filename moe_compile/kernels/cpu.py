@@ -53,19 +53,25 @@ def expert_linear(x, weight, transposed: bool, out=None):
     return torch.mm(x, w_out_in.t())
 
 
-def _fc1(xs, w: ExpertWeights, attrs: FFNAttrs, e: int):
+def _fc1(xs, w: ExpertWeights, attrs: FFNAttrs, e: int, save=None):
     """FC1 of expert e -> (gate [n, F], up [n, F] or None): views of one GEMM's output for fused
-    layouts, two separate GEMM outputs for separate weights (no concatenation copy)."""
+    layouts, two separate GEMM outputs for separate weights (no concatenation copy).  ``save``
+    ([n, F2] rows of the training forward's buffer) receives FC1's output before the activation
+    overwrites it, in the layout the backward reads (gate|up halves for "separate")."""
     h = expert_linear(xs, w.fc1_of(e), w.transposed)  # [n, 2F] or [n, F]
     if w.fc1_bias:
         h.add_(w.fc1_bias_of(e).to(h.dtype))
-    if attrs.gate_up == "none":
-        return h, None
     if attrs.gate_up == "separate":
         up = expert_linear(xs, w.fc1_up_of(e), w.transposed)
         if w.fc1_up_bias:
             up.add_(w.fc1_up_bias_of(e).to(up.dtype))
+        if save is not None:
+            torch.cat([h, up], dim=1, out=save)
         return h, up
+    if save is not None:
+        save.copy_(h)
+    if attrs.gate_up == "none":
+        return h, None
     if attrs.gate_up == "interleaved":
         return h[:, 0::2], h[:, 1::2]
     return h.chunk(2, dim=-1)
@@ -97,11 +103,12 @@ def _act_inplace(h: torch.Tensor, name: str) -> torch.Tensor:
     raise ValueError(f"unknown activation {name!r}")
 
 
-def _expert_segment(xs, g, w: ExpertWeights, attrs: FFNAttrs, e: int, out) -> None:
-    """Run expert e on its rows xs [n, H] with weights g [n, 1]; write [n, H] into out."""
+def _expert_segment(xs, g, w: ExpertWeights, attrs: FFNAttrs, e: int, out, save=None) -> None:
+    """Run expert e on its rows xs [n, H] with weights g [n, 1]; write [n, H] into out (and FC1's
+    output [n, F2] into save, when given)."""
     if attrs.weight_on == "input":
         xs = xs * g
-    h = _activate(*_fc1(xs, w, attrs, e), attrs)  # [n, F]
+    h = _activate(*_fc1(xs, w, attrs, e, save), attrs)  # [n, F]
     if attrs.weight_on == "between":
         h = h * g
     expert_linear(h, w.fc2_of(e), w.transposed, out=out)  # [n, H]
@@ -139,7 +146,10 @@ def fused_moe_cpu(
     topk_weights: torch.Tensor,  # [T, K]
     w: ExpertWeights,
     attrs: FFNAttrs,
+    fc1_out: torch.Tensor | None = None,  # [T*K, F2]: the training forward's FC1 output, sorted slots
 ) -> torch.Tensor:
+    """y [T, H].  With ``fc1_out`` (training), FC1's output of the i-th valid slot in expert order
+    is written to row i, so the backward reads it instead of recomputing FC1."""
     T, H = x.shape
     K = topk_ids.shape[1]
     acc_dtype = compute_dtype(x.dtype)
@@ -162,7 +172,8 @@ def fused_moe_cpu(
         # (the op's own formula handles gradients; the caller runs below autograd already).
         with torch.inference_mode() if inference else torch.no_grad():
             for e, lo, hi in part:
-                _expert_segment(xs[lo:hi], gs[lo:hi], w, attrs, e, out[lo:hi])
+                save = None if fc1_out is None else fc1_out[lo:hi]
+                _expert_segment(xs[lo:hi], gs[lo:hi], w, attrs, e, out[lo:hi], save)
 
     workers = _stream_workers(segments)
     if workers > 1:  # weight streaming: one expert per core at a time (segments write disjoint rows)

@@ -7,9 +7,9 @@ Shapes:  T tokens, H hidden, F expert FFN width, E experts, K experts per token,
 Plan (mirrors ``kernels/cpu.py``; one host sync):
   1. the same stable sort by expert (``cpu.sort_by_expert``) -> contiguous segments;
   2. gather x rows and grad_y rows of the S' valid slots once, in the compute dtype;
-  3. per expert with tokens: recompute FC1 and the activation on its segment (nothing but the
-     op's inputs is saved by the forward — the activations are recomputed here, segment by
-     segment, so peak memory stays at one segment's [n, F2] intermediates), then
+  3. per expert with tokens: FC1's output h [n, F2] is read from the training forward's saved
+     buffer (``fused_moe_train``) or, when only the inputs were saved (``fused_moe``), recomputed
+     on the segment; the activation is recomputed from h (elementwise, cheap), then
         FC2 wgrad   dW2 = do^T a            (GEMM on the expert's own weight; no stacking copy)
         FC2 dgrad   da  = dy W2
         routing     dg  = <dy, FFN_e(x)> (output) / <da, a> (between) / <dxin, x> (input)
@@ -179,14 +179,15 @@ class _Grads:
 
 
 def _segment_backward(xs, dys, g, w: ExpertWeights, attrs: FFNAttrs, e: int, grads: _Grads,
-                      dxs_out, dg_out, cdt) -> None:
-    """Expert e's rows: xs, dys [n, H], g [n, 1]; writes dx rows [n, H] and dg [n] when asked."""
+                      dxs_out, dg_out, cdt, h_saved=None) -> None:
+    """Expert e's rows: xs, dys [n, H], g [n, 1], FC1's saved output h_saved [n, F2] or None;
+    writes dx rows [n, H] and dg [n] when asked."""
     on = attrs.weight_on
     per_expert = [getattr(grads, r).of(e) for r in ROLES]
     if dxs_out is None and dg_out is None and all(t is None for t in per_expert):
         return  # frozen expert and nothing else asked of it
     xin = xs * g if on == "input" else xs  # [n, H]
-    h = _fc1_recompute(xin, w, e, cdt)  # [n, F2]  recomputed, never saved
+    h = _fc1_recompute(xin, w, e, cdt) if h_saved is None else _w(h_saved, cdt)  # [n, F2]
     a = gated_activation(h, attrs)  # [n, F]
     w2 = _w(w.fc2_of(e), cdt)
     gw2, gb2 = grads.fc2.of(e), grads.fc2_bias.of(e)
@@ -245,6 +246,7 @@ def fused_moe_backward_cpu(
     w: ExpertWeights,
     attrs: FFNAttrs,
     needs: Needs,
+    fc1_out: torch.Tensor | None = None,  # [T*K, F2] saved by fused_moe_train, or None: recompute
 ):
     """Gradients of ``fused_moe``: (dx | None, dtopk_weights | None, {role: [grad | None, ...]})."""
     T, H = x.shape
@@ -257,14 +259,14 @@ def fused_moe_backward_cpu(
     dx = torch.zeros(T, H, dtype=cdt, device=dev) if needs.x else None
     dg_flat = torch.zeros(T * K, dtype=cdt, device=dev) if needs.topk_weights else None  # [S]
     if T > 0 and K > 0:
-        _run_segments(grad_y, x, topk_ids, topk_weights, w, attrs, grads, dx, dg_flat, cdt)
+        _run_segments(grad_y, x, topk_ids, topk_weights, w, attrs, grads, dx, dg_flat, cdt, fc1_out)
     roles = {r: getattr(grads, r).result() for r in ROLES}
     dx = None if dx is None else dx.to(x.dtype)
     dg = None if dg_flat is None else dg_flat.view(T, K).to(topk_weights.dtype)
     return dx, dg, roles
 
 
-def _run_segments(grad_y, x, topk_ids, topk_weights, w, attrs, grads, dx, dg_flat, cdt) -> None:
+def _run_segments(grad_y, x, topk_ids, topk_weights, w, attrs, grads, dx, dg_flat, cdt, fc1_out) -> None:
     K = topk_ids.shape[1]
     order, bounds = sort_by_expert(topk_ids, w.num_experts)
     valid = order[bounds[0] : bounds[-1]]  # [S'] slots with an id in [0, E)
@@ -282,6 +284,7 @@ def _run_segments(grad_y, x, topk_ids, topk_weights, w, attrs, grads, dx, dg_fla
         _segment_backward(
             xs[lo:hi], dys[lo:hi], gs[lo:hi], w, attrs, e, grads,
             None if dxs is None else dxs[lo:hi], None if dgs is None else dgs[lo:hi], cdt,
+            None if fc1_out is None else fc1_out[lo:hi],  # rows in the forward's (same) sorted order
         )
     if dx is not None:
         dx.index_add_(0, tokens, dxs)  # the K input-gradient rows of each token summed at once

@@ -48,7 +48,7 @@ def triton_or_reference(x, topk_ids, topk_weights, w, attrs):
         return fused_moe_reference(x, topk_ids, topk_weights, w, attrs)
 
 
-def backward(grad_y, x, topk_ids, topk_weights, w, attrs, needs):
+def backward(grad_y, x, topk_ids, topk_weights, w, attrs, needs, fc1_out=None):
     """Gradients of the fused op (``cpu_backward.fused_moe_backward_cpu``'s contract): the Triton
     backward for CUDA tensors it supports (``triton.backward.unsupported_reason``: gated silu without
     clamp, weight_on output/between, no biases), the plain-torch segment backward otherwise."""
@@ -67,4 +67,4 @@ def backward(grad_y, x, topk_ids, topk_weights, w, attrs, needs):
                 except Exception as exc:  # noqa: BLE001 - the torch backward is always right
                     _warn_once(f"moe_compile: Triton MoE backward failed ({type(exc).__name__}: {exc}); "
                                "running the torch backward")
-    return fused_moe_backward_cpu(grad_y, x, topk_ids, topk_weights, w, attrs, needs)
+    return fused_moe_backward_cpu(grad_y, x, topk_ids, topk_weights, w, attrs, needs, fc1_out)

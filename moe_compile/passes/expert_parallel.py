@@ -173,8 +173,7 @@ class EPMatch(Match):
         def make_call(g: fx.Graph) -> fx.Node:
             if self.id_offset is not None:
                 local_ids = g.call_function(torch.sub, (region.ids, self.id_offset))  # [T, K]
-                return g.call_function(torch.ops.moe_compile.fused_moe.default,
-                                       (region.x, local_ids, region.weights, *roles, *statics))
+                return lift_mod.emit_fused_moe(g, (region.x, local_ids, region.weights, *roles, *statics))
             return g.call_function(
                 torch.ops.moe_compile.fused_moe_ep.default,
                 (region.x, region.ids, region.weights, *roles, *statics, self.group_name, spec.num_experts,

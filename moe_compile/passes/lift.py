@@ -18,7 +18,7 @@ import torch.fx as fx
 from moe_compile.ir import ExpertWeights, FFNAttrs, MoESpec
 from moe_compile.passes import prove, region as region_mod
 from moe_compile.passes.clusters import Cluster
-from moe_compile.passes.graph import Deps, module_path, shape_of, target_name
+from moe_compile.passes.graph import Deps, meta, module_path, shape_of, target_name
 from moe_compile.passes.region import Refusal, Region
 
 
@@ -56,14 +56,31 @@ class Match:
                 dense = g.call_method("t", (routing,)) if self.region.dense_transposed else routing
                 routing = g.call_method("gather", (dense, 1, self.region.ids))  # [T, K]
             a = spec.attrs
-            return g.call_function(
-                torch.ops.moe_compile.fused_moe.default,
-                (self.region.x, self.region.ids, routing, list(spec.fc1), list(spec.fc1_up), list(spec.fc2),
-                 list(spec.fc1_bias), list(spec.fc1_up_bias), list(spec.fc2_bias),
-                 a.gate_up, a.transposed, a.activation, a.limit, a.alpha, a.weight_on),
-            )
+            args = (self.region.x, self.region.ids, routing, list(spec.fc1), list(spec.fc1_up), list(spec.fc2),
+                    list(spec.fc1_bias), list(spec.fc1_up_bias), list(spec.fc2_bias),
+                    a.gate_up, a.transposed, a.activation, a.limit, a.alpha, a.weight_on)
+            return emit_fused_moe(g, args)
 
         return region_mod.replace_region(graph, deps, self.region, make_call)
+
+
+def will_be_differentiated(args) -> bool:
+    """Whether autograd will run through the op: grad mode is on while the graph is compiled (Dynamo
+    guards on it) and some tensor argument's example value requires grad — AOTAutograd's own test
+    for tracing a backward."""
+    if not torch.is_grad_enabled():
+        return False
+    nodes = [n for a in args for n in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(n, fx.Node)]
+    return any(getattr(meta(n), "requires_grad", False) for n in nodes)
+
+
+def emit_fused_moe(g: fx.Graph, args) -> fx.Node:
+    """A call of ``fused_moe``, or of ``fused_moe_train`` (its y) where the graph will be
+    differentiated, so that the backward reads FC1's saved output instead of recomputing it."""
+    if not will_be_differentiated(args):
+        return g.call_function(torch.ops.moe_compile.fused_moe.default, args)
+    both = g.call_function(torch.ops.moe_compile.fused_moe_train.default, args)
+    return g.call_function(operator.getitem, (both, 0))
 
 
 def _activation_options(nodes) -> list[str]:

@@ -131,14 +131,12 @@ def cut_region(graph: fx.Graph, deps: Deps, topk, downs, params, K: int, E: int,
         stop.add(reshaped)
         visited, frontier, nodes = _slice(deps, output, stop, router)
         frontier.append(reshaped)
-    outside = [n for n in nodes if n.op == "placeholder"]
-    if outside:
-        raise Refusal(f"the experts read graph input '{outside[0].name}', which is not an expert weight", outside[0])
     tensors = [n for n in frontier if meta(n) is not None]
     syms = [n for n in frontier if meta(n) is None]
     if len(tensors) != 1 or not same_shape(value_shape(tensors[0]), value_shape(output)):
         names = ", ".join(sorted(n.name for n in tensors))
-        raise Refusal(f"the experts read router-side tensors other than one [T, H] input: {names}", output)
+        raise Refusal(f"the experts read tensors other than one [T, H] token input and their weights: {names}",
+                      output)
     x = tensors[0]
     buffer = _root_buffer(output)
     _absorb_dead_ends(graph, deps, nodes, stop | set(frontier))
@@ -148,9 +146,12 @@ def cut_region(graph: fx.Graph, deps: Deps, topk, downs, params, K: int, E: int,
 
 
 def _slice(deps: Deps, output, stop: set, router: set):
+    """The region's nodes and its frontier: the router-side values it reads, and graph inputs other
+    than the expert weights (a tokens input the router never reads, as when the routing comes from
+    precomputed logits or is handed in).  cut_region requires the frontier to be one [T, H] tensor."""
     visited = deps.ancestors([output], stop=lambda n: n in stop or n in router)
-    frontier = [n for n in visited if n in router and n not in stop]
-    nodes = {n for n in visited if n not in stop and n not in router}
+    frontier = [n for n in visited if (n in router or n.op == "placeholder") and n not in stop]
+    nodes = {n for n in visited if n not in stop and n not in frontier}
     return visited, frontier, nodes
 
 
