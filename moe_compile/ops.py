@@ -129,7 +129,11 @@ def _fc1_buffer(x, topk_ids, w: ExpertWeights) -> torch.Tensor:
     """[T*K, F2] in x's dtype on CPU (rows of invalid ids stay unwritten); [0] elsewhere."""
     if x.device.type != "cpu":
         return x.new_empty(0)
-    return x.new_empty(topk_ids.numel(), w.fc1_width())
+    from moe_compile.kernels import cpu_memory  # huge pages for a real (not fake) buffer
+
+    if isinstance(x, torch._subclasses.FakeTensor):
+        return x.new_empty(topk_ids.numel(), w.fc1_width())
+    return cpu_memory.empty((topk_ids.numel(), w.fc1_width()), x.dtype, x.device)
 
 
 @fused_moe_train.register_fake

@@ -20,7 +20,14 @@ import torch
 import torch.nn.functional as F
 
 from moe_compile.ir import ExpertWeights, FFNAttrs
+from moe_compile.kernels import cpu_memory
 from moe_compile.kernels.reference import compute_dtype
+
+
+def gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t[index] for [N, H] t into a fresh buffer (huge pages when large, see cpu_memory)."""
+    out = cpu_memory.empty((index.shape[0], t.shape[1]), t.dtype, t.device)
+    return torch.index_select(t, 0, index, out=out)
 
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int):
@@ -158,9 +165,9 @@ def fused_moe_cpu(
     order, bounds = sort_by_expert(topk_ids, w.num_experts)
     valid = order[bounds[0] : bounds[-1]]  # [S'] slots with an id in [0, E)
     tokens = valid // K  # [S']
-    xs = x.index_select(0, tokens)  # [S', H]
+    xs = gather_rows(x, tokens)  # [S', H]
     gs = topk_weights.reshape(-1).index_select(0, valid).to(x.dtype)[:, None]  # [S', 1]
-    out = torch.empty_like(xs)  # [S', H]
+    out = cpu_memory.empty(xs.shape, xs.dtype, xs.device)  # [S', H]
     segments = [(e, bounds[e] - bounds[0], bounds[e + 1] - bounds[0]) for e in range(w.num_experts)]
     segments = [(e, lo, hi) for e, lo, hi in segments if hi > lo]
 
@@ -180,6 +187,6 @@ def fused_moe_cpu(
         list(_pool(workers).map(run, [segments[i::workers] for i in range(workers)]))
     else:
         run(segments)
-    y = torch.zeros(T, H, dtype=acc_dtype)
+    y = cpu_memory.empty((T, H), acc_dtype, x.device).zero_()
     y.index_add_(0, tokens, out.to(acc_dtype))  # [T, H]: the K contributions of each token summed
     return y.to(x.dtype)

@@ -30,7 +30,8 @@ import dataclasses
 import torch
 
 from moe_compile.ir import ExpertWeights, FFNAttrs
-from moe_compile.kernels.cpu import expert_linear, sort_by_expert
+from moe_compile.kernels import cpu_memory
+from moe_compile.kernels.cpu import expert_linear, gather_rows, sort_by_expert
 from moe_compile.kernels.reference import compute_dtype, gated_activation
 
 ROLES = ("fc1", "fc1_up", "fc2", "fc1_bias", "fc1_up_bias", "fc2_bias")
@@ -58,7 +59,7 @@ class _RoleGrad:
         # result() zeroes the rest (experts without tokens).  Zero-filling all of it up front cost
         # ~10% of a fine-grained (E=64) training step on the 2-core CI VM.
         self.bufs = [
-            torch.empty(t.shape, dtype=cdt, device=device) if need else None for t, need in zip(role, needs)
+            cpu_memory.empty(t.shape, cdt, device) if need else None for t, need in zip(role, needs)
         ]
         self.written: set[int] = set()
 
@@ -271,10 +272,10 @@ def _run_segments(grad_y, x, topk_ids, topk_weights, w, attrs, grads, dx, dg_fla
     order, bounds = sort_by_expert(topk_ids, w.num_experts)
     valid = order[bounds[0] : bounds[-1]]  # [S'] slots with an id in [0, E)
     tokens = valid // K  # [S']
-    xs = _w(x.index_select(0, tokens), cdt)  # [S', H]
-    dys = _w(grad_y.index_select(0, tokens), cdt)  # [S', H]
+    xs = _w(gather_rows(x, tokens), cdt)  # [S', H]
+    dys = _w(gather_rows(grad_y, tokens), cdt)  # [S', H]
     gs = _w(topk_weights.reshape(-1).index_select(0, valid), cdt)[:, None]  # [S', 1]
-    dxs = torch.empty_like(xs) if dx is not None else None  # [S', H]
+    dxs = cpu_memory.empty(xs.shape, xs.dtype, xs.device) if dx is not None else None  # [S', H]
     dgs = torch.empty(xs.shape[0], dtype=cdt, device=x.device) if dg_flat is not None else None  # [S']
     base = bounds[0]
     for e in range(w.num_experts):
