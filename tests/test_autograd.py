@@ -291,3 +291,15 @@ def test_compiled_training_step_inductor():
     opt.step()
     assert not torch.equal(before, params[0].detach())
     assert not params[0].grad[3].any()  # the idle expert's slice stays zero
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["recompute", "saved_fc1"])
+@pytest.mark.parametrize("weight_on", ["output", "input"])
+def test_gradcheck_across_chunks(monkeypatch, train, weight_on):
+    # Chunks of at most 3 rows: experts are grouped several to a chunk, and an expert with more
+    # rows than that is a chunk of its own — every boundary case of cpu_backward._chunks.
+    from moe_compile.kernels import cpu_backward
+
+    monkeypatch.setattr(cpu_backward, "CHUNK_ROWS", 3)
+    attrs = FFNAttrs(gate_up="separate", weight_on=weight_on)
+    run_gradcheck(7, 6, 4, 5, 2, attrs, stacked=False, bias=True, train=train)

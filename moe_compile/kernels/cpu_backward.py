@@ -6,17 +6,19 @@ Shapes:  T tokens, H hidden, F expert FFN width, E experts, K experts per token,
 
 Plan (mirrors ``kernels/cpu.py``; one host sync):
   1. the same stable sort by expert (``cpu.sort_by_expert``) -> contiguous segments;
-  2. gather x rows and grad_y rows of the S' valid slots once, in the compute dtype;
-  3. per expert with tokens: FC1's output h [n, F2] is read from the training forward's saved
-     buffer (``fused_moe_train``) or, when only the inputs were saved (``fused_moe``), recomputed
-     on the segment; the activation is recomputed from h (elementwise, cheap), then
-        FC2 wgrad   dW2 = do^T a            (GEMM on the expert's own weight; no stacking copy)
+  2. consecutive experts are taken a chunk (<= CHUNK_ROWS rows) at a time: their x and grad_y rows
+     are gathered once, in the compute dtype;
+  3. FC1's output h [n, F2] is read from the training forward's saved buffer (``fused_moe_train``)
+     or, when only the inputs were saved (``fused_moe``), recomputed expert by expert; then, with
+     the elementwise steps done once per chunk and the GEMMs once per expert:
+        act         a   = act(h)                 (recomputed: elementwise, cheap)
+        FC2 wgrad   dW2 = do^T a                 (GEMM into the expert's gradient slot)
         FC2 dgrad   da  = dy W2
-        routing     dg  = <dy, FFN_e(x)> (output) / <da, a> (between) / <dxin, x> (input)
-        act bwd     dh  = act'(h) da        (aten's silu/gelu/threshold backward, clamp masks)
+        routing     dg  = <da, a> (output, between) / <dxin, x> (input)
+        act bwd     dh  = act'(h) (g da)         (aten's silu/gelu/threshold backward, clamp masks)
         FC1 wgrad   dW1 = dh^T xin
-        FC1 dgrad   dxin = dh W1            written into its rows of one [S', H] buffer;
-  4. one ``index_add_`` sums the K input-gradient rows of each token into dx [T, H].
+        FC1 dgrad   dxin = dh W1;
+  4. one ``index_add_`` per chunk sums the input-gradient rows of each token into dx [T, H].
 
 Gradients accumulate in fp32 (fp64 for fp64 inputs, so gradcheck sees the exact formula) and are
 returned in each input's dtype.  Experts with no tokens get zero gradients; inputs that do not
@@ -137,11 +139,6 @@ def _w(t: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
     return t if t.dtype == cdt else t.to(cdt)
 
 
-def _mm_t(a, w, transposed: bool):
-    """a [n, out] times the stored weight back to [n, in] (the dgrad of ``x @ W`` / ``F.linear``)."""
-    return a @ w.t() if transposed else a @ w
-
-
 def _wgrad(dout, inp, transposed: bool, out) -> None:
     """Weight gradient into ``out`` in the stored layout: [out, in] = dout^T inp, or its transpose."""
     if transposed:
@@ -179,64 +176,128 @@ class _Grads:
     fc2_bias: _RoleGrad
 
 
-def _segment_backward(xs, dys, g, w: ExpertWeights, attrs: FFNAttrs, e: int, grads: _Grads,
-                      dxs_out, dg_out, cdt, h_saved=None) -> None:
-    """Expert e's rows: xs, dys [n, H], g [n, 1], FC1's saved output h_saved [n, F2] or None;
-    writes dx rows [n, H] and dg [n] when asked."""
-    on = attrs.weight_on
-    per_expert = [getattr(grads, r).of(e) for r in ROLES]
-    if dxs_out is None and dg_out is None and all(t is None for t in per_expert):
-        return  # frozen expert and nothing else asked of it
-    xin = xs * g if on == "input" else xs  # [n, H]
-    h = _fc1_recompute(xin, w, e, cdt) if h_saved is None else _w(h_saved, cdt)  # [n, F2]
-    a = gated_activation(h, attrs)  # [n, F]
-    w2 = _w(w.fc2_of(e), cdt)
-    gw2, gb2 = grads.fc2.of(e), grads.fc2_bias.of(e)
-    if gw2 is not None or gb2 is not None:
-        do = dys * g if on == "output" else dys  # [n, H]
-        if gw2 is not None:
-            _wgrad(do, a * g if on == "between" else a, w.transposed, gw2)
-        if gb2 is not None:
-            torch.sum(do, 0, out=gb2)
-    g1, g1u, gb1, gb1u = (grads.fc1.of(e), grads.fc1_up.of(e), grads.fc1_bias.of(e), grads.fc1_up_bias.of(e))
-    need_dh = dxs_out is not None or any(t is not None for t in (g1, g1u, gb1, gb1u))
-    need_dh = need_dh or (dg_out is not None and on == "input")
-    if not need_dh and dg_out is None:
-        return
-    da = _mm_t(dys, w2, w.transposed)  # [n, F]  = dy W2 (unscaled by g)
-    if dg_out is not None and on != "input":
-        torch.sum(da * a, dim=1, out=dg_out)  # <dy W2, a> = <dy, a W2^T>
-        if on == "output" and w.fc2_bias:
-            dg_out.add_(dys @ _w(w.fc2_bias_of(e), cdt))  # + <dy, b2>
-    if not need_dh:
-        return
-    if on != "input":
-        da = da * g
-    dh = gated_activation_backward(h, da, attrs)  # [n, F2]
-    del h, a
+def _dgrad(a, w, transposed: bool, out):
+    """a [n, out] times the stored weight back to [n, in] (the dgrad of ``x @ W`` / ``F.linear``),
+    written into ``out``."""
+    return torch.mm(a, w.t() if transposed else w, out=out)
+
+
+@dataclasses.dataclass
+class _Chunk:
+    """Consecutive experts' rows [lo, hi) of the sorted slots, gathered in the compute dtype."""
+
+    lo: int
+    hi: int
+    experts: list  # (e, lo, hi) relative to the chunk
+    xs: torch.Tensor  # [n, H]
+    dys: torch.Tensor  # [n, H]
+    g: torch.Tensor  # [n, 1]
+
+
+# Elementwise work (activation recompute, its backward, routing-weight scaling) runs once per chunk
+# of consecutive experts rather than once per expert: with 64 experts of ~64 rows each, per-expert
+# elementwise calls cost more than their arithmetic.  A chunk holds at most this many rows (an
+# expert with more rows is a chunk of its own), so the chunk's [n, H] / [n, F2] temporaries stay a
+# few MiB and peak memory does not grow with T.
+CHUNK_ROWS = 1024
+
+
+def _chunks(bounds: list, base: int):
+    """Lists of (e, lo, hi) slot ranges (relative to ``base``) of the experts with tokens."""
+    group, rows = [], 0
+    for e in range(len(bounds) - 1):
+        lo, hi = bounds[e] - base, bounds[e + 1] - base
+        if hi == lo:
+            continue  # no tokens: its gradient buffers stay zero
+        if group and rows + hi - lo > CHUNK_ROWS:
+            yield group
+            group, rows = [], 0
+        group.append((e, lo, hi))
+        rows += hi - lo
+    if group:
+        yield group
+
+
+def _fc1_rows(chunk: _Chunk, xin, w: ExpertWeights, cdt, fc1_out):
+    """h [n, F2]: the forward's saved FC1 output for the chunk's rows, or FC1 recomputed."""
+    if fc1_out is not None:
+        return _w(fc1_out[chunk.lo : chunk.hi], cdt)
+    h = torch.empty(xin.shape[0], w.fc1_width(), dtype=cdt, device=xin.device)
+    for e, lo, hi in chunk.experts:
+        h[lo:hi] = _fc1_recompute(xin[lo:hi], w, e, cdt)
+    return h
+
+
+def _fc2_backward(chunk: _Chunk, a, w: ExpertWeights, on: str, grads: _Grads, cdt):
+    """FC2 weight and bias gradients per expert, and da = dy W2 [n, F] (unscaled by g)."""
+    if any(grads.fc2.of(e) is not None or grads.fc2_bias.of(e) is not None for e, _, _ in chunk.experts):
+        do = chunk.dys * chunk.g if on == "output" else chunk.dys  # [n, H]
+        a_in = a * chunk.g if on == "between" else a  # [n, F]
+        for e, lo, hi in chunk.experts:
+            gw2, gb2 = grads.fc2.of(e), grads.fc2_bias.of(e)
+            if gw2 is not None:
+                _wgrad(do[lo:hi], a_in[lo:hi], w.transposed, gw2)
+            if gb2 is not None:
+                torch.sum(do[lo:hi], 0, out=gb2)
+    da = torch.empty_like(a)  # [n, F]
+    for e, lo, hi in chunk.experts:
+        _dgrad(chunk.dys[lo:hi], _w(w.fc2_of(e), cdt), w.transposed, da[lo:hi])
+    return da
+
+
+def _routing_grad_before_fc1(chunk: _Chunk, a, da, w: ExpertWeights, on: str, cdt):
+    """dg [n] for weight_on output / between: <dy W2, a> (= <dy, a W2^T>), + <dy, b2> (output)."""
+    dg = (da * a).sum(dim=1)
+    if on == "output" and w.fc2_bias:
+        for e, lo, hi in chunk.experts:
+            dg[lo:hi] += chunk.dys[lo:hi] @ _w(w.fc2_bias_of(e), cdt)
+    return dg
+
+
+def _fc1_backward(chunk: _Chunk, xin, dh, w: ExpertWeights, grads: _Grads, cdt, dxin):
+    """FC1 weight / bias gradients per expert and, into ``dxin`` [n, H] when given, dh W1."""
     if w.fc1_up:
         dh_gate, dh_up = dh.chunk(2, dim=1)  # [n, F] each
     else:
         dh_gate, dh_up = dh, None
-    if g1 is not None:
-        _wgrad(dh_gate, xin, w.transposed, g1)
-    if gb1 is not None:
-        torch.sum(dh_gate, 0, out=gb1)
-    if g1u is not None:
-        _wgrad(dh_up, xin, w.transposed, g1u)
-    if gb1u is not None:
-        torch.sum(dh_up, 0, out=gb1u)
-    if dxs_out is None and not (dg_out is not None and on == "input"):
-        return
-    dxin = _mm_t(dh_gate, _w(w.fc1_of(e), cdt), w.transposed)  # [n, H]
-    if dh_up is not None:
-        dxin = dxin + _mm_t(dh_up, _w(w.fc1_up_of(e), cdt), w.transposed)
-    if on == "input":
-        if dg_out is not None:
-            torch.sum(dxin * xs, dim=1, out=dg_out)
-        dxin = dxin * g
-    if dxs_out is not None:
-        dxs_out.copy_(dxin)
+    for e, lo, hi in chunk.experts:
+        for grad_w, grad_b, part in ((grads.fc1.of(e), grads.fc1_bias.of(e), dh_gate),
+                                     (grads.fc1_up.of(e), grads.fc1_up_bias.of(e), dh_up)):
+            if grad_w is not None:
+                _wgrad(part[lo:hi], xin[lo:hi], w.transposed, grad_w)
+            if grad_b is not None:
+                torch.sum(part[lo:hi], 0, out=grad_b)
+        if dxin is not None:
+            _dgrad(dh_gate[lo:hi], _w(w.fc1_of(e), cdt), w.transposed, dxin[lo:hi])
+            if dh_up is not None:  # separate up projection: + dh_up W1_up
+                up = _w(w.fc1_up_of(e), cdt)
+                dxin[lo:hi].addmm_(dh_up[lo:hi], up.t() if w.transposed else up)
+
+
+def _chunk_backward(chunk: _Chunk, w: ExpertWeights, attrs: FFNAttrs, grads: _Grads, want_dx: bool,
+                    want_dg: bool, cdt, fc1_out):
+    """(dx rows [n, H] | None, dg [n] | None) of one chunk; weight gradients go to ``grads``."""
+    on = attrs.weight_on
+    xin = chunk.xs * chunk.g if on == "input" else chunk.xs  # [n, H]
+    h = _fc1_rows(chunk, xin, w, cdt, fc1_out)  # [n, F2]
+    a = gated_activation(h, attrs)  # [n, F]
+    da = _fc2_backward(chunk, a, w, on, grads, cdt)  # [n, F]
+    dg = _routing_grad_before_fc1(chunk, a, da, w, on, cdt) if want_dg and on != "input" else None
+    fc1_grads = any(getattr(grads, r).of(e) is not None for r in ROLES[:2] + ROLES[3:5] for e, _, _ in chunk.experts)
+    need_dxin = want_dx or (want_dg and on == "input")
+    if not (fc1_grads or need_dxin):
+        return None, dg
+    if on != "input":
+        da.mul_(chunk.g)
+    dh = gated_activation_backward(h, da, attrs)  # [n, F2]
+    del h, a, da
+    dxin = torch.empty_like(chunk.xs) if need_dxin else None  # [n, H]
+    _fc1_backward(chunk, xin, dh, w, grads, cdt, dxin)
+    if on == "input" and dxin is not None:
+        if want_dg:
+            dg = (dxin * chunk.xs).sum(dim=1)
+        dxin.mul_(chunk.g)
+    return (dxin if want_dx else None), dg
 
 
 def fused_moe_backward_cpu(
@@ -270,24 +331,17 @@ def fused_moe_backward_cpu(
 def _run_segments(grad_y, x, topk_ids, topk_weights, w, attrs, grads, dx, dg_flat, cdt, fc1_out) -> None:
     K = topk_ids.shape[1]
     order, bounds = sort_by_expert(topk_ids, w.num_experts)
-    valid = order[bounds[0] : bounds[-1]]  # [S'] slots with an id in [0, E)
-    tokens = valid // K  # [S']
-    xs = _w(gather_rows(x, tokens), cdt)  # [S', H]
-    dys = _w(gather_rows(grad_y, tokens), cdt)  # [S', H]
-    gs = _w(topk_weights.reshape(-1).index_select(0, valid), cdt)[:, None]  # [S', 1]
-    dxs = cpu_memory.empty(xs.shape, xs.dtype, xs.device) if dx is not None else None  # [S', H]
-    dgs = torch.empty(xs.shape[0], dtype=cdt, device=x.device) if dg_flat is not None else None  # [S']
     base = bounds[0]
-    for e in range(w.num_experts):
-        lo, hi = bounds[e] - base, bounds[e + 1] - base
-        if hi == lo:
-            continue  # no tokens: its gradient buffers stay zero
-        _segment_backward(
-            xs[lo:hi], dys[lo:hi], gs[lo:hi], w, attrs, e, grads,
-            None if dxs is None else dxs[lo:hi], None if dgs is None else dgs[lo:hi], cdt,
-            None if fc1_out is None else fc1_out[lo:hi],  # rows in the forward's (same) sorted order
-        )
-    if dx is not None:
-        dx.index_add_(0, tokens, dxs)  # the K input-gradient rows of each token summed at once
-    if dg_flat is not None:
-        dg_flat.index_copy_(0, valid, dgs)
+    valid = order[base : bounds[-1]]  # [S'] slots with an id in [0, E)
+    tokens = valid // K  # [S']
+    gs = _w(topk_weights.reshape(-1).index_select(0, valid), cdt)[:, None]  # [S', 1]
+    for experts in _chunks(bounds, base):
+        lo, hi = experts[0][1], experts[-1][2]
+        rel = [(e, a - lo, b - lo) for e, a, b in experts]
+        tok = tokens[lo:hi]
+        chunk = _Chunk(lo, hi, rel, _w(gather_rows(x, tok), cdt), _w(gather_rows(grad_y, tok), cdt), gs[lo:hi])
+        dxs, dgs = _chunk_backward(chunk, w, attrs, grads, dx is not None, dg_flat is not None, cdt, fc1_out)
+        if dxs is not None:
+            dx.index_add_(0, tok, dxs)  # the chunk's input-gradient rows summed into their tokens
+        if dgs is not None:
+            dg_flat.index_copy_(0, valid[lo:hi], dgs)
