@@ -2,7 +2,8 @@
 
 Shapes:  T tokens, H hidden, F expert FFN width, E experts, K experts per token.
 
-Variants, each measured in its own subprocess (so peak memory is that variant's alone):
+Variants (all built in one subprocess per shape and timed round-robin, so that the VM's drift hits
+them alike; peak memory measured per variant in a subprocess of its own):
   op        torch.ops.moe_compile.fused_moe_train (the training form the passes emit) + its backward
   loop      a plain per-expert loop block in eager (HF v4 / Mixtral style: where -> gather ->
             3 matmuls -> weight multiply -> index_add_)
@@ -14,11 +15,12 @@ Variants, each measured in its own subprocess (so peak memory is that variant's 
   roof      dense GEMMs of the same FLOPs: 3 x forward FLOPs (forward + dgrad + wgrad), each one
             [T*K, H] x [H, 3F]-shaped so it does 6*T*K*H*F FLOPs like the forward.
 
-Time: median (and min..max spread) of repeated steps after warm-up.  Peak memory: the rise of
+Time: median (and min..max spread) of repeated rounds after warm-up.  Peak memory: the rise of
 VmHWM over VmRSS across one step, in a worker whose VmHWM was reset (``clear_refs`` 5) just
 before; before that step glibc is told to mmap every block >= 64 KiB (``mallopt``) and to trim
 its heap, so freed tensors leave RSS and the baseline is honest (timed steps run without this).
-Weights are per-expert tensors (HF v4 ``ModuleList`` of Linears) for every variant.  Gradients (x and weights) are part of the peak.
+Weights are per-expert tensors (HF v4 ``ModuleList`` of Linears) for op / loop / compiled and stacked
+3-D tensors for hf_gmm / moe.  Gradients (x and weights) are part of the peak.
 
     python benchmarks/bench_cpu_train.py --quick --out results/cpu_train
 """
@@ -157,51 +159,79 @@ def _status(field: str) -> int:
     raise RuntimeError(field)
 
 
-def worker(variant, T, H, Fw, E, K, warmup, repeats) -> dict:
-    torch.manual_seed(0)
-    step, leaves = make_step(variant, T, H, Fw, E, K)
-    t0 = time.perf_counter()
-    step()  # includes compilation for "compiled"
-    first_s = time.perf_counter() - t0
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+def _peak_of_one_step(step, leaves) -> int:
+    """VmHWM rise over VmRSS across one step, from an honest baseline (see the module docstring)."""
     for t in leaves:
         t.grad = None
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 65536)  # M_MMAP_THRESHOLD: blocks >= 64 KiB are mmapped and unmapped on free
-    libc.malloc_trim(0)  # give back what the timed steps left in the heap: an honest baseline
+    libc.malloc_trim(0)  # give back what earlier steps left in the heap
     rss0 = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     step()
-    peak = _status("VmHWM") - rss0
+    return _status("VmHWM") - rss0
+
+
+def memory_worker(variant, T, H, Fw, E, K) -> dict:
+    """Peak memory of one step of one variant, alone in this process (after one warm-up step)."""
+    torch.manual_seed(0)
+    step, leaves = make_step(variant, T, H, Fw, E, K)
+    step()  # compiles where the variant compiles
+    return {"variant": variant, "peak_mib": _peak_of_one_step(step, leaves) / 2**20}
+
+
+def timing_worker(variants, T, H, Fw, E, K, warmup, repeats) -> list:
+    """Every variant built in this one process and timed round-robin, so that the machine's drift
+    (±20% between processes on the CI VM) hits all of them alike."""
+    steps, first = {}, {}
+    for v in variants:
+        torch.manual_seed(0)
+        steps[v], _ = make_step(v, T, H, Fw, E, K)
+        t0 = time.perf_counter()
+        steps[v]()  # includes compilation for "compiled" and "moe"
+        first[v] = time.perf_counter() - t0
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    times = {v: [] for v in variants}
+    for _ in range(repeats):
+        for v, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[v].append(time.perf_counter() - t0)
     flops = 3 * 6 * T * K * H * Fw  # forward 2*T*K*(H*2F + F*H), times 3 for dgrad + wgrad
-    med = statistics.median(times)
-    return {
-        "variant": variant, "T": T, "H": H, "F": Fw, "E": E, "K": K,
-        "median_s": med, "min_s": min(times), "max_s": max(times), "first_call_s": first_s,
-        "gflops": flops / med / 1e9, "peak_mib": peak / 2**20, "repeats": repeats,
-    }
+    rows = []
+    for v in variants:
+        med = statistics.median(times[v])
+        rows.append({
+            "variant": v, "T": T, "H": H, "F": Fw, "E": E, "K": K, "median_s": med, "min_s": min(times[v]),
+            "max_s": max(times[v]), "first_call_s": first[v], "gflops": flops / med / 1e9, "repeats": repeats,
+        })
+    return rows
 
 
-def run_cell(variant, T, cfg, warmup, repeats, timeout) -> dict:
+def _run_worker(args, timeout):
+    cmd = [sys.executable, __file__, *map(str, args)]
+    out = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True, timeout=timeout, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_cell(variants, T, cfg, warmup, repeats, timeout) -> list:
+    """Timing of all variants in one subprocess, then each variant's peak memory in its own."""
     H, Fw, E, K = cfg
-    env = dict(os.environ)
-    cmd = [sys.executable, __file__, "--worker", variant, str(T), str(H), str(Fw), str(E), str(K),
-           str(warmup), str(repeats)]
+    base = {"T": T, "H": H, "F": Fw, "E": E, "K": K}
     try:
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=True)
-        return json.loads(out.stdout.strip().splitlines()[-1])
-    except subprocess.TimeoutExpired:
-        return {"variant": variant, "T": T, "H": H, "F": Fw, "E": E, "K": K, "error": f"timeout {timeout}s"}
-    except subprocess.CalledProcessError as err:
-        tail = (err.stderr or "").strip().splitlines()[-1:] or ["?"]
-        return {"variant": variant, "T": T, "H": H, "F": Fw, "E": E, "K": K, "error": tail[0][:200]}
+        rows = _run_worker(["--time", ",".join(variants), T, H, Fw, E, K, warmup, repeats], timeout)
+    except (subprocess.TimeoutExpired, subprocess.CalledProcessError) as err:
+        tail = (getattr(err, "stderr", "") or str(err)).strip().splitlines()[-1:] or ["?"]
+        return [{"variant": v, **base, "error": tail[0][:200]} for v in variants]
+    for row in rows:
+        try:
+            row.update(_run_worker(["--memory", row["variant"], T, H, Fw, E, K], timeout))
+        except (subprocess.TimeoutExpired, subprocess.CalledProcessError):
+            row["peak_mib"] = float("nan")
+    return rows
 
 
 def to_markdown(rows, meta) -> str:
@@ -242,23 +272,26 @@ def to_markdown(rows, meta) -> str:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+    if len(sys.argv) > 1 and sys.argv[1] == "--time":
+        variants, *nums = sys.argv[2:]
+        print(json.dumps(timing_worker(variants.split(","), *map(int, nums))))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--memory":
         variant, *nums = sys.argv[2:]
-        print(json.dumps(worker(variant, *map(int, nums))))
+        print(json.dumps(memory_worker(variant, *map(int, nums))))
         return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="results/bench_cpu_train")
     p.add_argument("--quick", action="store_true", help="one warm-up step, 5 timed steps")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    p.add_argument("--timeout", type=int, default=600, help="seconds per (config, T, variant) worker")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per worker process")
     args = p.parse_args()
     warmup, repeats = (1, 5) if args.quick else (2, 10)
     rows = []
     for cfg in CONFIGS:
         for T in map(int, args.tokens.split(",")):
-            for v in args.variants.split(","):
-                r = run_cell(v, T, cfg, warmup, repeats, args.timeout)
+            for r in run_cell(args.variants.split(","), T, cfg, warmup, repeats, args.timeout):
                 print(json.dumps(r), flush=True)
                 rows.append(r)
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "warmup": warmup, "repeats": repeats}
