@@ -118,8 +118,10 @@ def save_inputs(ctx, inputs, output, fc1_out=None) -> None:
 
 
 def _save_inputs_and_fc1(ctx, inputs, output) -> None:
-    """setup_context of ``fused_moe_train``: output = (y, fc1_out); fc1_out gets no gradient."""
+    """setup_context of ``fused_moe_train``: output = (y, fc1_out); fc1_out gets no gradient, and
+    autograd must not materialise a zero one (a [T*K, F2] buffer) for the backward to ignore."""
     ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
     save_inputs(ctx, inputs, output, fc1_out=output[1])
 
 
@@ -155,7 +157,7 @@ def saved_fc1(ctx):
 
 def _backward(ctx, grad_y, grad_fc1_out=None):
     x, topk_ids, topk_weights, roles, needs = unpack_saved(ctx)
-    if not any(needs):
+    if grad_y is None or not any(needs):  # None: y unused (grads are not materialised for the train op)
         return pack_grads(ctx, [None] * len(needs), needs)
     flat = torch.ops.moe_compile.fused_moe_backward(
         grad_y, x, topk_ids, topk_weights, *roles, *ctx.statics, needs, saved_fc1(ctx)

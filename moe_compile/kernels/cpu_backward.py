@@ -52,39 +52,41 @@ class Needs:
 
 
 class _RoleGrad:
-    """Gradient buffers of one role, in the compute dtype; a stacked role gets one buffer."""
+    """Gradient buffers of one role, in the compute dtype, allocated when first written: a stacked
+    role's one buffer on its first expert's write, per-expert tensors each on their expert's write
+    (as eager autograd makes them appear), so the backward's peak memory does not start with
+    every expert's gradient at once."""
 
     def __init__(self, role: tuple, needs: list, stacked_dim: int, cdt: torch.dtype, device):
-        self.role, self.needs = role, needs
+        self.role, self.needs, self.cdt, self.device = role, needs, cdt, device
         self.stacked = len(role) == 1 and role[0].dim() == stacked_dim
-        # Uninitialised: every slot handed out by of() is overwritten by its expert's GEMM or sum;
-        # result() zeroes the rest (experts without tokens).  Zero-filling all of it up front cost
-        # ~10% of a fine-grained (E=64) training step on the 2-core CI VM.
-        self.bufs = [
-            cpu_memory.empty(t.shape, cdt, device) if need else None for t, need in zip(role, needs)
-        ]
+        self.bufs: list = [None] * len(role)
         self.written: set[int] = set()
 
-    def _slot(self, e: int):
-        if self.stacked:
-            return None if self.bufs[0] is None else self.bufs[0][e]
-        return self.bufs[e]
+    def wants(self, e: int) -> bool:
+        """Whether expert e's gradient of this role is needed (allocates nothing)."""
+        if not self.role:
+            return False
+        return bool(self.needs[0] if self.stacked else self.needs[e])
 
     def of(self, e: int):
         """The [out, in] / [in, out] / [n] gradient slot of expert e, or None when not needed."""
-        if not self.role:
+        if not self.wants(e):
             return None
-        slot = self._slot(e)
-        if slot is not None:
-            self.written.add(e)
-        return slot
+        i = 0 if self.stacked else e
+        if self.bufs[i] is None:
+            # Uninitialised: every slot handed out is overwritten by its expert's GEMM or sum, and
+            # result() zeroes the experts never handed out (no tokens).  Zero-filling all of it
+            # up front cost ~10% of a fine-grained (E=64) training step on the 2-core CI VM.
+            self.bufs[i] = cpu_memory.empty(self.role[i].shape, self.cdt, self.device)
+        self.written.add(e)
+        return self.bufs[0][e] if self.stacked else self.bufs[e]
 
     def result(self) -> list:
-        experts = self.bufs[0].shape[0] if self.stacked and self.bufs[0] is not None else len(self.bufs)
-        for e in range(experts if self.role else 0):
-            slot = self._slot(e)
-            if e not in self.written and slot is not None:
-                slot.zero_()
+        experts = (self.role[0].shape[0] if self.stacked else len(self.role)) if self.role else 0
+        for e in range(experts):
+            if e not in self.written and self.wants(e):
+                self.of(e).zero_()
         return [None if b is None else b.to(t.dtype) for b, t in zip(self.bufs, self.role)]
 
 
@@ -110,6 +112,8 @@ def gated_activation_backward(h: torch.Tensor, da: torch.Tensor, attrs: FFNAttrs
     """d act / d h: FC1 output h [n, F2] and upstream da [n, F] -> dh [n, F2] (h's layout)."""
     if attrs.gate_up == "none":
         return _act_backward(da, h, attrs.activation)
+    if attrs.activation == "silu" and attrs.limit <= 0:
+        return _swiglu_backward(h, da, attrs)
     gate, up = _gate_up_views(h, attrs)  # [n, F] each
     clamp = attrs.limit > 0
     gc = gate.clamp(max=attrs.limit) if clamp else gate
@@ -128,6 +132,23 @@ def gated_activation_backward(h: torch.Tensor, da: torch.Tensor, attrs: FFNAttrs
     dg_view, du_view = _gate_up_views(dh, attrs)
     dg_view.copy_(d_gate)
     du_view.copy_(d_up)
+    return dh
+
+
+def _swiglu_backward(h: torch.Tensor, da: torch.Tensor, attrs: FFNAttrs) -> torch.Tensor:
+    """The common case, silu(gate) * up, written into dh's halves with two [n, F] temporaries
+    (the general path holds five): with s = sigmoid(gate),
+        d_up   = da * gate * s
+        d_gate = da * up * s * (1 + gate * (1 - s))    (aten's silu_backward formula)."""
+    gate, up = _gate_up_views(h, attrs)  # [n, F] each
+    dh = torch.empty_like(h)
+    d_gate, d_up = _gate_up_views(dh, attrs)
+    s = torch.sigmoid(gate)
+    torch.mul(gate, s, out=d_up)  # silu(gate)
+    d_up.mul_(da)
+    slope = torch.rsub(s, 1).mul_(gate).add_(1).mul_(s)  # silu'(gate)
+    torch.mul(da, up, out=d_gate)
+    d_gate.mul_(slope)
     return dh
 
 
@@ -199,7 +220,7 @@ class _Chunk:
 # elementwise calls cost more than their arithmetic.  A chunk holds at most this many rows (an
 # expert with more rows is a chunk of its own), so the chunk's [n, H] / [n, F2] temporaries stay a
 # few MiB and peak memory does not grow with T.
-CHUNK_ROWS = 1024
+CHUNK_ROWS = 512
 
 
 def _chunks(bounds: list, base: int):
@@ -230,7 +251,7 @@ def _fc1_rows(chunk: _Chunk, xin, w: ExpertWeights, cdt, fc1_out):
 
 def _fc2_backward(chunk: _Chunk, a, w: ExpertWeights, on: str, grads: _Grads, cdt):
     """FC2 weight and bias gradients per expert, and da = dy W2 [n, F] (unscaled by g)."""
-    if any(grads.fc2.of(e) is not None or grads.fc2_bias.of(e) is not None for e, _, _ in chunk.experts):
+    if any(grads.fc2.wants(e) or grads.fc2_bias.wants(e) for e, _, _ in chunk.experts):
         do = chunk.dys * chunk.g if on == "output" else chunk.dys  # [n, H]
         a_in = a * chunk.g if on == "between" else a  # [n, F]
         for e, lo, hi in chunk.experts:
@@ -283,7 +304,7 @@ def _chunk_backward(chunk: _Chunk, w: ExpertWeights, attrs: FFNAttrs, grads: _Gr
     a = gated_activation(h, attrs)  # [n, F]
     da = _fc2_backward(chunk, a, w, on, grads, cdt)  # [n, F]
     dg = _routing_grad_before_fc1(chunk, a, da, w, on, cdt) if want_dg and on != "input" else None
-    fc1_grads = any(getattr(grads, r).of(e) is not None for r in ROLES[:2] + ROLES[3:5] for e, _, _ in chunk.experts)
+    fc1_grads = any(getattr(grads, r).wants(e) for r in ROLES[:2] + ROLES[3:5] for e, _, _ in chunk.experts)
     need_dxin = want_dx or (want_dg and on == "input")
     if not (fc1_grads or need_dxin):
         return None, dg
