@@ -297,7 +297,7 @@ def test_compiled_training_step_inductor():
 @pytest.mark.parametrize("weight_on", ["output", "input"])
 def test_gradcheck_across_chunks(monkeypatch, train, weight_on):
     # Chunks of at most 3 rows: experts are grouped several to a chunk, and an expert with more
-    # rows than that is a chunk of its own — every boundary case of cpu_backward._chunks.
+    # rows than that is a chunk of its own — every boundary case of cpu.expert_chunks.
     from moe_compile.kernels import cpu_backward
 
     monkeypatch.setattr(cpu_backward, "CHUNK_ROWS", 3)

@@ -29,10 +29,26 @@ def make_case(T, H, F, E, K, gate_up="concat", transposed=False, stacked=True, d
     return x, ids, g, w
 
 
+def force_cpu_path(monkeypatch, path: str) -> None:
+    """"decode": small segments spread over the thread pool in chunks of at most 4 rows; "chunked": serial
+    experts in chunks of at most 4 rows, so that experts share chunks and one expert's rows can
+    exceed a chunk."""
+    from moe_compile.kernels import cpu
+
+    if path == "decode":
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+        monkeypatch.setattr(cpu, "POOL_CHUNK_ROWS", 4)
+    else:
+        monkeypatch.setattr(cpu, "POOL_MAX_ROWS", 0)
+        monkeypatch.setattr(cpu, "CHUNK_ROWS", 4)
+
+
 # fp32: the CPU path sums experts in a different order than the reference: ~1e-6 relative.
+@pytest.mark.parametrize("path", ["decode", "chunked"])
 @pytest.mark.parametrize("gate_up,transposed,weight_on,stacked", list(itertools.product(
     ["concat", "interleaved", "separate", "none"], [False, True], ["output", "between", "input"], [True, False])))
-def test_cpu_matches_reference_all_layouts(gate_up, transposed, weight_on, stacked):
+def test_cpu_matches_reference_all_layouts(gate_up, transposed, weight_on, stacked, path, monkeypatch):
+    force_cpu_path(monkeypatch, path)
     x, ids, g, w = make_case(7, 16, 12, 5, 2, gate_up, transposed, stacked)
     attrs = FFNAttrs(gate_up=gate_up, transposed=transposed, weight_on=weight_on)
     torch.testing.assert_close(call_fused_moe(x, ids, g, w, attrs), fused_moe_reference(x, ids, g, w, attrs),
@@ -57,7 +73,9 @@ def test_all_tokens_on_one_expert_and_empty_experts():
 
 @pytest.mark.parametrize("activation,limit", [("gelu", 0.0), ("gelu_tanh", 0.0), ("relu", 0.0), ("silu", 0.5),
                                               ("gptoss", 0.5)])
-def test_activations(activation, limit):
+@pytest.mark.parametrize("path", ["decode", "chunked"])
+def test_activations(activation, limit, path, monkeypatch):
+    force_cpu_path(monkeypatch, path)
     x, ids, g, w = make_case(9, 16, 12, 4, 2, "interleaved")
     attrs = FFNAttrs(gate_up="interleaved", activation=activation, limit=limit)
     torch.testing.assert_close(call_fused_moe(x, ids, g, w, attrs), fused_moe_reference(x, ids, g, w, attrs),

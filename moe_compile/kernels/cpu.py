@@ -1,14 +1,20 @@
 """Fast CPU path of the fused MoE op.
 
-Shapes:  T tokens, H hidden, F expert FFN width, E experts, K experts per token, S = T*K slots.
+Shapes:  T tokens, H hidden, F expert FFN width, E experts, K experts per token, S = T*K slots,
+         S' the slots whose id lies in [0, E), F2 = FC1 width (2F gated, F for gate_up "none").
 
 Plan (one host sync, no per-call weight copies):
   1. one stable sort of the S flat expert ids -> slots grouped by expert, contiguous segments;
      ``searchsorted`` gives the segment bounds (ids outside [0, E) fall outside every segment);
   2. gather the S' valid slots' token rows once (``index_select``) -> xs [S', H];
-  3. per expert with tokens: FC1 GEMM on the expert's own weight (a view of the stacked tensor or
-     the model's per-expert tensor), activation fused in place, FC2 GEMM written straight into its
-     rows of one output buffer;
+  3. consecutive experts a chunk (<= CHUNK_ROWS rows) at a time:
+       FC1   per expert, a GEMM on the expert's own weight (a view of the stacked tensor or the
+             model's per-expert tensor) written into the chunk's rows of h [n, F2];
+       act   once for the chunk (elementwise work per expert costs more than its arithmetic when
+             64 experts get ~64 rows each);
+       FC2   per expert, written into its rows of one [S', H] output buffer;
+     when every segment has <= POOL_MAX_ROWS rows (decode, fine-grained experts) the GEMMs of a
+     chunk are spread over a small thread pool, several experts at once;
   4. routing weight multiply, then one ``index_add_`` into an fp32 [T, H] accumulator.
 """
 
@@ -21,7 +27,7 @@ import torch.nn.functional as F
 
 from moe_compile.ir import ExpertWeights, FFNAttrs
 from moe_compile.kernels import cpu_memory
-from moe_compile.kernels.reference import compute_dtype
+from moe_compile.kernels.reference import compute_dtype, gated_activation
 
 
 def gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -53,30 +59,30 @@ def expert_linear(x, weight, transposed: bool, out=None):
     w_out_in = weight.t() if transposed else weight  # [out, in] view
     if w_out_in.dtype != x.dtype:
         w_out_in = w_out_in.to(x.dtype)
-    if out is not None:  # rows of a shared buffer: write in place (a transposed result would need a copy)
+    if x.shape[0] > SKINNY_ROWS:
         return torch.mm(x, w_out_in.t(), out=out)
-    if x.shape[0] <= SKINNY_ROWS:
-        return torch.mm(w_out_in, x.t()).t()  # [n, out], a transposed view of [out, n]
-    return torch.mm(x, w_out_in.t())
+    y = torch.mm(w_out_in, x.t()).t()  # [n, out], a transposed view of [out, n]
+    # Into a shared buffer's rows: the copy costs less than the slower GEMM form (n=64..128, E=8..64,
+    # weights not in cache: 25-35 ms either way for FC2 over all experts, skinny + copy never slower).
+    return y if out is None else out.copy_(y)
 
 
-def _fc1(xs, w: ExpertWeights, attrs: FFNAttrs, e: int, save=None):
-    """FC1 of expert e -> (gate [n, F], up [n, F] or None): views of one GEMM's output for fused
-    layouts, two separate GEMM outputs for separate weights (no concatenation copy).  ``save``
-    ([n, F2] rows of the training forward's buffer) receives FC1's output before the activation
-    overwrites it, in the layout the backward reads (gate|up halves for "separate")."""
-    h = expert_linear(xs, w.fc1_of(e), w.transposed)  # [n, 2F] or [n, F]
+def _fc1_into(xs, w: ExpertWeights, e: int, h) -> None:
+    """FC1 of expert e on its rows xs [n, H], written into h [n, F2] (gate|up halves when the up
+    projection is a separate weight, the layout the backward reads from the training buffer)."""
+    first = h[:, : h.shape[1] // 2] if w.fc1_up else h
+    expert_linear(xs, w.fc1_of(e), w.transposed, out=first)
     if w.fc1_bias:
-        h.add_(w.fc1_bias_of(e).to(h.dtype))
-    if attrs.gate_up == "separate":
-        up = expert_linear(xs, w.fc1_up_of(e), w.transposed)
+        first.add_(w.fc1_bias_of(e).to(h.dtype))
+    if w.fc1_up:
+        up = h[:, h.shape[1] // 2 :]
+        expert_linear(xs, w.fc1_up_of(e), w.transposed, out=up)
         if w.fc1_up_bias:
-            up.add_(w.fc1_up_bias_of(e).to(up.dtype))
-        if save is not None:
-            torch.cat([h, up], dim=1, out=save)
-        return h, up
-    if save is not None:
-        save.copy_(h)
+            up.add_(w.fc1_up_bias_of(e).to(h.dtype))
+
+
+def _gate_up(h: torch.Tensor, attrs: FFNAttrs):
+    """(gate [n, F], up [n, F] or None): views of FC1's output h [n, F2] in its layout."""
     if attrs.gate_up == "none":
         return h, None
     if attrs.gate_up == "interleaved":
@@ -110,34 +116,58 @@ def _act_inplace(h: torch.Tensor, name: str) -> torch.Tensor:
     raise ValueError(f"unknown activation {name!r}")
 
 
-def _expert_segment(xs, g, w: ExpertWeights, attrs: FFNAttrs, e: int, out, save=None) -> None:
-    """Run expert e on its rows xs [n, H] with weights g [n, 1]; write [n, H] into out (and FC1's
-    output [n, F2] into save, when given)."""
-    if attrs.weight_on == "input":
-        xs = xs * g
-    h = _activate(*_fc1(xs, w, attrs, e, save), attrs)  # [n, F]
-    if attrs.weight_on == "between":
-        h = h * g
-    expert_linear(h, w.fc2_of(e), w.transposed, out=out)  # [n, H]
+def _fc2_into(a, w: ExpertWeights, e: int, out) -> None:
+    """FC2 of expert e on its rows a [n, F] written into out [n, H], with its bias."""
+    expert_linear(a, w.fc2_of(e), w.transposed, out=out)
     if w.fc2_bias:
         out.add_(w.fc2_bias_of(e).to(out.dtype))
-    if attrs.weight_on == "output":
-        out.mul_(g)
 
 
-# Decode (a few rows per expert) is bound by reading the experts' weights.  One skinny GEMM reads
-# ~13-15 GB/s on the 2-core CI VM whether MKL uses 1 or 2 threads; two experts streamed at once
-# from two Python threads (the GIL is released inside the GEMM) read ~19 GB/s (8 x [4096, 1024]
-# fp32 weights, torch 2.13).  Prefill segments stay serial: their GEMMs already use every core.
-DECODE_MAX_ROWS = 16
+# Experts with few rows each run their GEMMs on a small thread pool, several experts at once (the
+# GIL is released inside the GEMM).  Decode is bound by reading the experts' weights: one skinny
+# GEMM reads ~13-15 GB/s on the 2-core CI VM whether MKL uses 1 or 2 threads (a plain sum reads
+# 31 GB/s), two experts streamed at once read ~19-21 GB/s.  Small prefill GEMMs (fine-grained
+# experts, ~64 rows each) keep both cores busier two at a time than one at a time split over both:
+# E=64, F=512, T=512 went from ~150 to ~120 ms (fp32, torch 2.13).  Experts with more rows than
+# this run one after the other, each GEMM on every core.
+POOL_MAX_ROWS = 128
+# Pooled experts wait for each other at the end of FC1 and of FC2 of every chunk (the activation
+# runs between, once per chunk): larger chunks mean fewer waits.  E=64, F=512, T=512: chunks of
+# 512 / 2048 / 4096 rows took ~150 / ~157 / ~140 ms, serial ~176 ms (same run, fp32, 2 threads).
+POOL_CHUNK_ROWS = 4096
+# Rows per chunk of consecutive experts (prefill): the chunk's [n, F2] and [n, F] temporaries stay
+# a few MiB whatever T is.
+CHUNK_ROWS = 512
 _POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def expert_chunks(bounds: list, base: int, max_rows: int):
+    """Lists of (e, lo, hi) row ranges (relative to ``base``) of the experts with tokens, consecutive
+    experts grouped while their rows fit in ``max_rows`` (a larger expert is a chunk of its own)."""
+    group, rows = [], 0
+    for e in range(len(bounds) - 1):
+        lo, hi = bounds[e] - base, bounds[e + 1] - base
+        if hi == lo:
+            continue
+        if group and rows + hi - lo > max_rows:
+            yield group
+            group, rows = [], 0
+        group.append((e, lo, hi))
+        rows += hi - lo
+    if group:
+        yield group
+
+
+# Each pooled GEMM still runs on torch's intra-op threads (there is no per-call thread count), so
+# more than two at once would oversubscribe the cores without adding bandwidth on the measured VM.
+MAX_POOL_WORKERS = 2
 
 
 def _stream_workers(segments) -> int:
     threads = torch.get_num_threads()
-    if threads < 2 or len(segments) < 2 or max(hi - lo for _, lo, hi in segments) > DECODE_MAX_ROWS:
+    if threads < 2 or len(segments) < 2 or max(hi - lo for _, lo, hi in segments) > POOL_MAX_ROWS:
         return 1
-    return min(threads, len(segments))
+    return min(MAX_POOL_WORKERS, threads, len(segments))
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
@@ -145,6 +175,36 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     if workers not in _POOLS:
         _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="moe_compile_cpu")
     return _POOLS[workers]
+
+
+def _per_expert(fn, experts, workers: int) -> None:
+    """fn(e, lo, hi) for every expert of a chunk, on the caller's thread or spread over the pool."""
+    if workers == 1:
+        for seg in experts:
+            fn(*seg)
+        return
+    inference = torch.is_inference_mode_enabled()
+
+    def run(part):
+        # Grad and inference modes are thread-local: a pool thread takes the caller's inference mode
+        # (its tensors may be inference tensors) and never records autograd history on the weights
+        # (the op's own formula handles gradients; the caller runs below autograd already).
+        with torch.inference_mode() if inference else torch.no_grad():
+            for seg in part:
+                fn(*seg)
+
+    list(_pool(workers).map(run, [experts[i::workers] for i in range(workers)]))
+
+
+def _run_chunk(xin, g, w: ExpertWeights, attrs: FFNAttrs, experts, out, h, workers: int, keep_h: bool):
+    """Rows of one chunk: xin [n, H] (already scaled for weight_on "input"), g [n, 1]; FC1 into
+    h [n, F2], activation, FC2 into out [n, H].  ``keep_h``: h is the training forward's saved
+    FC1 output and must not be overwritten by the activation."""
+    _per_expert(lambda e, lo, hi: _fc1_into(xin[lo:hi], w, e, h[lo:hi]), experts, workers)
+    a = gated_activation(h, attrs) if keep_h else _activate(*_gate_up(h, attrs), attrs)  # [n, F]
+    if attrs.weight_on == "between":
+        a = a * g
+    _per_expert(lambda e, lo, hi: _fc2_into(a[lo:hi], w, e, out[lo:hi]), experts, workers)
 
 
 def fused_moe_cpu(
@@ -163,30 +223,23 @@ def fused_moe_cpu(
     if T == 0 or K == 0:
         return x.new_zeros(T, H)
     order, bounds = sort_by_expert(topk_ids, w.num_experts)
-    valid = order[bounds[0] : bounds[-1]]  # [S'] slots with an id in [0, E)
+    base = bounds[0]
+    valid = order[base : bounds[-1]]  # [S'] slots with an id in [0, E)
     tokens = valid // K  # [S']
     xs = gather_rows(x, tokens)  # [S', H]
     gs = topk_weights.reshape(-1).index_select(0, valid).to(x.dtype)[:, None]  # [S', 1]
+    if attrs.weight_on == "input":
+        xs.mul_(gs)
     out = cpu_memory.empty(xs.shape, xs.dtype, xs.device)  # [S', H]
-    segments = [(e, bounds[e] - bounds[0], bounds[e + 1] - bounds[0]) for e in range(w.num_experts)]
-    segments = [(e, lo, hi) for e, lo, hi in segments if hi > lo]
-
-    inference = torch.is_inference_mode_enabled()
-
-    def run(part):
-        # Grad and inference modes are thread-local: a pool thread takes the caller's inference mode
-        # (its tensors may be inference tensors) and never records autograd history on the weights
-        # (the op's own formula handles gradients; the caller runs below autograd already).
-        with torch.inference_mode() if inference else torch.no_grad():
-            for e, lo, hi in part:
-                save = None if fc1_out is None else fc1_out[lo:hi]
-                _expert_segment(xs[lo:hi], gs[lo:hi], w, attrs, e, out[lo:hi], save)
-
-    workers = _stream_workers(segments)
-    if workers > 1:  # weight streaming: one expert per core at a time (segments write disjoint rows)
-        list(_pool(workers).map(run, [segments[i::workers] for i in range(workers)]))
-    else:
-        run(segments)
+    every = next(expert_chunks(bounds, base, max_rows=xs.shape[0]), [])  # all experts with tokens
+    workers = _stream_workers(every)
+    for experts in expert_chunks(bounds, base, POOL_CHUNK_ROWS if workers > 1 else CHUNK_ROWS):
+        lo, hi = experts[0][1], experts[-1][2]
+        rel = [(e, a - lo, b - lo) for e, a, b in experts]
+        h = fc1_out[lo:hi] if fc1_out is not None else torch.empty(hi - lo, w.fc1_width(), dtype=x.dtype)
+        _run_chunk(xs[lo:hi], gs[lo:hi], w, attrs, rel, out[lo:hi], h, workers, fc1_out is not None)
+    if attrs.weight_on == "output":
+        out.mul_(gs)
     y = cpu_memory.empty((T, H), acc_dtype, x.device).zero_()
     y.index_add_(0, tokens, out.to(acc_dtype))  # [T, H]: the K contributions of each token summed
     return y.to(x.dtype)

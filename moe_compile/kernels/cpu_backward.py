@@ -33,7 +33,7 @@ import torch
 
 from moe_compile.ir import ExpertWeights, FFNAttrs
 from moe_compile.kernels import cpu_memory
-from moe_compile.kernels.cpu import expert_linear, gather_rows, sort_by_expert
+from moe_compile.kernels.cpu import expert_chunks, expert_linear, gather_rows, sort_by_expert
 from moe_compile.kernels.reference import compute_dtype, gated_activation
 
 ROLES = ("fc1", "fc1_up", "fc2", "fc1_bias", "fc1_up_bias", "fc2_bias")
@@ -223,22 +223,6 @@ class _Chunk:
 CHUNK_ROWS = 512
 
 
-def _chunks(bounds: list, base: int):
-    """Lists of (e, lo, hi) slot ranges (relative to ``base``) of the experts with tokens."""
-    group, rows = [], 0
-    for e in range(len(bounds) - 1):
-        lo, hi = bounds[e] - base, bounds[e + 1] - base
-        if hi == lo:
-            continue  # no tokens: its gradient buffers stay zero
-        if group and rows + hi - lo > CHUNK_ROWS:
-            yield group
-            group, rows = [], 0
-        group.append((e, lo, hi))
-        rows += hi - lo
-    if group:
-        yield group
-
-
 def _fc1_rows(chunk: _Chunk, xin, w: ExpertWeights, cdt, fc1_out):
     """h [n, F2]: the forward's saved FC1 output for the chunk's rows, or FC1 recomputed."""
     if fc1_out is not None:
@@ -356,7 +340,7 @@ def _run_segments(grad_y, x, topk_ids, topk_weights, w, attrs, grads, dx, dg_fla
     valid = order[base : bounds[-1]]  # [S'] slots with an id in [0, E)
     tokens = valid // K  # [S']
     gs = _w(topk_weights.reshape(-1).index_select(0, valid), cdt)[:, None]  # [S', 1]
-    for experts in _chunks(bounds, base):
+    for experts in expert_chunks(bounds, base, CHUNK_ROWS):
         lo, hi = experts[0][1], experts[-1][2]
         rel = [(e, a - lo, b - lo) for e, a, b in experts]
         tok = tokens[lo:hi]
