@@ -39,7 +39,7 @@ def force_cpu_path(monkeypatch, path: str) -> None:
         monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
         monkeypatch.setattr(cpu, "POOL_CHUNK_ROWS", 4)
     else:
-        monkeypatch.setattr(cpu, "POOL_MAX_ROWS", 0)
+        monkeypatch.setattr(cpu, "POOL_MAX_FC1_ELEMENTS", 0)
         monkeypatch.setattr(cpu, "CHUNK_ROWS", 4)
 
 

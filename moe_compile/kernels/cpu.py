@@ -13,8 +13,8 @@ Plan (one host sync, no per-call weight copies):
        act   once for the chunk (elementwise work per expert costs more than its arithmetic when
              64 experts get ~64 rows each);
        FC2   per expert, written into its rows of one [S', H] output buffer;
-     when every segment has <= POOL_MAX_ROWS rows (decode, fine-grained experts) the GEMMs of a
-     chunk are spread over a small thread pool, several experts at once;
+     when every expert's GEMMs are small (decode, fine-grained experts: POOL_MAX_FC1_ELEMENTS) the
+     GEMMs of a chunk are spread over a small thread pool, two experts at once;
   4. routing weight multiply, then one ``index_add_`` into an fp32 [T, H] accumulator.
 """
 
@@ -123,14 +123,15 @@ def _fc2_into(a, w: ExpertWeights, e: int, out) -> None:
         out.add_(w.fc2_bias_of(e).to(out.dtype))
 
 
-# Experts with few rows each run their GEMMs on a small thread pool, several experts at once (the
-# GIL is released inside the GEMM).  Decode is bound by reading the experts' weights: one skinny
-# GEMM reads ~13-15 GB/s on the 2-core CI VM whether MKL uses 1 or 2 threads (a plain sum reads
-# 31 GB/s), two experts streamed at once read ~19-21 GB/s.  Small prefill GEMMs (fine-grained
-# experts, ~64 rows each) keep both cores busier two at a time than one at a time split over both:
-# E=64, F=512, T=512 went from ~150 to ~120 ms (fp32, torch 2.13).  Experts with more rows than
-# this run one after the other, each GEMM on every core.
-POOL_MAX_ROWS = 128
+# Experts with small GEMMs run them on a small thread pool, two experts at once (the GIL is
+# released inside the GEMM), instead of one after the other with each GEMM split over both cores.
+# Decode is bound by reading the experts' weights: one skinny GEMM reads ~13-15 GB/s on the
+# 2-core CI VM whether MKL uses 1 or 2 threads (a plain sum reads 31 GB/s); two experts streamed
+# at once read ~19-21 GB/s.  Small prefill GEMMs gain too, large ones lose (fp32, torch 2.13,
+# serial -> pooled): E=64, F=512 (FC1 output [n, 1024]) T=512 (~64 rows each) ~176 -> ~140 ms,
+# T=2048 (~256 rows) ~461 -> ~391 ms; E=8, F=2048 ([n, 4096]) T=512 (~128 rows) ~116 -> ~128 ms,
+# T=2048 ~344 -> ~363 ms.  So: pooled when every expert's FC1 output has at most this many elements.
+POOL_MAX_FC1_ELEMENTS = 384 * 1024
 # Pooled experts wait for each other at the end of FC1 and of FC2 of every chunk (the activation
 # runs between, once per chunk): larger chunks mean fewer waits.  E=64, F=512, T=512: chunks of
 # 512 / 2048 / 4096 rows took ~150 / ~157 / ~140 ms, serial ~176 ms (same run, fp32, 2 threads).
@@ -163,9 +164,11 @@ def expert_chunks(bounds: list, base: int, max_rows: int):
 MAX_POOL_WORKERS = 2
 
 
-def _stream_workers(segments) -> int:
+def stream_workers(segments, fc1_width: int) -> int:
     threads = torch.get_num_threads()
-    if threads < 2 or len(segments) < 2 or max(hi - lo for _, lo, hi in segments) > POOL_MAX_ROWS:
+    if threads < 2 or len(segments) < 2:
+        return 1
+    if max(hi - lo for _, lo, hi in segments) * fc1_width > POOL_MAX_FC1_ELEMENTS:
         return 1
     return min(MAX_POOL_WORKERS, threads, len(segments))
 
@@ -177,7 +180,7 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     return _POOLS[workers]
 
 
-def _per_expert(fn, experts, workers: int) -> None:
+def per_expert(fn, experts, workers: int) -> None:
     """fn(e, lo, hi) for every expert of a chunk, on the caller's thread or spread over the pool."""
     if workers == 1:
         for seg in experts:
@@ -200,11 +203,11 @@ def _run_chunk(xin, g, w: ExpertWeights, attrs: FFNAttrs, experts, out, h, worke
     """Rows of one chunk: xin [n, H] (already scaled for weight_on "input"), g [n, 1]; FC1 into
     h [n, F2], activation, FC2 into out [n, H].  ``keep_h``: h is the training forward's saved
     FC1 output and must not be overwritten by the activation."""
-    _per_expert(lambda e, lo, hi: _fc1_into(xin[lo:hi], w, e, h[lo:hi]), experts, workers)
+    per_expert(lambda e, lo, hi: _fc1_into(xin[lo:hi], w, e, h[lo:hi]), experts, workers)
     a = gated_activation(h, attrs) if keep_h else _activate(*_gate_up(h, attrs), attrs)  # [n, F]
     if attrs.weight_on == "between":
         a = a * g
-    _per_expert(lambda e, lo, hi: _fc2_into(a[lo:hi], w, e, out[lo:hi]), experts, workers)
+    per_expert(lambda e, lo, hi: _fc2_into(a[lo:hi], w, e, out[lo:hi]), experts, workers)
 
 
 def fused_moe_cpu(
@@ -232,7 +235,7 @@ def fused_moe_cpu(
         xs.mul_(gs)
     out = cpu_memory.empty(xs.shape, xs.dtype, xs.device)  # [S', H]
     every = next(expert_chunks(bounds, base, max_rows=xs.shape[0]), [])  # all experts with tokens
-    workers = _stream_workers(every)
+    workers = stream_workers(every, w.fc1_width())
     for experts in expert_chunks(bounds, base, POOL_CHUNK_ROWS if workers > 1 else CHUNK_ROWS):
         lo, hi = experts[0][1], experts[-1][2]
         rel = [(e, a - lo, b - lo) for e, a, b in experts]

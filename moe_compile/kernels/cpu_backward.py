@@ -33,7 +33,7 @@ import torch
 
 from moe_compile.ir import ExpertWeights, FFNAttrs
 from moe_compile.kernels import cpu_memory
-from moe_compile.kernels.cpu import expert_chunks, expert_linear, gather_rows, sort_by_expert
+from moe_compile.kernels.cpu import expert_chunks, expert_linear, gather_rows, per_expert, sort_by_expert, stream_workers
 from moe_compile.kernels.reference import compute_dtype, gated_activation
 
 ROLES = ("fc1", "fc1_up", "fc2", "fc1_bias", "fc1_up_bias", "fc2_bias")
@@ -213,6 +213,7 @@ class _Chunk:
     xs: torch.Tensor  # [n, H]
     dys: torch.Tensor  # [n, H]
     g: torch.Tensor  # [n, 1]
+    workers: int  # experts' GEMMs run this many at a time (cpu.stream_workers)
 
 
 # Elementwise work (activation recompute, its backward, routing-weight scaling) runs once per chunk
@@ -221,6 +222,10 @@ class _Chunk:
 # expert with more rows is a chunk of its own), so the chunk's [n, H] / [n, F2] temporaries stay a
 # few MiB and peak memory does not grow with T.
 CHUNK_ROWS = 512
+# Experts with small GEMMs (cpu.POOL_MAX_FC1_ELEMENTS) run two at a time on the thread pool, in
+# larger chunks (fewer waits for each other); the chunk's temporaries are ~20 floats per row per
+# hidden unit, 2048 rows x H=1024 ~ 80 MiB.
+POOL_CHUNK_ROWS = 2048
 
 
 def _fc1_rows(chunk: _Chunk, xin, w: ExpertWeights, cdt, fc1_out):
@@ -235,18 +240,22 @@ def _fc1_rows(chunk: _Chunk, xin, w: ExpertWeights, cdt, fc1_out):
 
 def _fc2_backward(chunk: _Chunk, a, w: ExpertWeights, on: str, grads: _Grads, cdt):
     """FC2 weight and bias gradients per expert, and da = dy W2 [n, F] (unscaled by g)."""
-    if any(grads.fc2.wants(e) or grads.fc2_bias.wants(e) for e, _, _ in chunk.experts):
-        do = chunk.dys * chunk.g if on == "output" else chunk.dys  # [n, H]
-        a_in = a * chunk.g if on == "between" else a  # [n, F]
-        for e, lo, hi in chunk.experts:
-            gw2, gb2 = grads.fc2.of(e), grads.fc2_bias.of(e)
-            if gw2 is not None:
-                _wgrad(do[lo:hi], a_in[lo:hi], w.transposed, gw2)
-            if gb2 is not None:
-                torch.sum(do[lo:hi], 0, out=gb2)
+    needs_w = any(grads.fc2.wants(e) or grads.fc2_bias.wants(e) for e, _, _ in chunk.experts)
+    do = chunk.dys * chunk.g if needs_w and on == "output" else chunk.dys  # [n, H]
+    a_in = a * chunk.g if needs_w and on == "between" else a  # [n, F]
+    # Slots are taken here, on the calling thread: a role's buffer is allocated on first use.
+    slots = {e: (grads.fc2.of(e), grads.fc2_bias.of(e)) for e, _, _ in chunk.experts}
     da = torch.empty_like(a)  # [n, F]
-    for e, lo, hi in chunk.experts:
+
+    def expert(e, lo, hi):
+        gw2, gb2 = slots[e]
+        if gw2 is not None:
+            _wgrad(do[lo:hi], a_in[lo:hi], w.transposed, gw2)
+        if gb2 is not None:
+            torch.sum(do[lo:hi], 0, out=gb2)
         _dgrad(chunk.dys[lo:hi], _w(w.fc2_of(e), cdt), w.transposed, da[lo:hi])
+
+    per_expert(expert, chunk.experts, chunk.workers)
     return da
 
 
@@ -265,9 +274,11 @@ def _fc1_backward(chunk: _Chunk, xin, dh, w: ExpertWeights, grads: _Grads, cdt, 
         dh_gate, dh_up = dh.chunk(2, dim=1)  # [n, F] each
     else:
         dh_gate, dh_up = dh, None
-    for e, lo, hi in chunk.experts:
-        for grad_w, grad_b, part in ((grads.fc1.of(e), grads.fc1_bias.of(e), dh_gate),
-                                     (grads.fc1_up.of(e), grads.fc1_up_bias.of(e), dh_up)):
+    slots = {e: ((grads.fc1.of(e), grads.fc1_bias.of(e), dh_gate), (grads.fc1_up.of(e), grads.fc1_up_bias.of(e), dh_up))
+             for e, _, _ in chunk.experts}  # taken on the calling thread (allocation on first use)
+
+    def expert(e, lo, hi):
+        for grad_w, grad_b, part in slots[e]:
             if grad_w is not None:
                 _wgrad(part[lo:hi], xin[lo:hi], w.transposed, grad_w)
             if grad_b is not None:
@@ -277,6 +288,8 @@ def _fc1_backward(chunk: _Chunk, xin, dh, w: ExpertWeights, grads: _Grads, cdt, 
             if dh_up is not None:  # separate up projection: + dh_up W1_up
                 up = _w(w.fc1_up_of(e), cdt)
                 dxin[lo:hi].addmm_(dh_up[lo:hi], up.t() if w.transposed else up)
+
+    per_expert(expert, chunk.experts, chunk.workers)
 
 
 def _chunk_backward(chunk: _Chunk, w: ExpertWeights, attrs: FFNAttrs, grads: _Grads, want_dx: bool,
@@ -340,11 +353,14 @@ def _run_segments(grad_y, x, topk_ids, topk_weights, w, attrs, grads, dx, dg_fla
     valid = order[base : bounds[-1]]  # [S'] slots with an id in [0, E)
     tokens = valid // K  # [S']
     gs = _w(topk_weights.reshape(-1).index_select(0, valid), cdt)[:, None]  # [S', 1]
-    for experts in expert_chunks(bounds, base, CHUNK_ROWS):
+    every = next(expert_chunks(bounds, base, valid.shape[0]), [])  # all experts with tokens
+    workers = stream_workers(every, w.fc1_width())
+    for experts in expert_chunks(bounds, base, POOL_CHUNK_ROWS if workers > 1 else CHUNK_ROWS):
         lo, hi = experts[0][1], experts[-1][2]
         rel = [(e, a - lo, b - lo) for e, a, b in experts]
         tok = tokens[lo:hi]
-        chunk = _Chunk(lo, hi, rel, _w(gather_rows(x, tok), cdt), _w(gather_rows(grad_y, tok), cdt), gs[lo:hi])
+        chunk = _Chunk(lo, hi, rel, _w(gather_rows(x, tok), cdt), _w(gather_rows(grad_y, tok), cdt), gs[lo:hi],
+                       workers)
         dxs, dgs = _chunk_backward(chunk, w, attrs, grads, dx is not None, dg_flat is not None, cdt, fc1_out)
         if dxs is not None:
             dx.index_add_(0, tok, dxs)  # the chunk's input-gradient rows summed into their tokens
