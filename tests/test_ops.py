@@ -144,3 +144,16 @@ def test_decode_streaming_threads_respect_grad_modes(mode):
         out.sum().backward()
         assert w.fc1[0].grad is not None
     torch.testing.assert_close(out.detach(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("weight_on", ["output", "between", "input"])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("gate_up", ["concat", "interleaved", "separate", "none"])
+def test_segments_longer_than_skinny_rows(gate_up, transposed, weight_on):
+    # 300 rows on each of 2 experts: prefill-sized.  Stacked weights run torch's grouped GEMM
+    # (cpu.grouped_gemm_fits), except the separate up projection, whose FC1/FC2 write straight
+    # into the chunk's rows with out= past cpu.SKINNY_ROWS (a column half of the FC1 buffer).
+    x, ids, g, w = make_case(300, 16, 12, 2, 2, gate_up, transposed)
+    attrs = FFNAttrs(gate_up=gate_up, transposed=transposed, weight_on=weight_on)
+    torch.testing.assert_close(call_fused_moe(x, ids, g, w, attrs), fused_moe_reference(x, ids, g, w, attrs),
+                               rtol=1e-5, atol=1e-5)
