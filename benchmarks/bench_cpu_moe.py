@@ -25,6 +25,7 @@ faster); ``roof/moe`` = roof time / moe time (1.0 = at the roof).
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 import time
@@ -105,9 +106,11 @@ def run(quick: bool) -> dict:
         n_rewritten, rewritten, skipped = check_rewritten(gmm, H)
         print(f"# {name}: explain -> {n_rewritten} region(s) rewritten {rewritten} skipped {skipped}",
               file=sys.stderr)
+        # Each backend compiles its own copy of the block (same weights, copied): two backends on
+        # one module would share its forward's Dynamo cache, each call checking the other's guards.
         compiled = {
-            "inductor": torch.compile(gmm, dynamic=False),
-            "moe": torch.compile(gmm, backend="moe", dynamic=False),
+            "inductor": torch.compile(copy.deepcopy(gmm), dynamic=False),
+            "moe": torch.compile(copy.deepcopy(gmm), backend="moe", dynamic=False),
         }
         for T in tokens:
             g = torch.Generator().manual_seed(1)

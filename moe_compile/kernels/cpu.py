@@ -201,12 +201,13 @@ def per_expert(fn, experts, workers: int) -> None:
     list(_pool(workers).map(run, [experts[i::workers] for i in range(workers)]))
 
 
-# Prefill on stacked weights without biases runs each FC as one call of torch's native grouped GEMM
-# (``torch._grouped_mm``, the kernel HF transformers' grouped_mm experts call on CPU): one C++ call
-# instead of one GEMM per expert from Python, 5-10% faster at E=8..64, T=512 (fp32, torch 2.13,
-# 2-core CI VM), bit-identical results.  Decode (<= GROUPED_MIN_ROWS rows per expert) streams
-# weights faster on the thread pool (10 vs 15 ms at E=64, T=4), and the training forward writes
-# FC1 into its saved buffer, so both keep the per-expert path.
+# Prefill of experts too large for the pool, on stacked weights without biases, runs each FC as one
+# call of torch's native grouped GEMM (``torch._grouped_mm``, the kernel HF transformers'
+# grouped_mm experts call on CPU): bit-identical results, ~10% faster than per-expert GEMMs from
+# Python at E=8, F=2048, T=512 (94 vs 104 ms, fp32, torch 2.13, 2-core CI VM).  Pooled experts
+# stay on the pool (E=64, F=512: T=2048 374 vs 399 ms; T=512 123 vs 118 ms, within the noise);
+# decode (<= GROUPED_MIN_ROWS rows per expert) streams weights faster per expert (10 vs 15 ms at
+# E=64, T=4) even on one thread; the training forward writes FC1 into its saved buffer.
 GROUPED_MIN_ROWS = 16
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -270,11 +271,11 @@ def fused_moe_cpu(
     if attrs.weight_on == "input":
         xs.mul_(gs)
     every = next(expert_chunks(bounds, base, max_rows=xs.shape[0]), [])  # all experts with tokens
-    if fc1_out is None and grouped_gemm_fits(x, w, every):
+    workers = stream_workers(every, w.fc1_width())
+    if fc1_out is None and workers == 1 and grouped_gemm_fits(x, w, every):
         out = _grouped_experts(xs, gs, w, attrs, bounds, base)  # [S', H]
     else:
         out = cpu_memory.empty(xs.shape, xs.dtype, xs.device)  # [S', H]
-        workers = stream_workers(every, w.fc1_width())
         for experts in expert_chunks(bounds, base, POOL_CHUNK_ROWS if workers > 1 else CHUNK_ROWS):
             lo, hi = experts[0][1], experts[-1][2]
             rel = [(e, a - lo, b - lo) for e, a, b in experts]
