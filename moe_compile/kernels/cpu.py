@@ -247,6 +247,20 @@ def _run_chunk(xin, g, w: ExpertWeights, attrs: FFNAttrs, experts, out, h, worke
     per_expert(lambda e, lo, hi: _fc2_into(a[lo:hi], w, e, out[lo:hi]), experts, workers)
 
 
+def experts_on_segments(xs, g, w: ExpertWeights, attrs: FFNAttrs, segments: list, out) -> None:
+    """For each (e, lo, hi) of ``segments`` (ranges covering the rows [0, n) of xs, in any expert
+    order; an expert may own several ranges): expert e's FFN of xs[lo:hi] [.., H], weighted by
+    g [n, 1] where attrs.weight_on says, written into out[lo:hi].  ``out`` may be a view of a
+    transport buffer; it is only written.  Used for the rows an expert-parallel rank receives."""
+    if not segments:
+        return
+    xin = xs * g if attrs.weight_on == "input" else xs  # [n, H]
+    h = torch.empty(xs.shape[0], w.fc1_width(), dtype=xs.dtype, device=xs.device)  # [n, F2]
+    _run_chunk(xin, g, w, attrs, segments, out, h, stream_workers(segments, w.fc1_width()), keep_h=False)
+    if attrs.weight_on == "output":
+        out.mul_(g)
+
+
 def fused_moe_cpu(
     x: torch.Tensor,  # [T, H]
     topk_ids: torch.Tensor,  # [T, K]

@@ -3,9 +3,9 @@
 Shapes:  H hidden, F expert FFN width, El local experts, n received rows of one chunk, src-major
          and sorted by local expert inside each source block; ``counts [r, El]`` gives the blocks.
 
-Reuses the single-device kernels: ``kernels/cpu._expert_segment`` (FC1 + activation + FC2 on an
-expert's own weights, written straight into ``out`` — which on the heap transport is a view of the
-source rank's return window) and ``kernels/cpu_backward.fused_moe_backward_cpu`` (with K = 1 and
+Reuses the single-device kernels: ``kernels/cpu.experts_on_segments`` (FC1 + activation + FC2 on
+each expert's own weights, written straight into ``out`` — which on the heap transport is a view of
+the source rank's return window) and ``kernels/cpu_backward.fused_moe_backward_cpu`` (with K = 1 and
 the local expert ids of the rows).
 """
 
@@ -14,20 +14,20 @@ from __future__ import annotations
 import torch
 
 from moe_compile.ir import ExpertWeights, FFNAttrs
-from moe_compile.kernels.cpu import _expert_segment
+from moe_compile.kernels.cpu import experts_on_segments
 from moe_compile.kernels.cpu_backward import ROLES, Needs, fused_moe_backward_cpu
 
 
 def experts_on_rows(rows, g, counts, w: ExpertWeights, attrs: FFNAttrs, out) -> None:
     """rows [n, H] (x dtype), g [n] fp32, counts [r, El] host list/tensor -> out [n, H] (weighted)."""
-    g = g.to(rows.dtype)[:, None]  # [n, 1]
-    lo = 0
+    segments, lo = [], 0
     for block in counts:
         for e, c in enumerate(block):
             c = int(c)
             if c:
-                _expert_segment(rows[lo : lo + c], g[lo : lo + c], w, attrs, e, out[lo : lo + c])
+                segments.append((e, lo, lo + c))
                 lo += c
+    experts_on_segments(rows[:lo], g.to(rows.dtype)[:lo, None], w, attrs, segments, out[:lo])
 
 
 def experts_backward_on_rows(x_rows, dy_rows, g, counts, w: ExpertWeights, attrs: FFNAttrs, need_roles: dict):
