@@ -146,21 +146,22 @@ def test_decode_streaming_threads_respect_grad_modes(mode):
     torch.testing.assert_close(out.detach(), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("pooled", [False, True], ids=["grouped_or_serial", "pooled"])
+@pytest.mark.parametrize("path", ["grouped", "serial", "pooled"])
 @pytest.mark.parametrize("weight_on", ["output", "between", "input"])
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("gate_up", ["concat", "interleaved", "separate", "none"])
-def test_segments_longer_than_skinny_rows(gate_up, transposed, weight_on, pooled, monkeypatch):
-    # 300 rows on each of 2 experts: prefill-sized.  Not pooled, stacked weights run torch's grouped
-    # GEMM (cpu.grouped_gemm_fits), except the separate up projection, whose FC1/FC2 write straight
-    # into the chunk's rows with out= past cpu.SKINNY_ROWS (a column half of the FC1 buffer).
+def test_segments_longer_than_skinny_rows(gate_up, transposed, weight_on, path, monkeypatch):
+    # 300 rows on each of 2 experts: prefill-sized.  "grouped": stacked weights through torch's
+    # grouped GEMM (cpu.grouped_gemm_fits); "serial" (per-expert weights) and "pooled": FC1/FC2
+    # write straight into the chunk's rows with out= past cpu.SKINNY_ROWS (a column half of the
+    # FC1 buffer for the separate up projection).
     from moe_compile.kernels import cpu
 
-    if pooled:
+    if path == "pooled":
         monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     else:
         monkeypatch.setattr(cpu, "POOL_MAX_FC1_ELEMENTS", 0)
-    x, ids, g, w = make_case(300, 16, 12, 2, 2, gate_up, transposed)
+    x, ids, g, w = make_case(300, 16, 12, 2, 2, gate_up, transposed, stacked=path != "serial")
     attrs = FFNAttrs(gate_up=gate_up, transposed=transposed, weight_on=weight_on)
     torch.testing.assert_close(call_fused_moe(x, ids, g, w, attrs), fused_moe_reference(x, ids, g, w, attrs),
                                rtol=1e-5, atol=1e-5)

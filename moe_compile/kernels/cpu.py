@@ -214,12 +214,12 @@ _GROUPED_DTYPES = (torch.float32, torch.bfloat16)
 
 def grouped_gemm_fits(x, w: ExpertWeights, segments) -> bool:
     """Whether ``_grouped_experts`` can run these experts: one stacked tensor per role, no biases,
-    gate and up fused in FC1, weights in x's dtype, and prefill-sized segments."""
-    stacked = len(w.fc1) == 1 and w.fc1[0].dim() == 3 and len(w.fc2) == 1 and w.fc2[0].dim() == 3
+    weights in x's dtype, and prefill-sized segments."""
+    roles = (w.fc1, w.fc2, *((w.fc1_up,) if w.fc1_up else ()))
+    stacked = all(len(role) == 1 and role[0].dim() == 3 and role[0].dtype == x.dtype for role in roles)
     return (
         hasattr(torch, "_grouped_mm") and x.device.type == "cpu" and stacked
-        and not (w.fc1_up or w.fc1_bias or w.fc2_bias) and x.dtype in _GROUPED_DTYPES
-        and w.fc1[0].dtype == x.dtype and w.fc2[0].dtype == x.dtype
+        and not (w.fc1_bias or w.fc1_up_bias or w.fc2_bias) and x.dtype in _GROUPED_DTYPES
         and max((hi - lo for _, lo, hi in segments), default=0) > GROUPED_MIN_ROWS
     )
 
@@ -227,13 +227,18 @@ def grouped_gemm_fits(x, w: ExpertWeights, segments) -> bool:
 def _grouped_experts(xin, g, w: ExpertWeights, attrs: FFNAttrs, bounds: list, base: int):
     """All experts' FFN over the sorted rows xin [S', H] by two grouped GEMMs -> [S', H]."""
     offs = torch.tensor(bounds[1:], dtype=torch.int32) - base  # [E]: each expert's end row
-    fc1, fc2 = w.fc1[0], w.fc2[0]  # [E, out, in] (or [E, in, out] when transposed)
-    h = torch._grouped_mm(xin, fc1 if w.transposed else fc1.transpose(-2, -1), offs=offs)  # [S', F2]
-    a = _activate(*_gate_up(h, attrs), attrs)  # [S', F]
+
+    def grouped(rows, stacked):  # stacked [E, out, in] (or [E, in, out] when transposed)
+        return torch._grouped_mm(rows, stacked if w.transposed else stacked.transpose(-2, -1), offs=offs)
+
+    h = grouped(xin, w.fc1[0])  # [S', F2], or the gate [S', F] when up is a separate weight
+    if w.fc1_up:
+        a = _activate(h, grouped(xin, w.fc1_up[0]), attrs)  # [S', F]
+    else:
+        a = _activate(*_gate_up(h, attrs), attrs)  # [S', F]
     if attrs.weight_on == "between":
         a = a * g
-    a = a.contiguous()  # the interleaved layout's activation is a strided view of h
-    return torch._grouped_mm(a, fc2 if w.transposed else fc2.transpose(-2, -1), offs=offs)  # [S', H]
+    return grouped(a.contiguous(), w.fc2[0])  # [S', H]; interleaved: a is a strided view of h
 
 
 def _run_chunk(xin, g, w: ExpertWeights, attrs: FFNAttrs, experts, out, h, workers: int, keep_h: bool):
@@ -245,20 +250,6 @@ def _run_chunk(xin, g, w: ExpertWeights, attrs: FFNAttrs, experts, out, h, worke
     if attrs.weight_on == "between":
         a = a * g
     per_expert(lambda e, lo, hi: _fc2_into(a[lo:hi], w, e, out[lo:hi]), experts, workers)
-
-
-def experts_on_segments(xs, g, w: ExpertWeights, attrs: FFNAttrs, segments: list, out) -> None:
-    """For each (e, lo, hi) of ``segments`` (ranges covering the rows [0, n) of xs, in any expert
-    order; an expert may own several ranges): expert e's FFN of xs[lo:hi] [.., H], weighted by
-    g [n, 1] where attrs.weight_on says, written into out[lo:hi].  ``out`` may be a view of a
-    transport buffer; it is only written.  Used for the rows an expert-parallel rank receives."""
-    if not segments:
-        return
-    xin = xs * g if attrs.weight_on == "input" else xs  # [n, H]
-    h = torch.empty(xs.shape[0], w.fc1_width(), dtype=xs.dtype, device=xs.device)  # [n, F2]
-    _run_chunk(xin, g, w, attrs, segments, out, h, stream_workers(segments, w.fc1_width()), keep_h=False)
-    if attrs.weight_on == "output":
-        out.mul_(g)
 
 
 def fused_moe_cpu(
