@@ -15,6 +15,9 @@ Contract (the seed operator ``mega_moe``'s X, E, G, W1, W2 -> Y, with the model'
   or empty.  The op never stacks or copies weights per call.
 * The non-tensor arguments are ``ir.FFNAttrs``; ``kernels/reference.py`` defines the meaning.
 * ids outside [0, E) contribute nothing; T = 0 gives an empty [0, H] result.
+* ``fused_moe_train`` takes the same arguments and returns (y, fc1_out): the form the passes emit
+  where the graph will be differentiated; on CPU fc1_out keeps FC1's output for the backward
+  (``autograd.py``).  Only y is used by the graph.
 * The fake implementation keeps T symbolic, so a dynamic-shape graph never recompiles on T.
 
 Registration happens when this module is first imported (by the backend, not by
