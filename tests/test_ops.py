@@ -165,3 +165,4 @@ def test_segments_longer_than_skinny_rows(gate_up, transposed, weight_on, path, 
     attrs = FFNAttrs(gate_up=gate_up, transposed=transposed, weight_on=weight_on)
     torch.testing.assert_close(call_fused_moe(x, ids, g, w, attrs), fused_moe_reference(x, ids, g, w, attrs),
                                rtol=1e-5, atol=1e-5)
+

@@ -22,6 +22,7 @@ Plan (one host sync, no per-call weight copies):
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -141,7 +142,7 @@ POOL_CHUNK_ROWS = 4096
 # Rows per chunk of consecutive experts (prefill): the chunk's [n, F2] and [n, F] temporaries stay
 # a few MiB whatever T is.
 CHUNK_ROWS = 512
-_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}  # (pid, workers) -> pool
 
 
 def expert_chunks(bounds: list, base: int, max_rows: int):
@@ -176,10 +177,15 @@ def stream_workers(segments, fc1_width: int) -> int:
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
-    """A process-wide pool per size, created on first use (never at import)."""
-    if workers not in _POOLS:
-        _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="moe_compile_cpu")
-    return _POOLS[workers]
+    """A process-wide pool per size, created on first use (never at import).  Keyed by process id:
+    a child forked after the pool started inherits the executor but not its threads, and work
+    handed to it would never run.  (With this torch build's GNU OpenMP a forked child already
+    hangs in torch's own parallel ops unless it sets one thread, as DataLoader workers do — and
+    with one thread the pool is not used; other OpenMP runtimes survive the fork.)"""
+    key = (os.getpid(), workers)
+    if key not in _POOLS:
+        _POOLS[key] = ThreadPoolExecutor(workers, thread_name_prefix="moe_compile_cpu")
+    return _POOLS[key]
 
 
 def per_expert(fn, experts, workers: int) -> None:
