@@ -4,6 +4,8 @@
     candidates = group_by_topk(...)                  # routed clusters sharing a top-k
     match = FINDERS[family](candidate)               # lift + prove, or Refusal(reason)
     match.replace_with_fused_op(graph)               # one call of moe_compile::fused_moe
+                                                     # (fused_moe_train where the graph will be
+                                                     # differentiated: lift.emit_fused_moe)
 
 Invariants (passes/README.md): a region is rewritten only if it is closed (reads only x, ids,
 weights and expert weights; nothing outside reads its intermediates) and a hypothesis about its
