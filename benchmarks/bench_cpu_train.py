@@ -12,6 +12,7 @@ them alike; peak memory measured per variant in a subprocess of its own):
             [E, H, F] weights), eager, with softmax -> top-k routing from router logits in front
   moe       ``torch.compile(that routed HF block, backend="moe")``: the product end to end (the
             pass emits ``fused_moe_train`` and AOTAutograd/Inductor compile the step)
+  moe_recompute  the same with ``options={"save_fc1": False}``: FC1 recomputed in the backward
   roof      dense GEMMs of the same FLOPs: 3 x forward FLOPs (forward + dgrad + wgrad), each one
             [T*K, H] x [H, 3F]-shaped so it does 6*T*K*H*F FLOPs like the forward.
 
@@ -46,9 +47,9 @@ CONFIGS = [  # (H, F, E, K)
     (1024, 512, 64, 8),
 ]
 TOKENS = (512, 2048)
-VARIANTS = ("op", "moe", "loop", "compiled", "hf_gmm", "roof")
+VARIANTS = ("op", "moe", "moe_recompute", "loop", "compiled", "hf_gmm", "roof")
 PEERS = ("loop", "compiled", "hf_gmm")
-OURS = ("op", "moe")
+OURS = ("op", "moe", "moe_recompute")
 
 
 def loop_block(x, topk_ids, topk_weights, w13, w2):
@@ -114,6 +115,8 @@ def make_hf_step(variant, T, H, Fw, E, K):
     fn, experts = routed_hf_experts(H, Fw, E, K, w13, w2)
     if variant == "moe":
         fn = torch.compile(fn, backend="moe")
+    elif variant == "moe_recompute":
+        fn = torch.compile(fn, backend="moe", options={"save_fc1": False})
     leaves = [x, logits, *experts.parameters()]
 
     def step():
@@ -125,7 +128,7 @@ def make_hf_step(variant, T, H, Fw, E, K):
 
 
 def make_step(variant, T, H, Fw, E, K):
-    if variant in ("hf_gmm", "moe"):
+    if variant in ("hf_gmm", "moe", "moe_recompute"):
         return make_hf_step(variant, T, H, Fw, E, K)
     if variant == "roof":
         g = torch.Generator().manual_seed(0)

@@ -41,7 +41,7 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs, config: MoEConfig) -> Repo
     from moe_compile.passes.pipeline import run_moe_pass
 
     before = gm.code
-    report = run_moe_pass(gm, example_inputs, config.min_experts)
+    report = run_moe_pass(gm, example_inputs, config.min_experts, config.save_fc1)
     for collector in _collectors:
         collector.extend(report)
     if config.dump_dir():

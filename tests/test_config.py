@@ -23,6 +23,8 @@ def test_bad_values_are_rejected():
         MoEConfig(quant="mxfp4")
     with pytest.raises(TypeError, match="verify"):
         MoEConfig(verify="yes")
+    with pytest.raises(TypeError, match="save_fc1"):
+        MoEConfig(save_fc1="no")
 
 
 def test_config_is_frozen():

@@ -131,17 +131,27 @@ def test_autocast_bf16_with_fp32_master_weights(inner):
         assert rel_err(got[name], want[name]) <= GRAD_TOL[torch.bfloat16], name
 
 
-@pytest.mark.parametrize("training", [True, False], ids=["train", "no_grad"])
-def test_training_graph_saves_fc1_and_inference_graph_does_not(training, tmp_path):
+@pytest.mark.parametrize("training,save_fc1", [(True, True), (False, True), (True, False)],
+                         ids=["train", "no_grad", "train_recompute"])
+def test_training_graph_saves_fc1_and_inference_graph_does_not(training, save_fc1, tmp_path):
     # A graph that will be differentiated gets fused_moe_train (its backward reads the saved FC1
-    # output); under no_grad the plain op runs and nothing extra is kept.
+    # output) unless save_fc1=False asks to recompute it; under no_grad the plain op runs and
+    # nothing extra is kept.  Gradients match eager either way.
     torch._dynamo.reset()
     model = zoo.ModuleListMoE(experts=4)
-    compiled = torch.compile(model, backend="moe", options={"dump": str(tmp_path), "inner": "eager"})
+    eager = copy.deepcopy(model)
+    options = {"dump": str(tmp_path), "inner": "eager", "save_fc1": save_fc1}
+    compiled = torch.compile(model, backend="moe", options=options)
     x = torch.randn(1, 6, 64)
     with capture_flags(), torch.set_grad_enabled(training):
         out = compiled(x)
-    assert rel_err(out, model(x)) <= GRAD_TOL[torch.float32]
+        want = eager(x)
+    assert rel_err(out, want) <= GRAD_TOL[torch.float32]
     (after,) = [p.read_text() for p in tmp_path.rglob("after.py")]
-    op = "fused_moe_train.default" if training else "fused_moe.default"
-    assert op in after and ("fused_moe_train" in after) == training
+    op = "fused_moe_train.default" if training and save_fc1 else "fused_moe.default"
+    assert op in after and ("fused_moe_train" in after) == (training and save_fc1)
+    if training:
+        out.square().mean().backward()
+        want.square().mean().backward()
+        for (name, got), (_, ref) in zip(model.named_parameters(), eager.named_parameters()):
+            assert rel_err(got.grad, ref.grad) <= GRAD_TOL[torch.float32], name

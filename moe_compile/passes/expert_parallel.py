@@ -159,7 +159,7 @@ class EPMatch(Match):
     def report_extra(self) -> dict:
         return {"world_size": self.world_size, "local_experts": self.local_experts}
 
-    def replace_with_fused_op(self, graph: fx.Graph, deps: Deps) -> fx.Node:
+    def replace_with_fused_op(self, graph: fx.Graph, deps: Deps, save_fc1: bool = True) -> fx.Node:
         spec, region = self.spec, self.region
         a = spec.attrs
         roles = (list(spec.fc1), list(spec.fc1_up), list(spec.fc2), list(spec.fc1_bias), list(spec.fc1_up_bias),
@@ -173,7 +173,7 @@ class EPMatch(Match):
         def make_call(g: fx.Graph) -> fx.Node:
             if self.id_offset is not None:
                 local_ids = g.call_function(torch.sub, (region.ids, self.id_offset))  # [T, K]
-                return lift_mod.emit_fused_moe(g, (region.x, local_ids, region.weights, *roles, *statics))
+                return lift_mod.emit_fused_moe(g, (region.x, local_ids, region.weights, *roles, *statics), save_fc1)
             return g.call_function(
                 torch.ops.moe_compile.fused_moe_ep.default,
                 (region.x, region.ids, region.weights, *roles, *statics, self.group_name, spec.num_experts,

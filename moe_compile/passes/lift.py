@@ -47,7 +47,7 @@ class Match:
     region: Region
     error: float
 
-    def replace_with_fused_op(self, graph: fx.Graph, deps: Deps) -> fx.Node:
+    def replace_with_fused_op(self, graph: fx.Graph, deps: Deps, save_fc1: bool = True) -> fx.Node:
         spec = self.spec
 
         def make_call(g: fx.Graph) -> fx.Node:
@@ -59,7 +59,7 @@ class Match:
             args = (self.region.x, self.region.ids, routing, list(spec.fc1), list(spec.fc1_up), list(spec.fc2),
                     list(spec.fc1_bias), list(spec.fc1_up_bias), list(spec.fc2_bias),
                     a.gate_up, a.transposed, a.activation, a.limit, a.alpha, a.weight_on)
-            return emit_fused_moe(g, args)
+            return emit_fused_moe(g, args, save_fc1)
 
         return region_mod.replace_region(graph, deps, self.region, make_call)
 
@@ -74,10 +74,11 @@ def will_be_differentiated(args) -> bool:
     return any(getattr(meta(n), "requires_grad", False) for n in nodes)
 
 
-def emit_fused_moe(g: fx.Graph, args) -> fx.Node:
+def emit_fused_moe(g: fx.Graph, args, save_fc1: bool = True) -> fx.Node:
     """A call of ``fused_moe``, or of ``fused_moe_train`` (its y) where the graph will be
-    differentiated, so that the backward reads FC1's saved output instead of recomputing it."""
-    if not will_be_differentiated(args):
+    differentiated and ``save_fc1`` allows, so that the backward reads FC1's saved output instead
+    of recomputing it."""
+    if not (save_fc1 and will_be_differentiated(args)):
         return g.call_function(torch.ops.moe_compile.fused_moe.default, args)
     both = g.call_function(torch.ops.moe_compile.fused_moe_train.default, args)
     return g.call_function(operator.getitem, (both, 0))

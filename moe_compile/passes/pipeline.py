@@ -72,11 +72,12 @@ def _unrouted_loops(unrouted) -> list[Skipped]:
     ]
 
 
-def run_moe_pass(gm: fx.GraphModule, example_inputs, min_experts: int = 1) -> Report:
+def run_moe_pass(gm: fx.GraphModule, example_inputs, min_experts: int = 1, save_fc1: bool = True) -> Report:
+    """``save_fc1``: training graphs get the op form that keeps FC1's output (MoEConfig.save_fc1)."""
     matches, skipped = find_matches(gm, example_inputs, min_experts)
     report = Report(skipped=skipped, graphs=1)
     for match in matches:
-        match.replace_with_fused_op(gm.graph, Deps(gm.graph))
+        match.replace_with_fused_op(gm.graph, Deps(gm.graph), save_fc1)
         s = match.spec
         a = s.attrs
         report.rewritten.append(Rewritten(s.family, s.num_experts, s.top_k, s.hidden, s.ffn, s.variant, s.source,
