@@ -156,7 +156,7 @@ def run(quick: bool) -> dict:
             results.append(row)
             print(f"# {name} T={T}: " + " ".join(f"{k}={v.median_s * 1e3:.2f}ms" for k, v in times.items())
                   + f" roof={roof_s * 1e3:.2f}ms errs={errs}", file=sys.stderr)
-        del compiled, gmm, eager
+        compiled = gmm = eager = None  # free this shape's blocks before the next one is built
     return dict(machine=info, load_at_start=load0, load_at_end=harness.load_average(), read_bandwidth_Bps=bw,
                 read_bandwidth_timing=bw_t.to_dict(), results=results, quick=quick)
 

@@ -93,7 +93,7 @@ def hbm_bandwidth():
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     ms = bench(lambda: dst.copy_(src))["ms"]
-    del src, dst
+    src = dst = None  # free them (not del: the timed lambdas name them)
     return 2 * (1 << 30) / (ms * 1e-3)
 
 
@@ -161,12 +161,12 @@ def run_shape(name, T, H, F_, E, K, args, bandwidth, compiled_cache):
             res = bench(lambda: a @ b)
             res["basis"] = "cuBLAS GEMM of equal FLOPs"
             row["results"]["roof"] = res
-            del a, b
+            a = b = None  # free them (not del: the timed lambdas name them)
     for res in row["results"].values():
         if "ms" in res:
             res["tflops"] = flops / (res["ms"] * 1e-3) / 1e12
             res["weight_gbps"] = weight_bytes / (res["ms"] * 1e-3) / 1e9
-    del x, ids, weights, w13, w2, stacked, listed
+    x = ids = weights = w13 = w2 = stacked = listed = None  # free them (not del: the timed lambdas name them)
     torch.cuda.empty_cache()
     return row
 
@@ -223,7 +223,7 @@ def run_train(name, T, H, F_, E, K, args):
             res[key] *= 3
         res["basis"] = "3 x cuBLAS GEMM of the forward's FLOPs"
         row["results"]["roof_train"] = res
-        del a, b
+        a = b = None  # free them (not del: the timed lambdas name them)
     for res in row["results"].values():
         if "ms" in res:
             res["tflops"] = flops / (res["ms"] * 1e-3) / 1e12
@@ -231,7 +231,7 @@ def run_train(name, T, H, F_, E, K, args):
     # The table's "x triton" column divides by the row's "triton" entry: give it the Triton step.
     if "ms" in row["results"].get("triton_train", {}):
         row["results"] = {"triton": row["results"].pop("triton_train"), **row["results"]}
-    del x, ids, weights, w13, w2, leaves, dy
+    x = ids = weights = w13 = w2 = leaves = dy = None  # free them (not del: the timed lambdas name them)
     torch.cuda.empty_cache()
     return row
 
