@@ -88,6 +88,13 @@ def bench(fn):
     return {"ms": p50, "p20": p20, "p80": p80}
 
 
+def roof_gemm(m, k, n):
+    """Timing of one bf16 cuBLAS GEMM [m, k] x [k, n]: the dense roof for equal FLOPs."""
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    return bench(lambda: a @ b)
+
+
 def hbm_bandwidth():
     """Measured device copy bandwidth (read + write bytes / time), bytes/s."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
@@ -156,12 +163,9 @@ def run_shape(name, T, H, F_, E, K, args, bandwidth, compiled_cache):
         if decode:
             row["results"]["roof"] = {"ms": weight_bytes / bandwidth * 1e3, "basis": "touched weight bytes / HBM bw"}
         else:
-            a = torch.randn(T * K, H, device="cuda", dtype=torch.bfloat16)
-            b = torch.randn(H, 3 * F_, device="cuda", dtype=torch.bfloat16)
-            res = bench(lambda: a @ b)
+            res = roof_gemm(T * K, H, 3 * F_)
             res["basis"] = "cuBLAS GEMM of equal FLOPs"
             row["results"]["roof"] = res
-            a = b = None  # free them (not del: the timed lambdas name them)
     for res in row["results"].values():
         if "ms" in res:
             res["tflops"] = flops / (res["ms"] * 1e-3) / 1e12
@@ -216,14 +220,11 @@ def run_train(name, T, H, F_, E, K, args):
         row["results"][method] = res
         print(f"  {row['shape']} T={T} {method}: {res}", flush=True)
     if "roof_train" in args.train_methods:
-        a = torch.randn(T * K, H, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(H, 3 * F_, device="cuda", dtype=torch.bfloat16)
-        res = bench(lambda: a @ b)
+        res = roof_gemm(T * K, H, 3 * F_)
         for key in ("ms", "p20", "p80"):
             res[key] *= 3
         res["basis"] = "3 x cuBLAS GEMM of the forward's FLOPs"
         row["results"]["roof_train"] = res
-        a = b = None  # free them (not del: the timed lambdas name them)
     for res in row["results"].values():
         if "ms" in res:
             res["tflops"] = flops / (res["ms"] * 1e-3) / 1e12

@@ -27,7 +27,7 @@ import torch
 
 from moe_compile.kernels import triton_dispatch
 from moe_compile.kernels.cpu_backward import ROLES, Needs
-from moe_compile.ops import OP_NAME, TRAIN_OP_NAME, attrs_from_args, weights_from_args
+from moe_compile.ops import OP_NAME, TRAIN_OP_NAME, op_args_schema, parse_op_args
 
 BACKWARD_OP_NAME = "moe_compile::fused_moe_backward"
 
@@ -53,36 +53,30 @@ def flat_grads(dx, dg, role_grads: dict, x, topk_weights, roles, needs) -> list:
     return [t.new_empty(0) if (g is None or not need) else g for g, t, need in zip(flat, inputs, needs)]
 
 
-@torch.library.custom_op(BACKWARD_OP_NAME, mutates_args=())
-def fused_moe_backward(
-    grad_y: torch.Tensor,
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    fc1: list[torch.Tensor],
-    fc1_up: list[torch.Tensor],
-    fc2: list[torch.Tensor],
-    fc1_bias: list[torch.Tensor],
-    fc1_up_bias: list[torch.Tensor],
-    fc2_bias: list[torch.Tensor],
-    gate_up: str,
-    transposed: bool,
-    activation: str,
-    limit: float,
-    alpha: float,
-    weight_on: str,
-    needs: list[bool],
-    fc1_out: torch.Tensor | None = None,
-) -> list[torch.Tensor]:
+def _backward_schema() -> str:
+    """grad_y, then ``fused_moe``'s arguments, the per-gradient ``needs`` mask and FC1's saved output."""
+    return f"(Tensor grad_y, {op_args_schema()[1:-1]}, bool[] needs, Tensor? fc1_out=None) -> Tensor[]"
+
+
+def _split_backward_args(args):
+    """(grad_y, the 15 op arguments, needs, fc1_out | None) from the backward op's arguments."""
+    grad_y, *rest = args
+    fc1_out = rest[16] if len(rest) > 16 else None
+    return grad_y, tuple(rest[:15]), rest[15], fc1_out
+
+
+@torch.library.custom_op(BACKWARD_OP_NAME, mutates_args=(), schema=_backward_schema())
+def fused_moe_backward(*args) -> list[torch.Tensor]:
     """Gradients of [x, topk_weights, *fc1, *fc1_up, *fc2, *fc1_bias, *fc1_up_bias, *fc2_bias].
 
-    ``needs`` has one bool per entry of that list; an entry not needed comes back as an empty
-    [0] tensor (an op cannot return None inside a Tensor[]), which the autograd glue maps to None.
-    ``fc1_out``: FC1's output saved by ``fused_moe_train`` (None or empty: recompute it).
+    Arguments: grad_y, ``fused_moe``'s arguments, ``needs``, ``fc1_out``.  ``needs`` has one bool
+    per entry of that list; an entry not needed comes back as an empty [0] tensor (an op cannot
+    return None inside a Tensor[]), which the autograd glue maps to None.  ``fc1_out``: FC1's
+    output saved by ``fused_moe_train`` (None or empty: recompute it).
     """
-    roles = (fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias)
-    w = weights_from_args(*roles, transposed)
-    attrs = attrs_from_args(gate_up, transposed, activation, limit, alpha, weight_on)
+    grad_y, op_args, needs, fc1_out = _split_backward_args(args)
+    x, topk_ids, topk_weights, w, attrs = parse_op_args(op_args)
+    roles = op_args[3:9]
     need_roles = needs_by_role(roles, needs)
     # CUDA tensors the Triton backward supports go to it; the rest to the plain-torch segment kernel.
     # A backward run inside torch.autocast must not re-cast its GEMMs: the forward's autocast
@@ -96,11 +90,9 @@ def fused_moe_backward(
 
 
 @fused_moe_backward.register_fake
-def _fused_moe_backward_fake(
-    grad_y, x, topk_ids, topk_weights, fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias,
-    gate_up, transposed, activation, limit, alpha, weight_on, needs, fc1_out=None,
-):
-    inputs = flat_inputs(x, topk_weights, (fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias))
+def _fused_moe_backward_fake(*args):
+    _, op_args, needs, _ = _split_backward_args(args)
+    inputs = flat_inputs(op_args[0], op_args[2], op_args[3:9])
     return [t.new_empty(t.shape) if need else t.new_empty(0) for t, need in zip(inputs, needs)]
 
 

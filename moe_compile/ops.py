@@ -68,6 +68,16 @@ def weights_from_args(fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias, transpo
     )
 
 
+def parse_op_args(args):
+    """(x, topk_ids, topk_weights, ExpertWeights, FFNAttrs) from the op's 15 arguments in schema
+    order (3 tensors, 6 weight roles, 6 statics), inputs checked."""
+    x, topk_ids, topk_weights, *roles = args[:9]
+    statics = args[9:15]  # gate_up, transposed, activation, limit, alpha, weight_on
+    w = weights_from_args(*roles, statics[1])
+    check_inputs(x, topk_ids, topk_weights, w)
+    return x, topk_ids, topk_weights, w, attrs_from_args(*statics)
+
+
 @torch.library.custom_op(OP_NAME, mutates_args=())
 def fused_moe(
     x: torch.Tensor,
@@ -86,40 +96,29 @@ def fused_moe(
     alpha: float,
     weight_on: str,
 ) -> torch.Tensor:
-    w = weights_from_args(fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias, transposed)
-    attrs = attrs_from_args(gate_up, transposed, activation, limit, alpha, weight_on)
-    check_inputs(x, topk_ids, topk_weights, w)
+    x, topk_ids, topk_weights, w, attrs = parse_op_args(
+        (x, topk_ids, topk_weights, fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias,
+         gate_up, transposed, activation, limit, alpha, weight_on))
     return run_experts(x, topk_ids, topk_weights, w, attrs)
 
 
-@torch.library.custom_op(TRAIN_OP_NAME, mutates_args=())
-def fused_moe_train(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    fc1: list[torch.Tensor],
-    fc1_up: list[torch.Tensor],
-    fc2: list[torch.Tensor],
-    fc1_bias: list[torch.Tensor],
-    fc1_up_bias: list[torch.Tensor],
-    fc2_bias: list[torch.Tensor],
-    gate_up: str,
-    transposed: bool,
-    activation: str,
-    limit: float,
-    alpha: float,
-    weight_on: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def op_args_schema() -> str:
+    """``fused_moe``'s argument list as schema text, "(Tensor x, ..., str weight_on)": the training
+    op and the backward op take the same arguments, declared once (in ``fused_moe``'s signature)."""
+    schema = str(torch.ops.moe_compile.fused_moe.default._schema)  # "moe_compile::fused_moe(...) -> Tensor"
+    return schema[schema.index("(") : schema.rindex(" -> ")]
+
+
+@torch.library.custom_op(TRAIN_OP_NAME, mutates_args=(), schema=op_args_schema() + " -> (Tensor, Tensor)")
+def fused_moe_train(*args) -> tuple[torch.Tensor, torch.Tensor]:
     """``fused_moe`` for a forward whose backward will run: (y [T, H], fc1_out).
 
     On CPU ``fc1_out`` [T*K, F2] holds FC1's output (before the activation) of the valid slots in
     expert-sorted order, so the backward reads it instead of recomputing FC1 (1/3 of the forward's
     FLOPs).  It is what an eager loop keeps for its own backward, in one buffer.  On CUDA it is
     empty: the Triton backward recomputes FC1 inside its fused kernels.  The passes emit this op
-    (and use only y) where the compiled graph will be differentiated."""
-    w = weights_from_args(fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias, transposed)
-    attrs = attrs_from_args(gate_up, transposed, activation, limit, alpha, weight_on)
-    check_inputs(x, topk_ids, topk_weights, w)
+    (and use only y) where the compiled graph will be differentiated.  Arguments: ``fused_moe``'s."""
+    x, topk_ids, topk_weights, w, attrs = parse_op_args(args)
     fc1_out = _fc1_buffer(x, topk_ids, w)
     if x.device.type != "cpu":
         return run_experts(x, topk_ids, topk_weights, w, attrs), fc1_out
@@ -140,13 +139,8 @@ def _fc1_buffer(x, topk_ids, w: ExpertWeights) -> torch.Tensor:
 
 
 @fused_moe_train.register_fake
-def _fused_moe_train_fake(
-    x, topk_ids, topk_weights, fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias,
-    gate_up, transposed, activation, limit, alpha, weight_on,
-):
-    w = weights_from_args(fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias, transposed)
-    attrs_from_args(gate_up, transposed, activation, limit, alpha, weight_on)
-    check_inputs(x, topk_ids, topk_weights, w)
+def _fused_moe_train_fake(*args):
+    x, topk_ids, _, w, _ = parse_op_args(args)
     return x.new_empty(x.shape), _fc1_buffer(x, topk_ids, w)
 
 
@@ -167,13 +161,8 @@ def run_experts(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs) ->
 
 
 @fused_moe.register_fake
-def _fused_moe_fake(
-    x, topk_ids, topk_weights, fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias,
-    gate_up, transposed, activation, limit, alpha, weight_on,
-):
-    w = weights_from_args(fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias, transposed)
-    attrs_from_args(gate_up, transposed, activation, limit, alpha, weight_on)
-    check_inputs(x, topk_ids, topk_weights, w)
+def _fused_moe_fake(*args):
+    x = parse_op_args(args)[0]
     return x.new_empty(x.shape)
 
 

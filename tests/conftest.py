@@ -37,3 +37,16 @@ def _seed():
 
 
 __all__ = ["TOL", "rel_err", "run_compiled", "moe_compile"]
+
+
+def routing_ids(mode: str, T: int, K: int, E: int, gen: torch.Generator) -> torch.Tensor:
+    """[T, K] expert ids for kernel tests: "random", "one_expert" (all on the last expert),
+    "sparse" (experts 0 and E-1 only), anything else: ids outside [0, E) mixed in (they contribute
+    nothing and get a zero routing gradient)."""
+    if mode == "random":
+        return torch.randint(0, E, (T, K), generator=gen)
+    if mode == "one_expert":
+        return torch.full((T, K), E - 1, dtype=torch.long)
+    if mode == "sparse":
+        return torch.randint(0, 2, (T, K), generator=gen) * (E - 1)
+    return torch.randint(-1, E + 1, (T, K), generator=gen)

@@ -167,13 +167,17 @@ def expert_chunks(bounds: list, base: int, max_rows: int):
 MAX_POOL_WORKERS = 2
 
 
-def stream_workers(segments, fc1_width: int) -> int:
+def segment_rows(bounds: list) -> list:
+    """Row counts of the experts with tokens, from the sort's segment bounds."""
+    return [hi - lo for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+
+
+def stream_workers(rows: list, fc1_width: int) -> int:
+    """How many experts run their GEMMs at once, from their row counts (``segment_rows``)."""
     threads = torch.get_num_threads()
-    if threads < 2 or len(segments) < 2:
+    if threads < 2 or len(rows) < 2 or max(rows) * fc1_width > POOL_MAX_FC1_ELEMENTS:
         return 1
-    if max(hi - lo for _, lo, hi in segments) * fc1_width > POOL_MAX_FC1_ELEMENTS:
-        return 1
-    return min(MAX_POOL_WORKERS, threads, len(segments))
+    return min(MAX_POOL_WORKERS, threads, len(rows))
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
@@ -218,7 +222,7 @@ GROUPED_MIN_ROWS = 16
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def grouped_gemm_fits(x, w: ExpertWeights, segments) -> bool:
+def grouped_gemm_fits(x, w: ExpertWeights, rows: list) -> bool:
     """Whether ``_grouped_experts`` can run these experts: one stacked tensor per role, no biases,
     weights in x's dtype, and prefill-sized segments."""
     roles = (w.fc1, w.fc2, *((w.fc1_up,) if w.fc1_up else ()))
@@ -226,7 +230,7 @@ def grouped_gemm_fits(x, w: ExpertWeights, segments) -> bool:
     return (
         hasattr(torch, "_grouped_mm") and x.device.type == "cpu" and stacked
         and not (w.fc1_bias or w.fc1_up_bias or w.fc2_bias) and x.dtype in _GROUPED_DTYPES
-        and max((hi - lo for _, lo, hi in segments), default=0) > GROUPED_MIN_ROWS
+        and max(rows, default=0) > GROUPED_MIN_ROWS
     )
 
 
@@ -281,9 +285,9 @@ def fused_moe_cpu(
     gs = topk_weights.reshape(-1).index_select(0, valid).to(x.dtype)[:, None]  # [S', 1]
     if attrs.weight_on == "input":
         xs.mul_(gs)
-    every = next(expert_chunks(bounds, base, max_rows=xs.shape[0]), [])  # all experts with tokens
-    workers = stream_workers(every, w.fc1_width())
-    if fc1_out is None and workers == 1 and grouped_gemm_fits(x, w, every):
+    rows = segment_rows(bounds)
+    workers = stream_workers(rows, w.fc1_width())
+    if fc1_out is None and workers == 1 and grouped_gemm_fits(x, w, rows):
         out = _grouped_experts(xs, gs, w, attrs, bounds, base)  # [S', H]
     else:
         out = cpu_memory.empty(xs.shape, xs.dtype, xs.device)  # [S', H]

@@ -33,7 +33,9 @@ import torch
 
 from moe_compile.ir import ExpertWeights, FFNAttrs
 from moe_compile.kernels import cpu_memory
-from moe_compile.kernels.cpu import expert_chunks, expert_linear, gather_rows, per_expert, sort_by_expert, stream_workers
+from moe_compile.kernels.cpu import (
+    expert_chunks, expert_linear, gather_rows, per_expert, segment_rows, sort_by_expert, stream_workers,
+)
 from moe_compile.kernels.reference import compute_dtype, gated_activation
 
 ROLES = ("fc1", "fc1_up", "fc2", "fc1_bias", "fc1_up_bias", "fc2_bias")
@@ -353,8 +355,7 @@ def _run_segments(grad_y, x, topk_ids, topk_weights, w, attrs, grads, dx, dg_fla
     valid = order[base : bounds[-1]]  # [S'] slots with an id in [0, E)
     tokens = valid // K  # [S']
     gs = _w(topk_weights.reshape(-1).index_select(0, valid), cdt)[:, None]  # [S', 1]
-    every = next(expert_chunks(bounds, base, valid.shape[0]), [])  # all experts with tokens
-    workers = stream_workers(every, w.fc1_width())
+    workers = stream_workers(segment_rows(bounds), w.fc1_width())
     for experts in expert_chunks(bounds, base, POOL_CHUNK_ROWS if workers > 1 else CHUNK_ROWS):
         lo, hi = experts[0][1], experts[-1][2]
         rel = [(e, a - lo, b - lo) for e, a, b in experts]

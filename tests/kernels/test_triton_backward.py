@@ -20,6 +20,8 @@ import os
 import pytest
 import torch
 
+from tests.conftest import routing_ids
+
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
@@ -52,14 +54,7 @@ def make_case(T, K, E, H, F, *, mode="random", dtype=torch.float32, gate_up="con
     w = ExpertWeights(weight(fc1_out, H), weight(F, H) if gate_up == "separate" else (), weight(H, F),
                       transposed=transposed)
     x = torch.randn(T, H, generator=gen).to(device, dtype)
-    if mode == "random":
-        ids = torch.randint(0, E, (T, K), generator=gen)
-    elif mode == "one_expert":
-        ids = torch.full((T, K), E - 1, dtype=torch.long)
-    elif mode == "sparse":
-        ids = torch.randint(0, 2, (T, K), generator=gen) * (E - 1)
-    else:  # ids outside [0, E) contribute nothing and get a zero routing gradient
-        ids = torch.randint(-1, E + 1, (T, K), generator=gen)
+    ids = routing_ids(mode, T, K, E, gen)
     weights = (torch.rand(T, K, generator=gen) + 0.1).to(device)
     dy = torch.randn(T, H, generator=gen).to(device, dtype)
     return x, ids.to(device), weights, w, dy

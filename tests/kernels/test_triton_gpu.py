@@ -15,6 +15,8 @@ import warnings
 import pytest
 import torch
 
+from tests.conftest import routing_ids
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -60,14 +62,7 @@ def make_case(T, K, E, H, F, *, mode="random", dtype=torch.bfloat16, gate_up="co
         transposed=transposed,
     )
     x = torch.randn(T, H, generator=gen).to("cuda", dtype)
-    if mode == "random":
-        ids = torch.randint(0, E, (T, K), generator=gen)
-    elif mode == "one_expert":
-        ids = torch.full((T, K), E - 1, dtype=torch.long)
-    elif mode == "sparse":
-        ids = torch.randint(0, 2, (T, K), generator=gen) * (E - 1)
-    else:  # invalid ids
-        ids = torch.randint(-1, E + 1, (T, K), generator=gen)
+    ids = routing_ids(mode, T, K, E, gen)
     weights = (torch.rand(T, K, generator=gen) + 0.1).cuda()
     return x, ids.cuda(), weights, w
 
