@@ -29,30 +29,60 @@ def make_case(T, H, F, E, K, gate_up="concat", transposed=False, stacked=True, d
     return x, ids, g, w
 
 
-def force_cpu_path(monkeypatch, path: str) -> None:
-    """"decode": small segments spread over the thread pool in chunks of at most 4 rows; "chunked": serial
-    experts in chunks of at most 4 rows, so that experts share chunks and one expert's rows can
-    exceed a chunk."""
-    from moe_compile.kernels import cpu
+def force_cpu_path(monkeypatch, path: str) -> list:
+    """"skinny": decode-sized experts on the skinny kernel (cpu_skinny), two threads, chunks of at
+    most 4 rows; "pooled": the same on MKL GEMMs over the thread pool; "chunked": serial experts in
+    chunks of at most 4 rows, so that experts share chunks and one expert's rows can exceed a chunk.
+    Returns the list the skinny kernel's calls are recorded into (checked by the caller)."""
+    from moe_compile.kernels import cpu, cpu_decode, cpu_skinny
 
-    if path == "decode":
+    calls = []
+    if path == "skinny" and not cpu_skinny.available():
+        pytest.skip(f"no skinny kernel: {cpu_skinny.unavailable_reason()}")
+    if path in ("skinny", "pooled"):
         monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
         monkeypatch.setattr(cpu, "POOL_CHUNK_ROWS", 4)
     else:
         monkeypatch.setattr(cpu, "POOL_MAX_FC1_ELEMENTS", 0)
         monkeypatch.setattr(cpu, "CHUNK_ROWS", 4)
+    if path == "skinny":
+        real = cpu_skinny.run
+        monkeypatch.setattr(cpu_skinny, "run", lambda tasks, threads=1: (calls.append(threads), real(tasks, threads)))
+    else:
+        monkeypatch.setattr(cpu_decode, "fits", lambda *args: False)
+    return calls
 
 
 # fp32: the CPU path sums experts in a different order than the reference: ~1e-6 relative.
-@pytest.mark.parametrize("path", ["decode", "chunked"])
+@pytest.mark.parametrize("path", ["skinny", "pooled", "chunked"])
 @pytest.mark.parametrize("gate_up,transposed,weight_on,stacked", list(itertools.product(
     ["concat", "interleaved", "separate", "none"], [False, True], ["output", "between", "input"], [True, False])))
 def test_cpu_matches_reference_all_layouts(gate_up, transposed, weight_on, stacked, path, monkeypatch):
-    force_cpu_path(monkeypatch, path)
+    calls = force_cpu_path(monkeypatch, path)
     x, ids, g, w = make_case(7, 16, 12, 5, 2, gate_up, transposed, stacked)
     attrs = FFNAttrs(gate_up=gate_up, transposed=transposed, weight_on=weight_on)
     torch.testing.assert_close(call_fused_moe(x, ids, g, w, attrs), fused_moe_reference(x, ids, g, w, attrs),
                                rtol=1e-5, atol=1e-5)
+    assert (path == "skinny") == bool(calls)
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_skinny_path_with_biases(stacked, transposed, monkeypatch):
+    # Every role with a bias (separate up projection too): the kernel adds them per expert, from a
+    # stacked [E, n] tensor or E tensors [n].
+    calls = force_cpu_path(monkeypatch, "skinny")
+    x, ids, g, w = make_case(5, 16, 12, 6, 2, "separate", transposed, stacked)
+    biases = [torch.randn(6, n) for n in (12, 12, 16)]
+    if not stacked:
+        biases = [tuple(b) for b in biases]
+    else:
+        biases = [(b,) for b in biases]
+    w = ExpertWeights(w.fc1, w.fc1_up, w.fc2, *biases, transposed=transposed)
+    attrs = FFNAttrs(gate_up="separate", transposed=transposed)
+    torch.testing.assert_close(call_fused_moe(x, ids, g, w, attrs), fused_moe_reference(x, ids, g, w, attrs),
+                               rtol=1e-5, atol=1e-5)
+    assert calls
 
 
 @pytest.mark.parametrize("T,E,K", [(0, 4, 2), (1, 4, 2), (1, 1, 1), (7, 1, 1), (123, 8, 1), (64, 64, 6), (3, 16, 8)])
@@ -73,7 +103,7 @@ def test_all_tokens_on_one_expert_and_empty_experts():
 
 @pytest.mark.parametrize("activation,limit", [("gelu", 0.0), ("gelu_tanh", 0.0), ("relu", 0.0), ("silu", 0.5),
                                               ("gptoss", 0.5)])
-@pytest.mark.parametrize("path", ["decode", "chunked"])
+@pytest.mark.parametrize("path", ["skinny", "chunked"])
 def test_activations(activation, limit, path, monkeypatch):
     force_cpu_path(monkeypatch, path)
     x, ids, g, w = make_case(9, 16, 12, 4, 2, "interleaved")

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_compile.ir import ExpertWeights, FFNAttrs
-from moe_compile.kernels import cpu_memory
+from moe_compile.kernels import cpu_decode, cpu_memory
 from moe_compile.kernels.reference import compute_dtype, gated_activation
 
 
@@ -251,15 +251,22 @@ def _grouped_experts(xin, g, w: ExpertWeights, attrs: FFNAttrs, bounds: list, ba
     return grouped(a.contiguous(), w.fc2[0])  # [S', H]; interleaved: a is a strided view of h
 
 
-def _run_chunk(xin, g, w: ExpertWeights, attrs: FFNAttrs, experts, out, h, workers: int, keep_h: bool):
+def _run_chunk(xin, g, w: ExpertWeights, attrs: FFNAttrs, experts, out, h, workers: int, keep_h: bool, skinny: bool):
     """Rows of one chunk: xin [n, H] (already scaled for weight_on "input"), g [n, 1]; FC1 into
     h [n, F2], activation, FC2 into out [n, H].  ``keep_h``: h is the training forward's saved
-    FC1 output and must not be overwritten by the activation."""
-    per_expert(lambda e, lo, hi: _fc1_into(xin[lo:hi], w, e, h[lo:hi]), experts, workers)
+    FC1 output and must not be overwritten by the activation.  ``skinny``: every FC of the chunk is
+    one ``cpu_skinny`` call, its output columns split over ``workers`` OpenMP threads."""
+    if skinny:
+        cpu_decode.fc1(xin, w, experts, h, workers)
+    else:
+        per_expert(lambda e, lo, hi: _fc1_into(xin[lo:hi], w, e, h[lo:hi]), experts, workers)
     a = gated_activation(h, attrs) if keep_h else _activate(*_gate_up(h, attrs), attrs)  # [n, F]
     if attrs.weight_on == "between":
         a = a * g
-    per_expert(lambda e, lo, hi: _fc2_into(a[lo:hi], w, e, out[lo:hi]), experts, workers)
+    if skinny:
+        cpu_decode.fc2(a if a.stride(-1) == 1 else a.contiguous(), w, experts, out, workers)
+    else:
+        per_expert(lambda e, lo, hi: _fc2_into(a[lo:hi], w, e, out[lo:hi]), experts, workers)
 
 
 def fused_moe_cpu(
@@ -286,16 +293,17 @@ def fused_moe_cpu(
     if attrs.weight_on == "input":
         xs.mul_(gs)
     rows = segment_rows(bounds)
-    workers = stream_workers(rows, w.fc1_width())
-    if fc1_out is None and workers == 1 and grouped_gemm_fits(x, w, rows):
+    skinny = cpu_decode.fits(xs, w, bounds)
+    workers = torch.get_num_threads() if skinny else stream_workers(rows, w.fc1_width())
+    if fc1_out is None and not skinny and workers == 1 and grouped_gemm_fits(x, w, rows):
         out = _grouped_experts(xs, gs, w, attrs, bounds, base)  # [S', H]
     else:
         out = cpu_memory.empty(xs.shape, xs.dtype, xs.device)  # [S', H]
-        for experts in expert_chunks(bounds, base, POOL_CHUNK_ROWS if workers > 1 else CHUNK_ROWS):
+        for experts in expert_chunks(bounds, base, POOL_CHUNK_ROWS if workers > 1 or skinny else CHUNK_ROWS):
             lo, hi = experts[0][1], experts[-1][2]
             rel = [(e, a - lo, b - lo) for e, a, b in experts]
             h = fc1_out[lo:hi] if fc1_out is not None else torch.empty(hi - lo, w.fc1_width(), dtype=x.dtype)
-            _run_chunk(xs[lo:hi], gs[lo:hi], w, attrs, rel, out[lo:hi], h, workers, fc1_out is not None)
+            _run_chunk(xs[lo:hi], gs[lo:hi], w, attrs, rel, out[lo:hi], h, workers, fc1_out is not None, skinny)
     if attrs.weight_on == "output":
         out.mul_(gs)
     y = cpu_memory.empty((T, H), acc_dtype, x.device).zero_()

@@ -1,0 +1,135 @@
+"""Host side of ``cpu_skinny.c``: fp32 expert GEMMs with few rows (decode), at the memory's speed.
+
+Shapes:  a task is one GEMM  y [r, n_out] = x [r, k] @ W^T (+ bias [n_out]),  W as the model holds
+         it: [n_out, k] (``F.linear``) or [k, n_out] (``transposed``, ``x @ W``); r <= MAX_ROWS.
+         Every tensor's last dim is contiguous; rows may be strided (views into shared buffers).
+
+The C file is compiled on first use (never at import) with the system C compiler into a cache
+directory (``$MOE_COMPILE_CACHE`` or ``~/.cache/moe_compile``) and loaded with ctypes.  It splits
+every task's output columns over torch's OpenMP threads (see the C file for why not Python
+threads).  Where there is no compiler, no AVX2 or the build fails, ``available()`` is False and
+the op keeps its MKL path; ``MOE_COMPILE_SKINNY=0`` turns the kernel off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+# Rows of x per expert up to which the kernel beats MKL.  Sweep on the 2-core CI VM (fp32, 2
+# threads, weights not in cache, [4096, 1024] and [1024, 2048]): read speed in GB/s, kernel / MKL:
+#   r=1: 38/13  r=2: 37/11  r=4: 35/12  r=8: 30/14  r=16: 20/18  r=32: 13/21
+MAX_ROWS = 16
+_TASK_FIELDS = 11  # the C file's TASK_FIELDS
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-fopenmp")
+_lib: ctypes.CDLL | None = None
+_load_error: str | None = None
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("MOE_COMPILE_CACHE") or Path.home() / ".cache" / "moe_compile")
+
+
+def _build(source: bytes) -> Path:
+    """Compile the kernel into the cache (named by a hash of source and flags) unless it is there.
+    Written to a temporary name then renamed, so concurrent processes never load half a file."""
+    tag = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    lib = _cache_dir() / f"cpu_skinny_{tag}.so"
+    if lib.exists():
+        return lib
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        src, out = Path(tmp) / "cpu_skinny.c", Path(tmp) / "cpu_skinny.so"
+        src.write_bytes(source)
+        done = subprocess.run([cc, *_FLAGS, str(src), "-o", str(out)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[:500]}")
+        os.replace(out, lib)
+    return lib
+
+
+def _load() -> ctypes.CDLL | None:
+    """The compiled kernel, built on the first call; None (with the reason kept) when unusable."""
+    global _lib, _load_error
+    if _lib is not None or _load_error is not None:
+        return _lib
+    if os.environ.get("MOE_COMPILE_SKINNY", "1") == "0":
+        _load_error = "turned off by MOE_COMPILE_SKINNY=0"
+    elif torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        _load_error = f"CPU capability {torch.backends.cpu.get_cpu_capability()}, the kernel needs AVX2"
+    else:
+        try:
+            lib = ctypes.CDLL(str(_build(resources.files(__package__).joinpath("cpu_skinny.c").read_bytes())))
+            lib.moe_skinny_run.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+            lib.moe_skinny_run.restype = None
+            lib.moe_skinny_run_parallel.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+            lib.moe_skinny_run_parallel.restype = None
+            _lib = lib
+        except (OSError, RuntimeError) as err:
+            _load_error = str(err)
+            warnings.warn(f"moe_compile: skinny CPU kernel unavailable, using MKL for decode ({err})", stacklevel=2)
+    return _lib
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    _load()
+    return _load_error
+
+
+def fits(t: torch.Tensor) -> bool:
+    """Whether a tensor can be handed to the kernel: fp32 on CPU with a contiguous last dim."""
+    return t.dtype == torch.float32 and t.device.type == "cpu" and (t.dim() == 0 or t.stride(-1) == 1)
+
+
+def task(w: int, ldw: int, x: int, ldx: int, y: int, ldy: int, bias: int, rows: int, k: int, n_out: int,
+         transposed: bool) -> list[int]:
+    """One GEMM y [rows, n_out] = x [rows, k] @ W^T (+ bias) as the C side reads it: data pointers
+    (bias 0 for none) and row strides in elements, in the C file's field order.  Plain ints, so a
+    caller with 64 experts builds its tasks without a tensor view per expert."""
+    return [w, x, y, bias, rows, k, n_out, ldw, ldx, ldy, int(transposed)]
+
+
+def tensor_task(weight: torch.Tensor, x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None = None,
+                transposed: bool = False) -> list[int]:
+    """``task`` from tensors, shapes and layout checked: weight [n_out, k] ([k, n_out] when
+    transposed), x [r, k], y [r, n_out], bias [n_out]."""
+    n_out, k = (weight.shape[1], weight.shape[0]) if transposed else tuple(weight.shape)
+    r = x.shape[0]
+    parts = (weight, x, y) + ((bias,) if bias is not None else ())
+    if not all(fits(t) for t in parts) or x.shape[1] != k or tuple(y.shape) != (r, n_out) or (
+        bias is not None and tuple(bias.shape) != (n_out,)
+    ):
+        raise ValueError(
+            f"skinny GEMM: weight {tuple(weight.shape)} (transposed={transposed}) wants fp32 CPU tensors with "
+            f"contiguous rows, x [r, {k}], y [r, {n_out}], bias [{n_out}]; got x {tuple(x.shape)} {x.dtype}, "
+            f"y {tuple(y.shape)}, weight {weight.dtype}"
+        )
+    return task(weight.data_ptr(), weight.stride(0), x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0),
+                bias.data_ptr() if bias is not None else 0, r, k, n_out, transposed)
+
+
+def run(tasks: list[int], threads: int = 1) -> None:
+    """Run the tasks (``task`` fields, concatenated), every task's output columns split over
+    ``threads`` OpenMP threads (torch's own).  The caller keeps the tensors alive meanwhile."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"skinny CPU kernel unavailable: {_load_error}")
+    if tasks:
+        packed = torch.tensor(tasks, dtype=torch.int64)
+        lib.moe_skinny_run_parallel(packed.data_ptr(), packed.numel() // _TASK_FIELDS, max(1, threads))

@@ -1,0 +1,86 @@
+"""The skinny CPU kernel (kernels/cpu_skinny.c) against torch, on odd shapes, and its build."""
+
+import itertools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_compile.kernels import cpu_skinny
+
+needs_kernel = pytest.mark.skipif(not cpu_skinny.available(), reason=f"no skinny kernel: {cpu_skinny.unavailable_reason()}")
+
+
+def _strided(rows: int, cols: int, pad: int) -> torch.Tensor:
+    """[rows, cols] fp32 view of a wider buffer (row stride cols + pad), as the op's chunk buffers are."""
+    return torch.randn(rows, cols + pad)[:, pad:]
+
+
+# fp32 against a float64 product: the kernel sums in blocks of 8/16 lanes, torch in its own order;
+# with unit-scale inputs and k <= 1100 the difference stays ~1e-5 of the output's scale.
+@needs_kernel
+@pytest.mark.parametrize("rows,k,n_out", [(1, 1, 1), (2, 7, 9), (3, 33, 17), (5, 16, 300), (16, 1100, 40)])
+@pytest.mark.parametrize("transposed,bias,threads", list(itertools.product([False, True], [False, True], [1, 2, 3])))
+def test_kernel_matches_torch(rows, k, n_out, transposed, bias, threads):
+    w = _strided(k, n_out, 3) if transposed else _strided(n_out, k, 3)  # rows padded: ldw != width
+    x = _strided(rows, k, 5)
+    buf = torch.full((rows, n_out + 4), float("nan"))
+    y = buf[:, 2 : 2 + n_out]  # the columns around y must stay NaN
+    b = torch.randn(n_out) if bias else None
+    cpu_skinny.run(cpu_skinny.tensor_task(w, x, y, b, transposed), threads)
+    w_out_in = w.t() if transposed else w
+    want = x.double() @ w_out_in.double().t() + (b.double() if bias else 0)
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
+    assert torch.isnan(buf[:, :2]).all() and torch.isnan(buf[:, 2 + n_out :]).all()  # nothing outside y
+
+
+@needs_kernel
+def test_many_tasks_in_one_call():
+    # One call per FC: every expert's task in one list, each part of the columns on its own thread.
+    ws = [torch.randn(24, 40) for _ in range(6)]
+    xs = [torch.randn(r, 40) for r in (1, 2, 0, 3, 1, 4)]
+    ys = [torch.empty(x.shape[0], 24) for x in xs]
+    tasks = sum((cpu_skinny.tensor_task(w, x, y) for w, x, y in zip(ws, xs, ys) if x.shape[0]), [])
+    cpu_skinny.run(tasks, threads=2)
+    for w, x, y in zip(ws, xs, ys):
+        torch.testing.assert_close(y, x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_task_has_clear_error():
+    with pytest.raises(ValueError, match=r"wants fp32 CPU tensors.*x \[r, 8\]"):
+        cpu_skinny.tensor_task(torch.randn(4, 8), torch.randn(2, 7), torch.empty(2, 4))
+    with pytest.raises(ValueError, match="fp32"):
+        cpu_skinny.tensor_task(torch.randn(4, 8).half(), torch.randn(2, 8).half(), torch.empty(2, 4).half())
+    with pytest.raises(ValueError, match="contiguous rows"):
+        cpu_skinny.tensor_task(torch.randn(8, 4).t(), torch.randn(2, 8), torch.empty(2, 4))
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+
+
+@needs_kernel
+def test_builds_into_a_fresh_cache(tmp_path):
+    # A new machine: nothing cached, the first use compiles (never the import) and the result loads.
+    code = ("import os, pathlib; import moe_compile.kernels.cpu_skinny as s; "
+            "d = pathlib.Path(os.environ['MOE_COMPILE_CACHE']); assert not d.exists(); "
+            "assert s.available(), s.unavailable_reason(); print(len(list(d.glob('cpu_skinny_*.so'))))")
+    done = _python(code, MOE_COMPILE_CACHE=str(tmp_path / "cache"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "1"
+
+
+def test_turned_off_by_env_and_op_still_correct():
+    # MOE_COMPILE_SKINNY=0: the kernel is unavailable and decode falls back to the MKL path.
+    code = ("import torch; from moe_compile.kernels import cpu_skinny, reference; from moe_compile.ops import call_fused_moe; "
+            "from moe_compile.ir import ExpertWeights, FFNAttrs; "
+            "assert not cpu_skinny.available() and 'MOE_COMPILE_SKINNY' in cpu_skinny.unavailable_reason(); "
+            "w = ExpertWeights((torch.randn(4, 16, 8),), (), (torch.randn(4, 8, 8),)); x = torch.randn(3, 8); "
+            "ids = torch.tensor([[0, 1], [1, 2], [3, 0]]); g = torch.rand(3, 2); "
+            "torch.testing.assert_close(call_fused_moe(x, ids, g, w, FFNAttrs()), "
+            "reference.fused_moe_reference(x, ids, g, w, FFNAttrs()), rtol=1e-5, atol=1e-5)")
+    done = _python(code, MOE_COMPILE_SKINNY="0")
+    assert done.returncode == 0, done.stderr
