@@ -251,22 +251,41 @@ def _grouped_experts(xin, g, w: ExpertWeights, attrs: FFNAttrs, bounds: list, ba
     return grouped(a.contiguous(), w.fc2[0])  # [S', H]; interleaved: a is a strided view of h
 
 
-def _run_chunk(xin, g, w: ExpertWeights, attrs: FFNAttrs, experts, out, h, workers: int, keep_h: bool, skinny: bool):
+def _run_chunk(xin, g, w: ExpertWeights, attrs: FFNAttrs, experts, out, h, workers: int, keep_h: bool):
     """Rows of one chunk: xin [n, H] (already scaled for weight_on "input"), g [n, 1]; FC1 into
     h [n, F2], activation, FC2 into out [n, H].  ``keep_h``: h is the training forward's saved
-    FC1 output and must not be overwritten by the activation.  ``skinny``: every FC of the chunk is
-    one ``cpu_skinny`` call, its output columns split over ``workers`` OpenMP threads."""
-    if skinny:
-        cpu_decode.fc1(xin, w, experts, h, workers)
-    else:
-        per_expert(lambda e, lo, hi: _fc1_into(xin[lo:hi], w, e, h[lo:hi]), experts, workers)
-    a = gated_activation(h, attrs) if keep_h else _activate(*_gate_up(h, attrs), attrs)  # [n, F]
-    if attrs.weight_on == "between":
-        a = a * g
-    if skinny:
-        cpu_decode.fc2(a if a.stride(-1) == 1 else a.contiguous(), w, experts, out, workers)
-    else:
-        per_expert(lambda e, lo, hi: _fc2_into(a[lo:hi], w, e, out[lo:hi]), experts, workers)
+    FC1 output and must not be overwritten by the activation."""
+    per_expert(lambda e, lo, hi: _fc1_into(xin[lo:hi], w, e, h[lo:hi]), experts, workers)
+    a = _chunk_activation(h, g, attrs, keep_h)  # [n, F]
+    per_expert(lambda e, lo, hi: _fc2_into(a[lo:hi], w, e, out[lo:hi]), experts, workers)
+
+
+def _chunk_activation(h, g, attrs: FFNAttrs, keep_h: bool):
+    """act(gate) * up of a chunk's FC1 output h [n, F2] -> [n, F] (times g [n, 1] for "between")."""
+    a = gated_activation(h, attrs) if keep_h else _activate(*_gate_up(h, attrs), attrs)
+    return a * g if attrs.weight_on == "between" else a
+
+
+def _fused_decode(x, tokens, gs, w: ExpertWeights, attrs: FFNAttrs, bounds: list, fc1_out):
+    """Decode-sized experts on the skinny kernel (``cpu_decode``) -> y [T, H] (x's dtype, fp32).
+    FC1 reads x's rows by token (no gathered copy unless weight_on is "input"), FC2 adds each
+    slot's weighted output into its token's row of y: no [S', H] buffer, weighting or index_add
+    (each a torch call costing ~30-50 us with the caches cold after streaming the weights)."""
+    threads = torch.get_num_threads()
+    gathered = attrs.weight_on == "input"
+    xin = gather_rows(x, tokens).mul_(gs) if gathered else x
+    scale = gs.reshape(-1) if attrs.weight_on == "output" else None  # [S']
+    y = torch.zeros_like(x)  # [T, H]
+    base = bounds[0]
+    for experts in expert_chunks(bounds, base, POOL_CHUNK_ROWS):
+        lo, hi = experts[0][1], experts[-1][2]
+        rel = [(e, a - lo, b - lo) for e, a, b in experts]
+        h = fc1_out[lo:hi] if fc1_out is not None else torch.empty(hi - lo, w.fc1_width(), dtype=x.dtype)
+        cpu_decode.fc1(xin[lo:hi] if gathered else x, None if gathered else tokens[lo:hi], w, rel, h, threads)
+        a = _chunk_activation(h, gs[lo:hi], attrs, fc1_out is not None)
+        a = a if a.stride(-1) == 1 else a.contiguous()  # interleaved gate/up: strided views
+        cpu_decode.fc2_combine(a, w, rel, y, tokens[lo:hi], scale[lo:hi] if scale is not None else None, threads)
+    return y
 
 
 def fused_moe_cpu(
@@ -288,22 +307,23 @@ def fused_moe_cpu(
     base = bounds[0]
     valid = order[base : bounds[-1]]  # [S'] slots with an id in [0, E)
     tokens = valid // K  # [S']
-    xs = gather_rows(x, tokens)  # [S', H]
     gs = topk_weights.reshape(-1).index_select(0, valid).to(x.dtype)[:, None]  # [S', 1]
+    if cpu_decode.fits(x, w, bounds):
+        return _fused_decode(x, tokens, gs, w, attrs, bounds, fc1_out)
+    xs = gather_rows(x, tokens)  # [S', H]
     if attrs.weight_on == "input":
         xs.mul_(gs)
     rows = segment_rows(bounds)
-    skinny = cpu_decode.fits(xs, w, bounds)
-    workers = torch.get_num_threads() if skinny else stream_workers(rows, w.fc1_width())
-    if fc1_out is None and not skinny and workers == 1 and grouped_gemm_fits(x, w, rows):
+    workers = stream_workers(rows, w.fc1_width())
+    if fc1_out is None and workers == 1 and grouped_gemm_fits(x, w, rows):
         out = _grouped_experts(xs, gs, w, attrs, bounds, base)  # [S', H]
     else:
         out = cpu_memory.empty(xs.shape, xs.dtype, xs.device)  # [S', H]
-        for experts in expert_chunks(bounds, base, POOL_CHUNK_ROWS if workers > 1 or skinny else CHUNK_ROWS):
+        for experts in expert_chunks(bounds, base, POOL_CHUNK_ROWS if workers > 1 else CHUNK_ROWS):
             lo, hi = experts[0][1], experts[-1][2]
             rel = [(e, a - lo, b - lo) for e, a, b in experts]
             h = fc1_out[lo:hi] if fc1_out is not None else torch.empty(hi - lo, w.fc1_width(), dtype=x.dtype)
-            _run_chunk(xs[lo:hi], gs[lo:hi], w, attrs, rel, out[lo:hi], h, workers, fc1_out is not None, skinny)
+            _run_chunk(xs[lo:hi], gs[lo:hi], w, attrs, rel, out[lo:hi], h, workers, fc1_out is not None)
     if attrs.weight_on == "output":
         out.mul_(gs)
     y = cpu_memory.empty((T, H), acc_dtype, x.device).zero_()

@@ -1,7 +1,8 @@
 """Decode-sized experts on CPU: every expert's FC as one task of the skinny kernel (``cpu_skinny``).
 
-Shapes:  xin [n, H] the chunk's sorted rows, h [n, F2] FC1's output, a [n, F] activations,
-         out [n, H]; experts = [(e, lo, hi)] row ranges of the chunk, each <= cpu_skinny.MAX_ROWS.
+Shapes:  x [T, H] read by token index (or xs [n, H] rows already gathered), h [n, F2] FC1's
+         output, a [n, F] activations, y [T, H] the combined output; experts = [(e, lo, hi)] row
+         ranges of the chunk's sorted slots, each <= cpu_skinny.MAX_ROWS; tokens [n] int64.
 
 The tasks are built from plain integers (data pointer + row offset), not per-expert tensor views:
 with 64 experts the views (weight, rows in, rows out, bias) cost ~0.3 ms a call, a twentieth of
@@ -49,31 +50,44 @@ def fits(x, w: ExpertWeights, bounds: list) -> bool:
     return True
 
 
-def _fc_tasks(weights, biases, x, y, y_col: int, experts, transposed: bool, fields: list) -> None:
-    """Append one task per expert: y[lo:hi, y_col : y_col + n_out] = x[lo:hi] @ W_e^T + b_e."""
+def _offset(t, lo: int) -> int:
+    """Data pointer of t[lo] for a 1-D contiguous tensor (0 for None)."""
+    return t.data_ptr() + lo * t.element_size() if t is not None else 0
+
+
+def _fc_tasks(weights, biases, x, x_index, y, y_col: int, y_index, scale, experts, transposed: bool, fields: list):
+    """Append one task per expert (e, lo, hi): rows lo..hi of x (or x[x_index[lo:hi]]) times W_e^T
+    plus b_e, written to y[lo:hi, y_col:] (or, with y_index, scaled by scale[lo:hi] and added to
+    y[y_index[lo:hi]])."""
     wt, bt = _role_table(weights, 3), _role_table(biases, 2)
     w0 = weights[0][0] if weights[0].dim() == 3 else weights[0]
     n_out, k = (w0.shape[1], w0.shape[0]) if transposed else (w0.shape[0], w0.shape[1])
-    x_ptr, ldx, y_ptr, ldy = x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0)
+    x_ptr, ldx, y_ptr, ldy = x.data_ptr(), x.stride(0), y.data_ptr() + y_col * _FP32_BYTES, y.stride(0)
     for e, lo, hi in experts:
         w_ptr, ldw = wt(e)
+        x_rows = x_ptr if x_index is not None else x_ptr + lo * ldx * _FP32_BYTES
+        y_rows = y_ptr if y_index is not None else y_ptr + lo * ldy * _FP32_BYTES
         fields += cpu_skinny.task(
-            w_ptr, ldw, x_ptr + lo * ldx * _FP32_BYTES, ldx, y_ptr + (lo * ldy + y_col) * _FP32_BYTES, ldy,
-            bt(e)[0], hi - lo, k, n_out, transposed,
+            w_ptr, ldw, x_rows, ldx, y_rows, ldy, bt(e)[0], hi - lo, k, n_out, transposed,
+            _offset(x_index, lo), _offset(y_index, lo), _offset(scale, lo),
         )
 
 
-def fc1(xin, w: ExpertWeights, experts, h, threads: int) -> None:
-    """FC1 of every expert of the chunk into h [n, F2] (gate | up halves when up is separate)."""
+def fc1(x, x_index, w: ExpertWeights, experts, h, threads: int) -> None:
+    """FC1 of every expert of the chunk into h [n, F2] (gate | up halves when up is separate):
+    expert rows are x[x_index[lo:hi]] (x [T, H], x_index the chunk's tokens) or, without an
+    index, x[lo:hi] (x the chunk's gathered rows)."""
     fields: list[int] = []
-    _fc_tasks(w.fc1, w.fc1_bias, xin, h, 0, experts, w.transposed, fields)
+    _fc_tasks(w.fc1, w.fc1_bias, x, x_index, h, 0, None, None, experts, w.transposed, fields)
     if w.fc1_up:
-        _fc_tasks(w.fc1_up, w.fc1_up_bias, xin, h, h.shape[1] // 2, experts, w.transposed, fields)
+        _fc_tasks(w.fc1_up, w.fc1_up_bias, x, x_index, h, h.shape[1] // 2, None, None, experts, w.transposed, fields)
     cpu_skinny.run(fields, threads)
 
 
-def fc2(a, w: ExpertWeights, experts, out, threads: int) -> None:
-    """FC2 of every expert of the chunk: a [n, F] (rows contiguous) -> out [n, H]."""
+def fc2_combine(a, w: ExpertWeights, experts, y, tokens, scale, threads: int) -> None:
+    """FC2 of every expert of the chunk, each slot's row added into its token's row of y [T, H]:
+    y[tokens[i]] += scale[i] * (W2_e a[i] + b2_e) (scale None: 1).  a [n, F] with contiguous rows;
+    tokens [n] int64 and scale [n] fp32 contiguous.  No race: each thread owns a column range."""
     fields: list[int] = []
-    _fc_tasks(w.fc2, w.fc2_bias, a, out, 0, experts, w.transposed, fields)
+    _fc_tasks(w.fc2, w.fc2_bias, a, None, y, 0, tokens, scale, experts, w.transposed, fields)
     cpu_skinny.run(fields, threads)

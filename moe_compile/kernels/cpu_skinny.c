@@ -9,9 +9,13 @@
  *           k     input width, n_out output width.
  *           W     [n_out, k] row-major ("dot" form, F.linear's weight) or
  *                 [k, n_out] row-major ("axpy" form, transposed: x @ W).
- * Threads:  the host splits every task's n_out range into `nparts` parts; the call with
- *           `part` = p computes part p of every task (one call per worker thread, the GIL is
- *           released by ctypes around the call).
+ * Rows:     x row r is x[xidx[r]] when a row index is given (the tokens of an expert's slots:
+ *           no gathered copy of x); y row r is y[yidx[r]] when given, and then the result is
+ *           accumulated, scaled by scale[r]: y[yidx[r]] += scale[r] * (W x_r + b), the MoE
+ *           combine.  Without yidx, y[r] = scale[r] * (W x_r + b) (scale 1 when not given).
+ * Threads:  every task's n_out range is split into `nparts` parts; part p of every task runs on
+ *           OpenMP thread p.  Each output element belongs to one part, so tasks accumulating
+ *           into the same y row (a token's K experts) never race.
  *
  * Built by moe_compile/kernels/cpu_skinny.py with `cc -O3 -mavx2 -mfma` on first use.
  */
@@ -19,8 +23,43 @@
 #include <omp.h>
 #include <stdint.h>
 
-/* One task = TASK_FIELDS int64 values, in this order (see cpu_skinny.py: _pack). */
-enum { T_W, T_X, T_Y, T_BIAS, T_ROWS, T_K, T_NOUT, T_LDW, T_LDX, T_LDY, T_TRANSPOSED, TASK_FIELDS };
+/* One task = TASK_FIELDS int64 values, in this order (see cpu_skinny.py: task). */
+enum {
+    T_W, T_X, T_Y, T_BIAS, T_ROWS, T_K, T_NOUT, T_LDW, T_LDX, T_LDY, T_TRANSPOSED, T_XIDX, T_YIDX,
+    T_SCALE, TASK_FIELDS
+};
+
+typedef struct {
+    const float *w, *x, *bias, *scale;
+    float *y;
+    const int64_t *xidx, *yidx;
+    int64_t rows, k, n_out, ldw, ldx, ldy;
+} task_t;
+
+static task_t unpack(const int64_t *f) {
+    task_t t = {
+        (const float *)(intptr_t)f[T_W], (const float *)(intptr_t)f[T_X],
+        (const float *)(intptr_t)f[T_BIAS], (const float *)(intptr_t)f[T_SCALE],
+        (float *)(intptr_t)f[T_Y], (const int64_t *)(intptr_t)f[T_XIDX],
+        (const int64_t *)(intptr_t)f[T_YIDX], f[T_ROWS], f[T_K], f[T_NOUT], f[T_LDW], f[T_LDX],
+        f[T_LDY],
+    };
+    return t;
+}
+
+static inline const float *x_row(const task_t *t, int64_t r) {
+    return t->x + (t->xidx ? t->xidx[r] : r) * t->ldx;
+}
+
+/* Output element (r, n) of a task: bias, scale, then store or (with yidx) accumulate. */
+static inline void store(const task_t *t, int64_t r, int64_t n, float v) {
+    if (t->bias) v += t->bias[n];
+    if (t->scale) v *= t->scale[r];
+    if (t->yidx)
+        t->y[t->yidx[r] * t->ldy + n] += v;
+    else
+        t->y[r * t->ldy + n] = v;
+}
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -40,20 +79,19 @@ static inline float dot_tail(const float *w, const float *x, int64_t k0, int64_t
  * prefetcher on a single stream: on the CI VM (one thread, weights not in cache) reading four
  * weight rows at once ran at 16.8 GB/s, one row at a time at 21.7 GB/s, a plain sum at 24.6. */
 #define DOT_ROWS(R)                                                                           \
-    static void dot_rows##R(const float *w, const float *x, int64_t ldx, int64_t k, float *y,  \
-                            int64_t ldy) {                                                    \
+    static void dot_rows##R(const float *w, const float *const *x, int64_t k, float *out) {   \
         __m256 a[R][2];                                                                       \
         _Pragma("GCC unroll 4") for (int q = 0; q < R; ++q) a[q][0] = a[q][1] = _mm256_setzero_ps(); \
         int64_t i = 0;                                                                        \
         for (; i + 16 <= k; i += 16) {                                                        \
             __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);             \
             _Pragma("GCC unroll 4") for (int q = 0; q < R; ++q) {                             \
-                a[q][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + q * ldx + i), a[q][0]);     \
-                a[q][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + q * ldx + i + 8), a[q][1]); \
+                a[q][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[q] + i), a[q][0]);            \
+                a[q][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[q] + i + 8), a[q][1]);        \
             }                                                                                 \
         }                                                                                     \
         _Pragma("GCC unroll 4") for (int q = 0; q < R; ++q)                                   \
-            y[q * ldy] = hsum(_mm256_add_ps(a[q][0], a[q][1])) + dot_tail(w, x + q * ldx, i, k); \
+            out[q] = hsum(_mm256_add_ps(a[q][0], a[q][1])) + dot_tail(w, x[q], i, k);         \
     }
 DOT_ROWS(1)
 DOT_ROWS(2)
@@ -62,67 +100,69 @@ DOT_ROWS(4)
 
 /* Rows n0..n1 of W [n_out, k] against every x row, four x rows at a time while the weight row is
  * in L1.  Each weight row is read from memory once. */
-static void run_dot(const float *w, const float *x, float *y, int64_t rows, int64_t k,
-                    int64_t ldw, int64_t ldx, int64_t ldy, int64_t n0, int64_t n1) {
+static void run_dot(const task_t *t, int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
-        for (int64_t r = 0; r < rows; r += 4) {
-            const float *xr = x + r * ldx;
-            float *yr = y + r * ldy + n;
-            switch (rows - r < 4 ? rows - r : 4) {
-            case 1: dot_rows1(w + n * ldw, xr, ldx, k, yr, ldy); break;
-            case 2: dot_rows2(w + n * ldw, xr, ldx, k, yr, ldy); break;
-            case 3: dot_rows3(w + n * ldw, xr, ldx, k, yr, ldy); break;
-            default: dot_rows4(w + n * ldw, xr, ldx, k, yr, ldy);
+        const float *w = t->w + n * t->ldw;
+        for (int64_t r = 0; r < t->rows; r += 4) {
+            int64_t q = t->rows - r < 4 ? t->rows - r : 4;
+            const float *xr[4];
+            float out[4];
+            for (int64_t j = 0; j < q; ++j) xr[j] = x_row(t, r + j);
+            switch (q) {
+            case 1: dot_rows1(w, xr, t->k, out); break;
+            case 2: dot_rows2(w, xr, t->k, out); break;
+            case 3: dot_rows3(w, xr, t->k, out); break;
+            default: dot_rows4(w, xr, t->k, out);
             }
+            for (int64_t j = 0; j < q; ++j) store(t, r + j, n, out[j]);
         }
     }
 }
 
-/* Columns n0..n1 of W [k, n_out]: y[r, n] = sum_i x[r, i] W[i, n].  The y slice stays in L1
- * (AXPY_COLS columns at a time) while the weight rows stream through it. */
-enum { AXPY_COLS = 256 };
+/* Columns n0..n1 of W [k, n_out]: out[r, c] = sum_i x[r, i] W[i, c], AXPY_ROWS x rows and
+ * AXPY_COLS columns at a time in a local buffer (in L1) while the weight rows stream through it. */
+enum { AXPY_COLS = 256, AXPY_ROWS = 16 };
 
-static void run_axpy(const float *w, const float *x, float *y, int64_t rows, int64_t k,
-                     int64_t ldw, int64_t ldx, int64_t ldy, int64_t n0, int64_t n1) {
-    for (int64_t c0 = n0; c0 < n1; c0 += AXPY_COLS) {
-        int64_t c1 = c0 + AXPY_COLS < n1 ? c0 + AXPY_COLS : n1;
-        for (int64_t r = 0; r < rows; ++r)
-            for (int64_t c = c0; c < c1; ++c) y[r * ldy + c] = 0.f;
-        for (int64_t i = 0; i < k; ++i) {
-            const float *wr = w + i * ldw;
-            for (int64_t r = 0; r < rows; ++r) {
-                float *yr = y + r * ldy;
-                __m256 s = _mm256_set1_ps(x[r * ldx + i]);
-                int64_t c = c0;
-                for (; c + 8 <= c1; c += 8)
-                    _mm256_storeu_ps(yr + c, _mm256_fmadd_ps(s, _mm256_loadu_ps(wr + c),
-                                                             _mm256_loadu_ps(yr + c)));
-                for (; c < c1; ++c) yr[c] += x[r * ldx + i] * wr[c];
+static void run_axpy(const task_t *t, int64_t n0, int64_t n1) {
+    float acc[AXPY_ROWS][AXPY_COLS];
+    for (int64_t r0 = 0; r0 < t->rows; r0 += AXPY_ROWS) {
+        int64_t nr = t->rows - r0 < AXPY_ROWS ? t->rows - r0 : AXPY_ROWS;
+        for (int64_t c0 = n0; c0 < n1; c0 += AXPY_COLS) {
+            int64_t nc = n1 - c0 < AXPY_COLS ? n1 - c0 : AXPY_COLS;
+            for (int64_t r = 0; r < nr; ++r)
+                for (int64_t c = 0; c < nc; ++c) acc[r][c] = 0.f;
+            for (int64_t i = 0; i < t->k; ++i) {
+                const float *wr = t->w + i * t->ldw + c0;
+                for (int64_t r = 0; r < nr; ++r) {
+                    float xv = x_row(t, r0 + r)[i];
+                    __m256 s = _mm256_set1_ps(xv);
+                    int64_t c = 0;
+                    for (; c + 8 <= nc; c += 8)
+                        _mm256_storeu_ps(acc[r] + c, _mm256_fmadd_ps(s, _mm256_loadu_ps(wr + c),
+                                                                     _mm256_loadu_ps(acc[r] + c)));
+                    for (; c < nc; ++c) acc[r][c] += xv * wr[c];
+                }
             }
+            for (int64_t r = 0; r < nr; ++r)
+                for (int64_t c = 0; c < nc; ++c) store(t, r0 + r, c0 + c, acc[r][c]);
         }
     }
 }
 
 /* Part `part` of `nparts` of every task: a contiguous range of output columns, a multiple of
- * eight wide so that the parts' stores never share a cache line's vector. */
+ * eight wide. */
 void moe_skinny_run(const int64_t *tasks, int64_t ntasks, int64_t part, int64_t nparts) {
-    for (int64_t t = 0; t < ntasks; ++t) {
-        const int64_t *f = tasks + t * TASK_FIELDS;
-        const float *w = (const float *)(intptr_t)f[T_W];
-        const float *x = (const float *)(intptr_t)f[T_X];
-        float *y = (float *)(intptr_t)f[T_Y];
-        const float *bias = (const float *)(intptr_t)f[T_BIAS];
-        int64_t n_out = f[T_NOUT], step = (n_out / nparts + 7) / 8 * 8;
-        int64_t n0 = part * step, n1 = part == nparts - 1 ? n_out : (part + 1) * step;
-        if (n0 >= n_out) continue;
-        if (n1 > n_out) n1 = n_out;
+    for (int64_t i = 0; i < ntasks; ++i) {
+        const int64_t *f = tasks + i * TASK_FIELDS;
+        task_t t = unpack(f);
+        int64_t step = (t.n_out / nparts + 7) / 8 * 8;
+        int64_t n0 = part * step, n1 = part == nparts - 1 ? t.n_out : (part + 1) * step;
+        if (n0 >= t.n_out) continue;
+        if (n1 > t.n_out) n1 = t.n_out;
         if (f[T_TRANSPOSED])
-            run_axpy(w, x, y, f[T_ROWS], f[T_K], f[T_LDW], f[T_LDX], f[T_LDY], n0, n1);
+            run_axpy(&t, n0, n1);
         else
-            run_dot(w, x, y, f[T_ROWS], f[T_K], f[T_LDW], f[T_LDX], f[T_LDY], n0, n1);
-        if (bias)
-            for (int64_t r = 0; r < f[T_ROWS]; ++r)
-                for (int64_t n = n0; n < n1; ++n) y[r * f[T_LDY] + n] += bias[n];
+            run_dot(&t, n0, n1);
     }
 }
 

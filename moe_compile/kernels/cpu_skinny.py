@@ -29,7 +29,7 @@ import torch
 # threads, weights not in cache, [4096, 1024] and [1024, 2048]): read speed in GB/s, kernel / MKL:
 #   r=1: 38/13  r=2: 37/11  r=4: 35/12  r=8: 30/14  r=16: 20/18  r=32: 13/21
 MAX_ROWS = 16
-_TASK_FIELDS = 11  # the C file's TASK_FIELDS
+_TASK_FIELDS = 14  # the C file's TASK_FIELDS
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-fopenmp")
 _lib: ctypes.CDLL | None = None
 _load_error: str | None = None
@@ -98,30 +98,47 @@ def fits(t: torch.Tensor) -> bool:
 
 
 def task(w: int, ldw: int, x: int, ldx: int, y: int, ldy: int, bias: int, rows: int, k: int, n_out: int,
-         transposed: bool) -> list[int]:
+         transposed: bool, x_index: int = 0, y_index: int = 0, scale: int = 0) -> list[int]:
     """One GEMM y [rows, n_out] = x [rows, k] @ W^T (+ bias) as the C side reads it: data pointers
-    (bias 0 for none) and row strides in elements, in the C file's field order.  Plain ints, so a
-    caller with 64 experts builds its tasks without a tensor view per expert."""
-    return [w, x, y, bias, rows, k, n_out, ldw, ldx, ldy, int(transposed)]
+    (0 for none) and row strides in elements, in the C file's field order.  ``x_index`` (int64
+    [rows]): x row r is x[x_index[r]].  ``y_index`` (int64 [rows]): accumulate into y[y_index[r]]
+    instead of writing y[r].  ``scale`` (fp32 [rows]): multiply row r's result (bias included).
+    Plain ints, so a caller with 64 experts builds its tasks without a tensor view per expert."""
+    return [w, x, y, bias, rows, k, n_out, ldw, ldx, ldy, int(transposed), x_index, y_index, scale]
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return t.data_ptr() if t is not None else 0
 
 
 def tensor_task(weight: torch.Tensor, x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None = None,
-                transposed: bool = False) -> list[int]:
+                transposed: bool = False, x_index: torch.Tensor | None = None,
+                y_index: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> list[int]:
     """``task`` from tensors, shapes and layout checked: weight [n_out, k] ([k, n_out] when
-    transposed), x [r, k], y [r, n_out], bias [n_out]."""
+    transposed), x [r, k] (or [N, k] rows picked by x_index [r]), y [r, n_out] (or [M, n_out]
+    accumulated into at y_index [r]), bias [n_out], scale [r].  Indices must lie in x's / y's rows.
+    The task holds raw pointers: the caller keeps every tensor alive until ``run`` returns."""
     n_out, k = (weight.shape[1], weight.shape[0]) if transposed else tuple(weight.shape)
-    r = x.shape[0]
-    parts = (weight, x, y) + ((bias,) if bias is not None else ())
-    if not all(fits(t) for t in parts) or x.shape[1] != k or tuple(y.shape) != (r, n_out) or (
-        bias is not None and tuple(bias.shape) != (n_out,)
+    r = x_index.shape[0] if x_index is not None else x.shape[0]
+    y_rows = y.shape[0] if y_index is not None else r
+    parts = [t for t in (weight, x, y, bias, scale) if t is not None]
+    indices = [t for t in (x_index, y_index) if t is not None]
+    if (
+        not all(fits(t) for t in parts) or x.shape[1] != k or tuple(y.shape) != (y_rows, n_out)
+        or (bias is not None and tuple(bias.shape) != (n_out,)) or (scale is not None and tuple(scale.shape) != (r,))
+        or (y_index is not None and y_index.shape[0] != r)
+        or not all(i.dtype == torch.int64 and i.dim() == 1 and i.is_contiguous() for i in indices)
     ):
         raise ValueError(
             f"skinny GEMM: weight {tuple(weight.shape)} (transposed={transposed}) wants fp32 CPU tensors with "
-            f"contiguous rows, x [r, {k}], y [r, {n_out}], bias [{n_out}]; got x {tuple(x.shape)} {x.dtype}, "
-            f"y {tuple(y.shape)}, weight {weight.dtype}"
+            f"contiguous rows, x [r, {k}], y [r, {n_out}], bias [{n_out}], scale [r] and contiguous int64 row "
+            f"indices [r]; got x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)}, weight {weight.dtype}"
         )
+    for index, rows, name in ((x_index, x.shape[0], "x_index"), (y_index, y.shape[0], "y_index")):
+        if index is not None and index.numel() and not (0 <= int(index.min()) and int(index.max()) < rows):
+            raise ValueError(f"skinny GEMM: {name} must lie in [0, {rows}), got {index.min()}..{index.max()}")
     return task(weight.data_ptr(), weight.stride(0), x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0),
-                bias.data_ptr() if bias is not None else 0, r, k, n_out, transposed)
+                _ptr(bias), r, k, n_out, transposed, _ptr(x_index), _ptr(y_index), _ptr(scale))
 
 
 def run(tasks: list[int], threads: int = 1) -> None:
@@ -131,5 +148,5 @@ def run(tasks: list[int], threads: int = 1) -> None:
     if lib is None:
         raise RuntimeError(f"skinny CPU kernel unavailable: {_load_error}")
     if tasks:
-        packed = torch.tensor(tasks, dtype=torch.int64)
-        lib.moe_skinny_run_parallel(packed.data_ptr(), packed.numel() // _TASK_FIELDS, max(1, threads))
+        packed = (ctypes.c_int64 * len(tasks))(*tasks)
+        lib.moe_skinny_run_parallel(packed, len(tasks) // _TASK_FIELDS, max(1, threads))

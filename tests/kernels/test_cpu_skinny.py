@@ -48,6 +48,27 @@ def test_many_tasks_in_one_call():
         torch.testing.assert_close(y, x @ w.t(), rtol=1e-5, atol=1e-5)
 
 
+@needs_kernel
+@pytest.mark.parametrize("transposed,threads", list(itertools.product([False, True], [1, 2, 3])))
+def test_row_indices_scale_and_accumulate(transposed, threads):
+    # The MoE combine inside the kernel: rows read from x by token, results scaled and added into
+    # the token's row of y -- several rows of one task and rows of different tasks (a token's K
+    # experts) hit the same y row, which must sum, not race.
+    T, k, n_out = 5, 40, 19
+    x, y = torch.randn(T, k), torch.randn(T, n_out)
+    tasks, keep, want = [], [], y.double().clone()  # tasks hold raw pointers: keep their tensors alive
+    for rows in ([0, 3, 3, 1], [3, 4], [0]):
+        w = torch.randn(k, n_out) if transposed else torch.randn(n_out, k)
+        b, idx = torch.randn(n_out), torch.tensor(rows)
+        scale = torch.rand(len(rows))
+        keep.append((w, b, idx, scale))
+        tasks += cpu_skinny.tensor_task(w, x, y, b, transposed, x_index=idx, y_index=idx, scale=scale)
+        w_out_in = (w.t() if transposed else w).double()
+        want.index_add_(0, idx, scale.double()[:, None] * (x.double()[idx] @ w_out_in.t() + b.double()))
+    cpu_skinny.run(tasks, threads)
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 def test_bad_task_has_clear_error():
     with pytest.raises(ValueError, match=r"wants fp32 CPU tensors.*x \[r, 8\]"):
         cpu_skinny.tensor_task(torch.randn(4, 8), torch.randn(2, 7), torch.empty(2, 4))
@@ -55,6 +76,10 @@ def test_bad_task_has_clear_error():
         cpu_skinny.tensor_task(torch.randn(4, 8).half(), torch.randn(2, 8).half(), torch.empty(2, 4).half())
     with pytest.raises(ValueError, match="contiguous rows"):
         cpu_skinny.tensor_task(torch.randn(8, 4).t(), torch.randn(2, 8), torch.empty(2, 4))
+    with pytest.raises(ValueError, match="int64 row"):
+        cpu_skinny.tensor_task(torch.randn(4, 8), torch.randn(3, 8), torch.empty(2, 4), x_index=torch.tensor([0, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"x_index must lie in \[0, 3\)"):
+        cpu_skinny.tensor_task(torch.randn(4, 8), torch.randn(3, 8), torch.empty(2, 4), x_index=torch.tensor([0, 3]))
 
 
 def _python(code: str, **env) -> subprocess.CompletedProcess:
