@@ -225,9 +225,11 @@ class _Chunk:
 # few MiB and peak memory does not grow with T.
 CHUNK_ROWS = 512
 # Experts with small GEMMs (cpu.POOL_MAX_FC1_ELEMENTS) run two at a time on the thread pool, in
-# larger chunks (fewer waits for each other); the chunk's temporaries are ~20 floats per row per
-# hidden unit, 2048 rows x H=1024 ~ 80 MiB.
-POOL_CHUNK_ROWS = 2048
+# larger chunks (fewer waits for each other).  The chunk's temporaries are ~10 floats per row per
+# hidden unit; at E=64, F=512, K=8, T=512 (fp32, 2-core CI VM, bench_cpu_train's moe variant)
+# 2048-row chunks peaked 516 MiB over one step (HF grouped_mm eager: 482), 1024-row chunks 475, and
+# one step took 423 vs 393 ms (T=2048: 1317 vs 1290 ms), so 1024.
+POOL_CHUNK_ROWS = 1024
 
 
 def _fc1_rows(chunk: _Chunk, xin, w: ExpertWeights, cdt, fc1_out):
