@@ -46,9 +46,18 @@ def cpu_kind() -> DeviceKind:
     return CPU_KINDS[0]
 
 
+def _skinny_status() -> str:
+    """Whether fp32 decode runs on the skinny kernel (built here on first use) or on MKL, and why."""
+    from moe_compile.kernels import cpu_skinny
+
+    if cpu_skinny.available():
+        return f"kernels/cpu_skinny.c (fp32, <= {cpu_skinny.MAX_ROWS} rows per expert), built in {cpu_skinny.cache_dir()}"
+    return f"torch GEMMs per expert (skinny kernel unavailable: {cpu_skinny.unavailable_reason()})"
+
+
 def describe() -> str:
     lines = [f"cpu: {torch.backends.cpu.get_cpu_capability()} -> {cpu_kind().name}: "
-             f"{', '.join(cpu_kind().variants)} via {cpu_kind().kernel}"]
+             f"{', '.join(cpu_kind().variants)} via {cpu_kind().kernel}", f"cpu decode: {_skinny_status()}"]
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             cap = torch.cuda.get_device_capability(i)

@@ -6,7 +6,10 @@ Shapes:  T tokens, H hidden, F expert FFN width, E experts, K experts per token,
 Plan (one host sync, no per-call weight copies):
   1. one stable sort of the S flat expert ids -> slots grouped by expert, contiguous segments;
      ``searchsorted`` gives the segment bounds (ids outside [0, E) fall outside every segment);
-  2. gather the S' valid slots' token rows once (``index_select``) -> xs [S', H];
+  2. decode (fp32, <= cpu_skinny.MAX_ROWS rows per expert): ``_fused_decode``, one call of the
+     skinny C kernel per FC for all experts, reading x by token and adding each slot's weighted
+     FC2 output into y (``cpu_decode``); otherwise gather the S' valid slots' token rows once
+     (``index_select``) -> xs [S', H];
   3. prefill on stacked weights without biases: FC1 and FC2 as one native grouped GEMM each
      (``torch._grouped_mm``), the activation once over all rows; otherwise consecutive experts a
      chunk (<= CHUNK_ROWS rows) at a time:
@@ -128,6 +131,7 @@ def _fc2_into(a, w: ExpertWeights, e: int, out) -> None:
 
 # Experts with small GEMMs run them on a small thread pool, two experts at once (the GIL is
 # released inside the GEMM), instead of one after the other with each GEMM split over both cores.
+# (fp32 decode runs on cpu_skinny instead; this is bf16 decode and the fallback without a C compiler.)
 # Decode is bound by reading the experts' weights: one skinny GEMM reads ~13-15 GB/s on the
 # 2-core CI VM whether MKL uses 1 or 2 threads (a plain sum reads 31 GB/s); two experts streamed
 # at once read ~19-21 GB/s.  Small prefill GEMMs gain too, large ones lose (fp32, torch 2.13,

@@ -1,7 +1,8 @@
 """Host side of ``cpu_skinny.c``: fp32 expert GEMMs with few rows (decode), at the memory's speed.
 
 Shapes:  a task is one GEMM  y [r, n_out] = x [r, k] @ W^T (+ bias [n_out]),  W as the model holds
-         it: [n_out, k] (``F.linear``) or [k, n_out] (``transposed``, ``x @ W``); r <= MAX_ROWS.
+         it: [n_out, k] (``F.linear``) or [k, n_out] (``transposed``, ``x @ W``); any r, fast for
+         r <= MAX_ROWS (the op sends no more).
          Every tensor's last dim is contiguous; rows may be strided (views into shared buffers).
 
 The C file is compiled on first use (never at import) with the system C compiler into a cache
@@ -25,17 +26,18 @@ from pathlib import Path
 
 import torch
 
-# Rows of x per expert up to which the kernel beats MKL.  Sweep on the 2-core CI VM (fp32, 2
-# threads, weights not in cache, [4096, 1024] and [1024, 2048]): read speed in GB/s, kernel / MKL:
-#   r=1: 38/13  r=2: 37/11  r=4: 35/12  r=8: 30/14  r=16: 20/18  r=32: 13/21
-MAX_ROWS = 16
+# Rows of x per expert up to which the kernel beats the MKL path (cpu.expert_linear).  Sweep on the
+# 2-core CI VM (fp32, 2 threads, five experts' [4096, 1024] + [1024, 2048] weights not in cache),
+# weight read speed in GB/s, kernel / MKL:
+#   r=1: 26.5/14.0  r=2: 25.8/21.0  r=4: 18.2/12.6  r=8: 11.4/8.3  r=16: 6.5/8.1  r=32: 4.7/6.4
+MAX_ROWS = 8
 _TASK_FIELDS = 14  # the C file's TASK_FIELDS
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-fopenmp")
 _lib: ctypes.CDLL | None = None
 _load_error: str | None = None
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     return Path(os.environ.get("MOE_COMPILE_CACHE") or Path.home() / ".cache" / "moe_compile")
 
 
@@ -43,7 +45,7 @@ def _build(source: bytes) -> Path:
     """Compile the kernel into the cache (named by a hash of source and flags) unless it is there.
     Written to a temporary name then renamed, so concurrent processes never load half a file."""
     tag = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"cpu_skinny_{tag}.so"
+    lib = cache_dir() / f"cpu_skinny_{tag}.so"
     if lib.exists():
         return lib
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")

@@ -1,0 +1,12 @@
+"""``moe-compile devices``: what this machine runs, including which CPU decode path and why."""
+
+from moe_compile import devices
+from moe_compile.kernels import cpu_skinny
+
+
+def test_describe_names_the_cpu_decode_path():
+    line = next(ln for ln in devices.describe().splitlines() if ln.startswith("cpu decode:"))
+    if cpu_skinny.available():
+        assert "cpu_skinny.c" in line and str(cpu_skinny.cache_dir()) in line
+    else:
+        assert cpu_skinny.unavailable_reason() in line
