@@ -255,19 +255,30 @@ def _grouped_experts(xin, g, w: ExpertWeights, attrs: FFNAttrs, bounds: list, ba
     return grouped(a.contiguous(), w.fc2[0])  # [S', H]; interleaved: a is a strided view of h
 
 
-def _run_chunk(xin, g, w: ExpertWeights, attrs: FFNAttrs, experts, out, h, workers: int, keep_h: bool):
+def _run_chunk(xin, g, w: ExpertWeights, attrs: FFNAttrs, experts, out, h, workers: int, ws, keep_h: bool):
     """Rows of one chunk: xin [n, H] (already scaled for weight_on "input"), g [n, 1]; FC1 into
     h [n, F2], activation, FC2 into out [n, H].  ``keep_h``: h is the training forward's saved
-    FC1 output and must not be overwritten by the activation."""
+    FC1 output and must not be overwritten by the activation (it goes to ``ws`` instead)."""
     per_expert(lambda e, lo, hi: _fc1_into(xin[lo:hi], w, e, h[lo:hi]), experts, workers)
-    a = _chunk_activation(h, g, attrs, keep_h)  # [n, F]
+    a = _chunk_activation(h, g, attrs, ws if keep_h else None)  # [n, F]
     per_expert(lambda e, lo, hi: _fc2_into(a[lo:hi], w, e, out[lo:hi]), experts, workers)
 
 
-def _chunk_activation(h, g, attrs: FFNAttrs, keep_h: bool):
-    """act(gate) * up of a chunk's FC1 output h [n, F2] -> [n, F] (times g [n, 1] for "between")."""
-    a = gated_activation(h, attrs) if keep_h else _activate(*_gate_up(h, attrs), attrs)
+def _chunk_activation(h, g, attrs: FFNAttrs, ws=None):
+    """act(gate) * up of a chunk's FC1 output h [n, F2] -> [n, F] (times g [n, 1] for "between"):
+    in h's own storage, or, with a workspace (h must be kept), in its buffer "a"."""
+    a = activation_into(h, attrs, ws) if ws is not None else _activate(*_gate_up(h, attrs), attrs)
     return a * g if attrs.weight_on == "between" else a
+
+
+def activation_into(h, attrs: FFNAttrs, ws: cpu_memory.Workspace):
+    """act(gate) * up [n, F] of h [n, F2], h left as it is; SwiGLU into the workspace buffer "a"
+    (F.silu's own kernel: the same bits as the in-place forward), other activations fresh."""
+    if attrs.gate_up == "none" or attrs.activation != "silu" or attrs.limit > 0:
+        return gated_activation(h, attrs)
+    gate, up = _gate_up(h, attrs)
+    a = ws.take("a", gate.shape[0], gate.shape[1]).copy_(gate)
+    return F.silu(a, inplace=True).mul_(up)
 
 
 def _fused_decode(x, tokens, gs, w: ExpertWeights, attrs: FFNAttrs, bounds: list, fc1_out):
@@ -281,12 +292,14 @@ def _fused_decode(x, tokens, gs, w: ExpertWeights, attrs: FFNAttrs, bounds: list
     scale = gs.reshape(-1) if attrs.weight_on == "output" else None  # [S']
     y = torch.zeros_like(x)  # [T, H]
     base = bounds[0]
-    for experts in expert_chunks(bounds, base, POOL_CHUNK_ROWS):
+    chunks = list(expert_chunks(bounds, base, POOL_CHUNK_ROWS))
+    ws = cpu_memory.Workspace(max(c[-1][2] - c[0][1] for c in chunks), x.dtype, x.device)
+    for experts in chunks:
         lo, hi = experts[0][1], experts[-1][2]
         rel = [(e, a - lo, b - lo) for e, a, b in experts]
-        h = fc1_out[lo:hi] if fc1_out is not None else torch.empty(hi - lo, w.fc1_width(), dtype=x.dtype)
+        h = fc1_out[lo:hi] if fc1_out is not None else ws.take("h", hi - lo, w.fc1_width())
         cpu_decode.fc1(xin[lo:hi] if gathered else x, None if gathered else tokens[lo:hi], w, rel, h, threads)
-        a = _chunk_activation(h, gs[lo:hi], attrs, fc1_out is not None)
+        a = _chunk_activation(h, gs[lo:hi], attrs, ws if fc1_out is not None else None)
         a = a if a.stride(-1) == 1 else a.contiguous()  # interleaved gate/up: strided views
         cpu_decode.fc2_combine(a, w, rel, y, tokens[lo:hi], scale[lo:hi] if scale is not None else None, threads)
     return y
@@ -323,11 +336,13 @@ def fused_moe_cpu(
         out = _grouped_experts(xs, gs, w, attrs, bounds, base)  # [S', H]
     else:
         out = cpu_memory.empty(xs.shape, xs.dtype, xs.device)  # [S', H]
-        for experts in expert_chunks(bounds, base, POOL_CHUNK_ROWS if workers > 1 else CHUNK_ROWS):
+        chunks = list(expert_chunks(bounds, base, POOL_CHUNK_ROWS if workers > 1 else CHUNK_ROWS))
+        ws = cpu_memory.Workspace(max(c[-1][2] - c[0][1] for c in chunks), x.dtype, x.device)
+        for experts in chunks:
             lo, hi = experts[0][1], experts[-1][2]
             rel = [(e, a - lo, b - lo) for e, a, b in experts]
-            h = fc1_out[lo:hi] if fc1_out is not None else torch.empty(hi - lo, w.fc1_width(), dtype=x.dtype)
-            _run_chunk(xs[lo:hi], gs[lo:hi], w, attrs, rel, out[lo:hi], h, workers, fc1_out is not None)
+            h = fc1_out[lo:hi] if fc1_out is not None else ws.take("h", hi - lo, w.fc1_width())
+            _run_chunk(xs[lo:hi], gs[lo:hi], w, attrs, rel, out[lo:hi], h, workers, ws, fc1_out is not None)
     if attrs.weight_on == "output":
         out.mul_(gs)
     y = cpu_memory.empty((T, H), acc_dtype, x.device).zero_()

@@ -34,7 +34,7 @@ import torch
 from moe_compile.ir import ExpertWeights, FFNAttrs
 from moe_compile.kernels import cpu_memory
 from moe_compile.kernels.cpu import (
-    expert_chunks, expert_linear, gather_rows, per_expert, segment_rows, sort_by_expert, stream_workers,
+    activation_into, expert_chunks, expert_linear, per_expert, segment_rows, sort_by_expert, stream_workers,
 )
 from moe_compile.kernels.reference import compute_dtype, gated_activation
 
@@ -110,12 +110,14 @@ def _act_backward(grad: torch.Tensor, h: torch.Tensor, name: str) -> torch.Tenso
     raise ValueError(f"unknown activation {name!r}")
 
 
-def gated_activation_backward(h: torch.Tensor, da: torch.Tensor, attrs: FFNAttrs) -> torch.Tensor:
-    """d act / d h: FC1 output h [n, F2] and upstream da [n, F] -> dh [n, F2] (h's layout)."""
+def gated_activation_backward(h: torch.Tensor, da: torch.Tensor, attrs: FFNAttrs,
+                              ws: cpu_memory.Workspace | None = None) -> torch.Tensor:
+    """d act / d h: FC1 output h [n, F2] and upstream da [n, F] -> dh [n, F2] (h's layout); the
+    SwiGLU case writes into ``ws`` buffers when given."""
     if attrs.gate_up == "none":
         return _act_backward(da, h, attrs.activation)
     if attrs.activation == "silu" and attrs.limit <= 0:
-        return _swiglu_backward(h, da, attrs)
+        return _swiglu_backward(h, da, attrs, ws)
     gate, up = _gate_up_views(h, attrs)  # [n, F] each
     clamp = attrs.limit > 0
     gc = gate.clamp(max=attrs.limit) if clamp else gate
@@ -137,18 +139,24 @@ def gated_activation_backward(h: torch.Tensor, da: torch.Tensor, attrs: FFNAttrs
     return dh
 
 
-def _swiglu_backward(h: torch.Tensor, da: torch.Tensor, attrs: FFNAttrs) -> torch.Tensor:
+def _swiglu_backward(h: torch.Tensor, da: torch.Tensor, attrs: FFNAttrs, ws: cpu_memory.Workspace | None):
     """The common case, silu(gate) * up, written into dh's halves with two [n, F] temporaries
-    (the general path holds five): with s = sigmoid(gate),
-        d_up   = da * gate * s
-        d_gate = da * up * s * (1 + gate * (1 - s))    (aten's silu_backward formula)."""
+    (the general path holds five): with s = sigmoid(gate) and t = gate * s = silu(gate),
+        d_up   = da * t
+        d_gate = da * up * (s + t * (1 - s))    (aten's silu_backward formula)."""
     gate, up = _gate_up_views(h, attrs)  # [n, F] each
-    dh = torch.empty_like(h)
+    n, width = gate.shape
+
+    def scratch(name, cols):
+        return ws.take(name, n, cols) if ws is not None else torch.empty(n, cols, dtype=h.dtype, device=h.device)
+
+    dh = scratch("dh", h.shape[1])
     d_gate, d_up = _gate_up_views(dh, attrs)
-    s = torch.sigmoid(gate)
-    torch.mul(gate, s, out=d_up)  # silu(gate)
+    s = torch.sigmoid(gate, out=scratch("s", width))
+    t = torch.mul(gate, s, out=d_up)  # silu(gate), then d_up in place
+    slope = torch.mul(t, s, out=scratch("tmp", width))
+    torch.sub(t, slope, out=slope).add_(s)  # s + t (1 - s): silu'(gate)
     d_up.mul_(da)
-    slope = torch.rsub(s, 1).mul_(gate).add_(1).mul_(s)  # silu'(gate)
     torch.mul(da, up, out=d_gate)
     d_gate.mul_(slope)
     return dh
@@ -216,6 +224,11 @@ class _Chunk:
     dys: torch.Tensor  # [n, H]
     g: torch.Tensor  # [n, 1]
     workers: int  # experts' GEMMs run this many at a time (cpu.stream_workers)
+    ws: cpu_memory.Workspace  # the call's scratch buffers, sized for its largest chunk
+
+    @property
+    def n(self) -> int:
+        return self.hi - self.lo
 
 
 # Elementwise work (activation recompute, its backward, routing-weight scaling) runs once per chunk
@@ -236,7 +249,7 @@ def _fc1_rows(chunk: _Chunk, xin, w: ExpertWeights, cdt, fc1_out):
     """h [n, F2]: the forward's saved FC1 output for the chunk's rows, or FC1 recomputed."""
     if fc1_out is not None:
         return _w(fc1_out[chunk.lo : chunk.hi], cdt)
-    h = torch.empty(xin.shape[0], w.fc1_width(), dtype=cdt, device=xin.device)
+    h = chunk.ws.take("h", chunk.n, w.fc1_width())
     for e, lo, hi in chunk.experts:
         h[lo:hi] = _fc1_recompute(xin[lo:hi], w, e, cdt)
     return h
@@ -245,11 +258,13 @@ def _fc1_rows(chunk: _Chunk, xin, w: ExpertWeights, cdt, fc1_out):
 def _fc2_backward(chunk: _Chunk, a, w: ExpertWeights, on: str, grads: _Grads, cdt):
     """FC2 weight and bias gradients per expert, and da = dy W2 [n, F] (unscaled by g)."""
     needs_w = any(grads.fc2.wants(e) or grads.fc2_bias.wants(e) for e, _, _ in chunk.experts)
-    do = chunk.dys * chunk.g if needs_w and on == "output" else chunk.dys  # [n, H]
+    ws = chunk.ws
+    scaled = needs_w and on == "output"
+    do = torch.mul(chunk.dys, chunk.g, out=ws.take("do", chunk.n, chunk.dys.shape[1])) if scaled else chunk.dys
     a_in = a * chunk.g if needs_w and on == "between" else a  # [n, F]
     # Slots are taken here, on the calling thread: a role's buffer is allocated on first use.
     slots = {e: (grads.fc2.of(e), grads.fc2_bias.of(e)) for e, _, _ in chunk.experts}
-    da = torch.empty_like(a)  # [n, F]
+    da = ws.take("da", chunk.n, a.shape[1])  # [n, F]
 
     def expert(e, lo, hi):
         gw2, gb2 = slots[e]
@@ -265,7 +280,7 @@ def _fc2_backward(chunk: _Chunk, a, w: ExpertWeights, on: str, grads: _Grads, cd
 
 def _routing_grad_before_fc1(chunk: _Chunk, a, da, w: ExpertWeights, on: str, cdt):
     """dg [n] for weight_on output / between: <dy W2, a> (= <dy, a W2^T>), + <dy, b2> (output)."""
-    dg = (da * a).sum(dim=1)
+    dg = torch.mul(da, a, out=chunk.ws.take("tmp", chunk.n, a.shape[1])).sum(dim=1)
     if on == "output" and w.fc2_bias:
         for e, lo, hi in chunk.experts:
             dg[lo:hi] += chunk.dys[lo:hi] @ _w(w.fc2_bias_of(e), cdt)
@@ -302,7 +317,7 @@ def _chunk_backward(chunk: _Chunk, w: ExpertWeights, attrs: FFNAttrs, grads: _Gr
     on = attrs.weight_on
     xin = chunk.xs * chunk.g if on == "input" else chunk.xs  # [n, H]
     h = _fc1_rows(chunk, xin, w, cdt, fc1_out)  # [n, F2]
-    a = gated_activation(h, attrs)  # [n, F]
+    a = activation_into(h, attrs, chunk.ws)  # [n, F]
     da = _fc2_backward(chunk, a, w, on, grads, cdt)  # [n, F]
     dg = _routing_grad_before_fc1(chunk, a, da, w, on, cdt) if want_dg and on != "input" else None
     fc1_grads = any(getattr(grads, r).wants(e) for r in ROLES[:2] + ROLES[3:5] for e, _, _ in chunk.experts)
@@ -311,9 +326,9 @@ def _chunk_backward(chunk: _Chunk, w: ExpertWeights, attrs: FFNAttrs, grads: _Gr
         return None, dg
     if on != "input":
         da.mul_(chunk.g)
-    dh = gated_activation_backward(h, da, attrs)  # [n, F2]
+    dh = gated_activation_backward(h, da, attrs, chunk.ws)  # [n, F2]
     del h, a, da
-    dxin = torch.empty_like(chunk.xs) if need_dxin else None  # [n, H]
+    dxin = chunk.ws.take("dxin", chunk.n, chunk.xs.shape[1]) if need_dxin else None  # [n, H]
     _fc1_backward(chunk, xin, dh, w, grads, cdt, dxin)
     if on == "input" and dxin is not None:
         if want_dg:
@@ -350,6 +365,14 @@ def fused_moe_backward_cpu(
     return dx, dg, roles
 
 
+def _gather(t: torch.Tensor, rows: torch.Tensor, ws: cpu_memory.Workspace, name: str) -> torch.Tensor:
+    """t[rows] in the compute dtype, into the workspace buffer ``name``."""
+    out = ws.take(name, rows.shape[0], t.shape[1])
+    if t.dtype == out.dtype:
+        return torch.index_select(t, 0, rows, out=out)
+    return out.copy_(torch.index_select(t, 0, rows))
+
+
 def _run_segments(grad_y, x, topk_ids, topk_weights, w, attrs, grads, dx, dg_flat, cdt, fc1_out) -> None:
     K = topk_ids.shape[1]
     order, bounds = sort_by_expert(topk_ids, w.num_experts)
@@ -358,12 +381,13 @@ def _run_segments(grad_y, x, topk_ids, topk_weights, w, attrs, grads, dx, dg_fla
     tokens = valid // K  # [S']
     gs = _w(topk_weights.reshape(-1).index_select(0, valid), cdt)[:, None]  # [S', 1]
     workers = stream_workers(segment_rows(bounds), w.fc1_width())
-    for experts in expert_chunks(bounds, base, POOL_CHUNK_ROWS if workers > 1 else CHUNK_ROWS):
+    chunks = list(expert_chunks(bounds, base, POOL_CHUNK_ROWS if workers > 1 else CHUNK_ROWS))
+    ws = cpu_memory.Workspace(max(c[-1][2] - c[0][1] for c in chunks), cdt, x.device) if chunks else None
+    for experts in chunks:
         lo, hi = experts[0][1], experts[-1][2]
         rel = [(e, a - lo, b - lo) for e, a, b in experts]
         tok = tokens[lo:hi]
-        chunk = _Chunk(lo, hi, rel, _w(gather_rows(x, tok), cdt), _w(gather_rows(grad_y, tok), cdt), gs[lo:hi],
-                       workers)
+        chunk = _Chunk(lo, hi, rel, _gather(x, tok, ws, "xs"), _gather(grad_y, tok, ws, "dys"), gs[lo:hi], workers, ws)
         dxs, dgs = _chunk_backward(chunk, w, attrs, grads, dx is not None, dg_flat is not None, cdt, fc1_out)
         if dxs is not None:
             dx.index_add_(0, tok, dxs)  # the chunk's input-gradient rows summed into their tokens
