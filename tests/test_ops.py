@@ -112,6 +112,21 @@ def test_activations(activation, limit, path, monkeypatch):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("path", ["skinny", "pooled", "chunked"])
+def test_no_slot_in_range_gives_zeros_and_zero_grads(path, monkeypatch):
+    # An expert-parallel rank whose tokens all went to other ranks: every id is the sentinel E, no
+    # expert has a row (no chunk at all), the output is zero and so are all gradients.
+    force_cpu_path(monkeypatch, path)
+    x, ids, g, w = make_case(5, 16, 8, 4, 2)
+    ids.fill_(4)
+    x.requires_grad_(True)
+    w = ExpertWeights(tuple(torch.nn.Parameter(t.clone()) for t in w.fc1), (), (torch.nn.Parameter(w.fc2[0].clone()),))
+    out = call_fused_moe(x, ids, g, w, FFNAttrs())
+    assert torch.equal(out, torch.zeros(5, 16))
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x)) and torch.equal(w.fc1[0].grad, torch.zeros_like(w.fc1[0]))
+
+
 def test_out_of_range_ids_contribute_nothing():
     x, ids, g, w = make_case(6, 16, 8, 4, 2)
     ids[0, 1] = 4  # sentinel (E): dropped by the op, like HF's expert-parallel sentinel

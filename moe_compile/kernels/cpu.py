@@ -293,7 +293,7 @@ def _fused_decode(x, tokens, gs, w: ExpertWeights, attrs: FFNAttrs, bounds: list
     y = torch.zeros_like(x)  # [T, H]
     base = bounds[0]
     chunks = list(expert_chunks(bounds, base, POOL_CHUNK_ROWS))
-    ws = cpu_memory.Workspace(max(c[-1][2] - c[0][1] for c in chunks), x.dtype, x.device)
+    ws = cpu_memory.Workspace(max((c[-1][2] - c[0][1] for c in chunks), default=0), x.dtype, x.device)
     for experts in chunks:
         lo, hi = experts[0][1], experts[-1][2]
         rel = [(e, a - lo, b - lo) for e, a, b in experts]
@@ -337,7 +337,7 @@ def fused_moe_cpu(
     else:
         out = cpu_memory.empty(xs.shape, xs.dtype, xs.device)  # [S', H]
         chunks = list(expert_chunks(bounds, base, POOL_CHUNK_ROWS if workers > 1 else CHUNK_ROWS))
-        ws = cpu_memory.Workspace(max(c[-1][2] - c[0][1] for c in chunks), x.dtype, x.device)
+        ws = cpu_memory.Workspace(max((c[-1][2] - c[0][1] for c in chunks), default=0), x.dtype, x.device)
         for experts in chunks:
             lo, hi = experts[0][1], experts[-1][2]
             rel = [(e, a - lo, b - lo) for e, a, b in experts]

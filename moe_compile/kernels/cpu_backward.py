@@ -382,7 +382,7 @@ def _run_segments(grad_y, x, topk_ids, topk_weights, w, attrs, grads, dx, dg_fla
     gs = _w(topk_weights.reshape(-1).index_select(0, valid), cdt)[:, None]  # [S', 1]
     workers = stream_workers(segment_rows(bounds), w.fc1_width())
     chunks = list(expert_chunks(bounds, base, POOL_CHUNK_ROWS if workers > 1 else CHUNK_ROWS))
-    ws = cpu_memory.Workspace(max(c[-1][2] - c[0][1] for c in chunks), cdt, x.device) if chunks else None
+    ws = cpu_memory.Workspace(max((c[-1][2] - c[0][1] for c in chunks), default=0), cdt, x.device)
     for experts in chunks:
         lo, hi = experts[0][1], experts[-1][2]
         rel = [(e, a - lo, b - lo) for e, a, b in experts]
