@@ -63,9 +63,14 @@ def _check_choice(name: str, value, choices) -> None:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
+def is_stacked(role: Sequence[torch.Tensor], stacked_dim: int = 3) -> bool:
+    """Whether a role is one stacked tensor (weights: 3-D, biases: 2-D) rather than E per-expert ones."""
+    return len(role) == 1 and role[0].dim() == stacked_dim
+
+
 def _role_experts(role: Sequence[torch.Tensor], stacked_dim: int = 3) -> int:
     """E of a weight role (stacked: one 3-D tensor) or bias role (stacked: one 2-D tensor)."""
-    if len(role) == 1 and role[0].dim() == stacked_dim:
+    if is_stacked(role, stacked_dim):
         return role[0].shape[0]
     return len(role)
 
@@ -105,7 +110,7 @@ class ExpertWeights:
     def _pick(role: tuple[torch.Tensor, ...], e: int) -> torch.Tensor | None:
         if not role:
             return None
-        if len(role) == 1 and role[0].dim() == 3:
+        if is_stacked(role):
             return role[0][e]
         return role[e]
 
@@ -146,7 +151,7 @@ def _pick_bias(role: tuple[torch.Tensor, ...], e: int) -> torch.Tensor | None:
     """Biases: one stacked [E, n] tensor, or E tensors [n]."""
     if not role:
         return None
-    if len(role) == 1 and role[0].dim() == 2:
+    if is_stacked(role, 2):
         return role[0][e]
     return role[e]
 

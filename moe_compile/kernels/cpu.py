@@ -149,21 +149,32 @@ CHUNK_ROWS = 512
 _POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}  # (pid, workers) -> pool
 
 
-def expert_chunks(bounds: list, base: int, max_rows: int):
-    """Lists of (e, lo, hi) row ranges (relative to ``base``) of the experts with tokens, consecutive
-    experts grouped while their rows fit in ``max_rows`` (a larger expert is a chunk of its own)."""
-    group, rows = [], 0
+def expert_chunks(bounds: list, base: int, max_rows: int) -> list:
+    """[(lo, hi, experts)]: row ranges [lo, hi) (relative to ``base``) of consecutive experts with
+    tokens, grouped while their rows fit in ``max_rows`` (a larger expert is a chunk of its own);
+    ``experts`` = [(e, lo, hi)] with rows relative to the chunk."""
+    chunks, group = [], []
+
+    def close():
+        lo, hi = group[0][1], group[-1][2]
+        chunks.append((lo, hi, [(e, a - lo, b - lo) for e, a, b in group]))
+
     for e in range(len(bounds) - 1):
         lo, hi = bounds[e] - base, bounds[e + 1] - base
         if hi == lo:
             continue
-        if group and rows + hi - lo > max_rows:
-            yield group
-            group, rows = [], 0
+        if group and hi - group[0][1] > max_rows:
+            close()
+            group = []
         group.append((e, lo, hi))
-        rows += hi - lo
     if group:
-        yield group
+        close()
+    return chunks
+
+
+def chunk_workspace(chunks: list, dtype: torch.dtype, device) -> cpu_memory.Workspace:
+    """The scratch buffers of one call, sized for its largest chunk (``expert_chunks``)."""
+    return cpu_memory.Workspace(max((hi - lo for lo, hi, _ in chunks), default=0), dtype, device)
 
 
 # Each pooled GEMM still runs on torch's intra-op threads (there is no per-call thread count), so
@@ -291,12 +302,9 @@ def _fused_decode(x, tokens, gs, w: ExpertWeights, attrs: FFNAttrs, bounds: list
     xin = gather_rows(x, tokens).mul_(gs) if gathered else x
     scale = gs.reshape(-1) if attrs.weight_on == "output" else None  # [S']
     y = torch.zeros_like(x)  # [T, H]
-    base = bounds[0]
-    chunks = list(expert_chunks(bounds, base, POOL_CHUNK_ROWS))
-    ws = cpu_memory.Workspace(max((c[-1][2] - c[0][1] for c in chunks), default=0), x.dtype, x.device)
-    for experts in chunks:
-        lo, hi = experts[0][1], experts[-1][2]
-        rel = [(e, a - lo, b - lo) for e, a, b in experts]
+    chunks = expert_chunks(bounds, bounds[0], POOL_CHUNK_ROWS)
+    ws = chunk_workspace(chunks, x.dtype, x.device)
+    for lo, hi, rel in chunks:
         h = fc1_out[lo:hi] if fc1_out is not None else ws.take("h", hi - lo, w.fc1_width())
         cpu_decode.fc1(xin[lo:hi] if gathered else x, None if gathered else tokens[lo:hi], w, rel, h, threads)
         a = _chunk_activation(h, gs[lo:hi], attrs, ws if fc1_out is not None else None)
@@ -336,11 +344,9 @@ def fused_moe_cpu(
         out = _grouped_experts(xs, gs, w, attrs, bounds, base)  # [S', H]
     else:
         out = cpu_memory.empty(xs.shape, xs.dtype, xs.device)  # [S', H]
-        chunks = list(expert_chunks(bounds, base, POOL_CHUNK_ROWS if workers > 1 else CHUNK_ROWS))
-        ws = cpu_memory.Workspace(max((c[-1][2] - c[0][1] for c in chunks), default=0), x.dtype, x.device)
-        for experts in chunks:
-            lo, hi = experts[0][1], experts[-1][2]
-            rel = [(e, a - lo, b - lo) for e, a, b in experts]
+        chunks = expert_chunks(bounds, base, POOL_CHUNK_ROWS if workers > 1 else CHUNK_ROWS)
+        ws = chunk_workspace(chunks, x.dtype, x.device)
+        for lo, hi, rel in chunks:
             h = fc1_out[lo:hi] if fc1_out is not None else ws.take("h", hi - lo, w.fc1_width())
             _run_chunk(xs[lo:hi], gs[lo:hi], w, attrs, rel, out[lo:hi], h, workers, ws, fc1_out is not None)
     if attrs.weight_on == "output":

@@ -31,10 +31,11 @@ import dataclasses
 
 import torch
 
-from moe_compile.ir import ExpertWeights, FFNAttrs
+from moe_compile.ir import ExpertWeights, FFNAttrs, is_stacked
 from moe_compile.kernels import cpu_memory
 from moe_compile.kernels.cpu import (
-    activation_into, expert_chunks, expert_linear, per_expert, segment_rows, sort_by_expert, stream_workers,
+    activation_into, chunk_workspace, expert_chunks, expert_linear, per_expert, segment_rows, sort_by_expert,
+    stream_workers,
 )
 from moe_compile.kernels.reference import compute_dtype, gated_activation
 
@@ -61,7 +62,7 @@ class _RoleGrad:
 
     def __init__(self, role: tuple, needs: list, stacked_dim: int, cdt: torch.dtype, device):
         self.role, self.needs, self.cdt, self.device = role, needs, cdt, device
-        self.stacked = len(role) == 1 and role[0].dim() == stacked_dim
+        self.stacked = is_stacked(role, stacked_dim)
         self.bufs: list = [None] * len(role)
         self.written: set[int] = set()
 
@@ -385,11 +386,9 @@ def _run_segments(grad_y, x, topk_ids, topk_weights, w, attrs, grads, dx, dg_fla
     tokens = valid // K  # [S']
     gs = _w(topk_weights.reshape(-1).index_select(0, valid), cdt)[:, None]  # [S', 1]
     workers = stream_workers(segment_rows(bounds), w.fc1_width())
-    chunks = list(expert_chunks(bounds, base, POOL_CHUNK_ROWS if workers > 1 else CHUNK_ROWS))
-    ws = cpu_memory.Workspace(max((c[-1][2] - c[0][1] for c in chunks), default=0), cdt, x.device)
-    for experts in chunks:
-        lo, hi = experts[0][1], experts[-1][2]
-        rel = [(e, a - lo, b - lo) for e, a, b in experts]
+    chunks = expert_chunks(bounds, base, POOL_CHUNK_ROWS if workers > 1 else CHUNK_ROWS)
+    ws = chunk_workspace(chunks, cdt, x.device)
+    for lo, hi, rel in chunks:
         tok = tokens[lo:hi]
         chunk = _Chunk(lo, hi, rel, _gather(x, tok, ws, "xs"), _gather(grad_y, tok, ws, "dys"), gs[lo:hi], workers, ws)
         dxs, dgs = _chunk_backward(chunk, w, attrs, grads, dx is not None, dg_flat is not None, cdt, fc1_out)

@@ -11,7 +11,7 @@ a decode step.
 
 from __future__ import annotations
 
-from moe_compile.ir import ExpertWeights
+from moe_compile.ir import ExpertWeights, is_stacked
 from moe_compile.kernels import cpu_skinny
 
 _FP32_BYTES = 4
@@ -23,28 +23,25 @@ def _role_table(role: tuple, stacked_dim: int):
     if not role:
         return lambda e: (0, 0)
     first = role[0]
-    if len(role) == 1 and first.dim() == stacked_dim:
+    if is_stacked(role, stacked_dim):
         base, step = first.data_ptr(), first.stride(0) * _FP32_BYTES
         ld = first.stride(1) if stacked_dim == 3 else 0
         return lambda e: (base + e * step, ld)
     return lambda e: (role[e].data_ptr(), role[e].stride(0) if stacked_dim == 3 else 0)
 
 
-def _expert_tensors(role: tuple, stacked_dim: int, touched: list):
-    return role if len(role) == 1 and role[0].dim() == stacked_dim else [role[e] for e in touched]
-
-
 def fits(x, w: ExpertWeights, bounds: list) -> bool:
     """Whether these experts run here: at most MAX_ROWS rows each, and x and the weights and
     biases of the experts with tokens fp32 on CPU with contiguous rows and one shape per role
     (as the model holds them; only touched experts are checked)."""
-    rows = [hi - lo for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
-    if not rows or max(rows) > cpu_skinny.MAX_ROWS or not cpu_skinny.fits(x) or not cpu_skinny.available():
-        return False
     touched = [e for e in range(len(bounds) - 1) if bounds[e + 1] > bounds[e]]
+    if not touched or max(bounds[e + 1] - bounds[e] for e in touched) > cpu_skinny.MAX_ROWS:
+        return False
+    if not cpu_skinny.fits(x) or not cpu_skinny.available():
+        return False
     roles = ((w.fc1, 3), (w.fc1_up, 3), (w.fc2, 3), (w.fc1_bias, 2), (w.fc1_up_bias, 2), (w.fc2_bias, 2))
     for role, stacked_dim in roles:
-        tensors = _expert_tensors(role, stacked_dim, touched) if role else []
+        tensors = role if is_stacked(role, stacked_dim) else [role[e] for e in touched if role]
         if not all(cpu_skinny.fits(t) and t.shape == tensors[0].shape for t in tensors):
             return False
     return True
@@ -60,7 +57,7 @@ def _fc_tasks(weights, biases, x, x_index, y, y_col: int, y_index, scale, expert
     plus b_e, written to y[lo:hi, y_col:] (or, with y_index, scaled by scale[lo:hi] and added to
     y[y_index[lo:hi]])."""
     wt, bt = _role_table(weights, 3), _role_table(biases, 2)
-    w0 = weights[0][0] if weights[0].dim() == 3 else weights[0]
+    w0 = weights[0][0] if is_stacked(weights) else weights[0]
     n_out, k = (w0.shape[1], w0.shape[0]) if transposed else (w0.shape[0], w0.shape[1])
     x_ptr, ldx, y_ptr, ldy = x.data_ptr(), x.stride(0), y.data_ptr() + y_col * _FP32_BYTES, y.stride(0)
     for e, lo, hi in experts:

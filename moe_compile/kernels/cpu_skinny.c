@@ -151,7 +151,7 @@ static void run_axpy(const task_t *t, int64_t n0, int64_t n1) {
 
 /* Part `part` of `nparts` of every task: a contiguous range of output columns, a multiple of
  * eight wide. */
-void moe_skinny_run(const int64_t *tasks, int64_t ntasks, int64_t part, int64_t nparts) {
+static void moe_skinny_run(const int64_t *tasks, int64_t ntasks, int64_t part, int64_t nparts) {
     for (int64_t i = 0; i < ntasks; ++i) {
         const int64_t *f = tasks + i * TASK_FIELDS;
         task_t t = unpack(f);

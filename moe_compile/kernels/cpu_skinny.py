@@ -74,8 +74,6 @@ def _load() -> ctypes.CDLL | None:
     else:
         try:
             lib = ctypes.CDLL(str(_build(resources.files(__package__).joinpath("cpu_skinny.c").read_bytes())))
-            lib.moe_skinny_run.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
-            lib.moe_skinny_run.restype = None
             lib.moe_skinny_run_parallel.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
             lib.moe_skinny_run_parallel.restype = None
             _lib = lib
