@@ -6,8 +6,9 @@ page on first touch.  On the 2-core CI VM that is ~0.3 ms per MiB — writing a 
 The op's large buffers are fresh every call: the training forward's FC1 output, the sorted token
 rows, the chunk workspaces (not the weight gradients: see cpu_backward._RoleGrad for why).
 ``madvise(MADV_HUGEPAGE)`` on the aligned inside of such a buffer, before anything touches it,
-lets the kernel fault it in 2 MiB at a time (10 ms instead of 40 ms for 128 MiB on that VM) where THP is set to ``madvise`` or ``always``; elsewhere (THP ``never``,
-not Linux, no libc) the advice is skipped or ignored and the buffer is an ordinary ``torch.empty``.
+lets the kernel fault it in 2 MiB at a time (10 ms instead of 40 ms for 128 MiB on that VM) where
+THP is set to ``madvise`` or ``always``; elsewhere (THP ``never``, not Linux, no libc) the advice
+is skipped or ignored and the buffer is an ordinary ``torch.empty``.
 Small buffers come from glibc's reused heap and are left alone.
 """
 
