@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_compile.kernels import triton_dispatch
+from moe_compile.kernels import cpu_prepack, triton_dispatch
 from moe_compile.kernels.cpu_backward import ROLES, Needs
 from moe_compile.ops import OP_NAME, TRAIN_OP_NAME, op_args_schema, parse_op_args
 
@@ -78,6 +78,8 @@ def fused_moe_backward(*args) -> list[torch.Tensor]:
     x, topk_ids, topk_weights, w, attrs = parse_op_args(op_args)
     roles = op_args[3:9]
     need_roles = needs_by_role(roles, needs)
+    if x.device.type == "cpu":  # weights being trained change every step: never worth packing
+        cpu_prepack.mark_trained([t for t, need in zip(flat_inputs(x, topk_weights, roles)[2:], needs[2:]) if need])
     # CUDA tensors the Triton backward supports go to it; the rest to the plain-torch segment kernel.
     # A backward run inside torch.autocast must not re-cast its GEMMs: the forward's autocast
     # kernel (ops.py) already chose the dtypes, and the gradient buffers follow them.

@@ -295,20 +295,12 @@ def test_compiled_training_step_inductor():
 
 @pytest.mark.parametrize("train", [False, True], ids=["recompute", "saved_fc1"])
 @pytest.mark.parametrize("weight_on", ["output", "input"])
-@pytest.mark.parametrize("pooled", [False, True], ids=["serial", "pooled"])
-def test_gradcheck_across_chunks(monkeypatch, train, weight_on, pooled):
+def test_gradcheck_across_chunks(monkeypatch, train, weight_on):
     # Chunks of at most 3 rows: experts are grouped several to a chunk, and an expert with more
-    # rows than that is a chunk of its own — every boundary case of cpu.expert_chunks; experts'
-    # GEMMs one after the other, or two at a time on the thread pool (cpu.stream_workers).
+    # rows than that is a chunk of its own — every boundary case of cpu.expert_chunks.
     from moe_compile.kernels import cpu, cpu_backward
 
-    if pooled:
-        monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-        monkeypatch.setattr(cpu_backward, "POOL_CHUNK_ROWS", 3)
-        monkeypatch.setattr(cpu, "POOL_CHUNK_ROWS", 3)
-    else:
-        monkeypatch.setattr(cpu, "POOL_MAX_FC1_ELEMENTS", 0)
-        monkeypatch.setattr(cpu_backward, "CHUNK_ROWS", 3)
-        monkeypatch.setattr(cpu, "CHUNK_ROWS", 3)
+    monkeypatch.setattr(cpu_backward, "CHUNK_ROWS", 3)
+    monkeypatch.setattr(cpu, "CHUNK_ROWS", 3)
     attrs = FFNAttrs(gate_up="separate", weight_on=weight_on)
     run_gradcheck(7, 6, 4, 5, 2, attrs, stacked=False, bias=True, train=train)

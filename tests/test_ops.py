@@ -31,30 +31,36 @@ def make_case(T, H, F, E, K, gate_up="concat", transposed=False, stacked=True, d
 
 def force_cpu_path(monkeypatch, path: str) -> list:
     """"skinny": decode-sized experts on the skinny kernel (cpu_skinny), two threads, chunks of at
-    most 4 rows; "pooled": the same on MKL GEMMs over the thread pool; "chunked": serial experts in
-    chunks of at most 4 rows, so that experts share chunks and one expert's rows can exceed a chunk.
-    Returns the list the skinny kernel's calls are recorded into (checked by the caller)."""
-    from moe_compile.kernels import cpu, cpu_decode, cpu_skinny
+    most 4 rows; "chunked": MKL GEMMs per expert in chunks of at most 4 rows, so that experts share
+    chunks and one expert's rows can exceed a chunk; "packed": oneDNN GEMMs on weights packed at
+    their first call (cpu_prepack).  Returns the list the skinny kernel's calls are recorded into
+    (checked by the caller)."""
+    from moe_compile.kernels import cpu, cpu_decode, cpu_prepack, cpu_skinny
 
     calls = []
     if path == "skinny" and not cpu_skinny.available():
         pytest.skip(f"no skinny kernel: {cpu_skinny.unavailable_reason()}")
-    if path in ("skinny", "pooled"):
-        monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-        monkeypatch.setattr(cpu, "POOL_CHUNK_ROWS", 4)
-    else:
-        monkeypatch.setattr(cpu, "POOL_MAX_FC1_ELEMENTS", 0)
-        monkeypatch.setattr(cpu, "CHUNK_ROWS", 4)
+    if path == "packed" and not cpu_prepack.available():
+        pytest.skip(f"no packed GEMMs: {cpu_prepack.unavailable_reason()}")
     if path == "skinny":
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+        monkeypatch.setattr(cpu, "DECODE_CHUNK_ROWS", 4)
         real = cpu_skinny.run
         monkeypatch.setattr(cpu_skinny, "run", lambda tasks, threads=1: (calls.append(threads), real(tasks, threads)))
+        return calls
+    monkeypatch.setattr(cpu_decode, "fits", lambda *args: False)
+    monkeypatch.setattr(cpu, "CHUNK_ROWS", 4)
+    if path == "packed":
+        monkeypatch.setattr(cpu_prepack, "UNCHANGED_CALLS_BEFORE_PACKING", 0)
+        real_linear = cpu_prepack.linear
+        monkeypatch.setattr(cpu_prepack, "linear", lambda *args: (calls.append("packed"), real_linear(*args))[1])
     else:
-        monkeypatch.setattr(cpu_decode, "fits", lambda *args: False)
+        monkeypatch.setattr(cpu_prepack, "lookup", lambda *args: None)
     return calls
 
 
 # fp32: the CPU path sums experts in a different order than the reference: ~1e-6 relative.
-@pytest.mark.parametrize("path", ["skinny", "pooled", "chunked"])
+@pytest.mark.parametrize("path", ["skinny", "chunked", "packed"])
 @pytest.mark.parametrize("gate_up,transposed,weight_on,stacked", list(itertools.product(
     ["concat", "interleaved", "separate", "none"], [False, True], ["output", "between", "input"], [True, False])))
 def test_cpu_matches_reference_all_layouts(gate_up, transposed, weight_on, stacked, path, monkeypatch):
@@ -63,7 +69,7 @@ def test_cpu_matches_reference_all_layouts(gate_up, transposed, weight_on, stack
     attrs = FFNAttrs(gate_up=gate_up, transposed=transposed, weight_on=weight_on)
     torch.testing.assert_close(call_fused_moe(x, ids, g, w, attrs), fused_moe_reference(x, ids, g, w, attrs),
                                rtol=1e-5, atol=1e-5)
-    assert (path == "skinny") == bool(calls)
+    assert (path != "chunked") == bool(calls)
 
 
 @pytest.mark.parametrize("stacked", [True, False])
@@ -103,16 +109,17 @@ def test_all_tokens_on_one_expert_and_empty_experts():
 
 @pytest.mark.parametrize("activation,limit", [("gelu", 0.0), ("gelu_tanh", 0.0), ("relu", 0.0), ("silu", 0.5),
                                               ("gptoss", 0.5)])
-@pytest.mark.parametrize("path", ["skinny", "chunked"])
+@pytest.mark.parametrize("path", ["skinny", "chunked", "packed"])
 def test_activations(activation, limit, path, monkeypatch):
-    force_cpu_path(monkeypatch, path)
+    calls = force_cpu_path(monkeypatch, path)
     x, ids, g, w = make_case(9, 16, 12, 4, 2, "interleaved")
     attrs = FFNAttrs(gate_up="interleaved", activation=activation, limit=limit)
     torch.testing.assert_close(call_fused_moe(x, ids, g, w, attrs), fused_moe_reference(x, ids, g, w, attrs),
                                rtol=1e-5, atol=1e-5)
+    assert (path != "chunked") == bool(calls)
 
 
-@pytest.mark.parametrize("path", ["skinny", "pooled", "chunked"])
+@pytest.mark.parametrize("path", ["skinny", "chunked", "packed"])
 def test_no_slot_in_range_gives_zeros_and_zero_grads(path, monkeypatch):
     # An expert-parallel rank whose tokens all went to other ranks: every id is the sentinel E, no
     # expert has a row (no chunk at all), the output is zero and so are all gradients.
@@ -191,21 +198,18 @@ def test_decode_streaming_threads_respect_grad_modes(mode):
     torch.testing.assert_close(out.detach(), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("path", ["grouped", "serial", "pooled"])
+@pytest.mark.parametrize("path", ["grouped", "serial"])
 @pytest.mark.parametrize("weight_on", ["output", "between", "input"])
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("gate_up", ["concat", "interleaved", "separate", "none"])
 def test_segments_longer_than_skinny_rows(gate_up, transposed, weight_on, path, monkeypatch):
     # 300 rows on each of 2 experts: prefill-sized.  "grouped": stacked weights through torch's
-    # grouped GEMM (cpu.grouped_gemm_fits); "serial" (per-expert weights) and "pooled": FC1/FC2
-    # write straight into the chunk's rows with out= past cpu.SKINNY_ROWS (a column half of the
-    # FC1 buffer for the separate up projection).
+    # grouped GEMM (cpu.grouped_gemm_fits); "serial" (per-expert weights): FC1/FC2 write straight
+    # into the chunk's rows with out= past cpu.SKINNY_ROWS (a column half of the FC1 buffer for the
+    # separate up projection).
     from moe_compile.kernels import cpu
 
-    if path == "pooled":
-        monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    else:
-        monkeypatch.setattr(cpu, "POOL_MAX_FC1_ELEMENTS", 0)
+    monkeypatch.setattr(cpu, "GROUPED_MIN_FC1_ELEMENTS", 0)
     x, ids, g, w = make_case(300, 16, 12, 2, 2, gate_up, transposed, stacked=path != "serial")
     attrs = FFNAttrs(gate_up=gate_up, transposed=transposed, weight_on=weight_on)
     torch.testing.assert_close(call_fused_moe(x, ids, g, w, attrs), fused_moe_reference(x, ids, g, w, attrs),

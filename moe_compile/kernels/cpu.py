@@ -18,21 +18,16 @@ Plan (one host sync, no per-call weight copies):
        act   once for the chunk (elementwise work per expert costs more than its arithmetic when
              64 experts get ~64 rows each);
        FC2   per expert, written into its rows of one [S', H] output buffer;
-     when every expert's GEMMs are small (decode, fine-grained experts: POOL_MAX_FC1_ELEMENTS) the
-     GEMMs of a chunk are spread over a small thread pool, two experts at once;
   4. routing weight multiply, then one ``index_add_`` into an fp32 [T, H] accumulator.
 """
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 import torch.nn.functional as F
 
 from moe_compile.ir import ExpertWeights, FFNAttrs
-from moe_compile.kernels import cpu_decode, cpu_memory
+from moe_compile.kernels import cpu_decode, cpu_memory, cpu_prepack
 from moe_compile.kernels.reference import compute_dtype, gated_activation
 
 
@@ -129,24 +124,12 @@ def _fc2_into(a, w: ExpertWeights, e: int, out) -> None:
         out.add_(w.fc2_bias_of(e).to(out.dtype))
 
 
-# Experts with small GEMMs run them on a small thread pool, two experts at once (the GIL is
-# released inside the GEMM), instead of one after the other with each GEMM split over both cores.
-# (fp32 decode runs on cpu_skinny instead; this is bf16 decode and the fallback without a C compiler.)
-# Decode is bound by reading the experts' weights: one skinny GEMM reads ~13-15 GB/s on the
-# 2-core CI VM whether MKL uses 1 or 2 threads (a plain sum reads 31 GB/s); two experts streamed
-# at once read ~19-21 GB/s.  Small prefill GEMMs gain too, large ones lose (fp32, torch 2.13,
-# serial -> pooled): E=64, F=512 (FC1 output [n, 1024]) T=512 (~64 rows each) ~176 -> ~140 ms,
-# T=2048 (~256 rows) ~461 -> ~391 ms; E=8, F=2048 ([n, 4096]) T=512 (~128 rows) ~116 -> ~128 ms,
-# T=2048 ~344 -> ~363 ms.  So: pooled when every expert's FC1 output has at most this many elements.
-POOL_MAX_FC1_ELEMENTS = 384 * 1024
-# Pooled experts wait for each other at the end of FC1 and of FC2 of every chunk (the activation
-# runs between, once per chunk): larger chunks mean fewer waits.  E=64, F=512, T=512: chunks of
-# 512 / 2048 / 4096 rows took ~150 / ~157 / ~140 ms, serial ~176 ms (same run, fp32, 2 threads).
-POOL_CHUNK_ROWS = 4096
 # Rows per chunk of consecutive experts (prefill): the chunk's [n, F2] and [n, F] temporaries stay
 # a few MiB whatever T is.
 CHUNK_ROWS = 512
-_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}  # (pid, workers) -> pool
+# Decode: every expert has <= cpu_skinny.MAX_ROWS rows, so one chunk of this many covers a decode
+# step (one kernel call per FC) up to T = 512 at K = 8.
+DECODE_CHUNK_ROWS = 4096
 
 
 def expert_chunks(bounds: list, base: int, max_rows: int) -> list:
@@ -177,75 +160,31 @@ def chunk_workspace(chunks: list, dtype: torch.dtype, device) -> cpu_memory.Work
     return cpu_memory.Workspace(max((hi - lo for lo, hi, _ in chunks), default=0), dtype, device)
 
 
-# Each pooled GEMM still runs on torch's intra-op threads (there is no per-call thread count), so
-# more than two at once would oversubscribe the cores without adding bandwidth on the measured VM.
-MAX_POOL_WORKERS = 2
-
-
 def segment_rows(bounds: list) -> list:
     """Row counts of the experts with tokens, from the sort's segment bounds."""
     return [hi - lo for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
 
 
-def stream_workers(rows: list, fc1_width: int) -> int:
-    """How many experts run their GEMMs at once, from their row counts (``segment_rows``)."""
-    threads = torch.get_num_threads()
-    if threads < 2 or len(rows) < 2 or max(rows) * fc1_width > POOL_MAX_FC1_ELEMENTS:
-        return 1
-    return min(MAX_POOL_WORKERS, threads, len(rows))
-
-
-def _pool(workers: int) -> ThreadPoolExecutor:
-    """A process-wide pool per size, created on first use (never at import).  Keyed by process id:
-    a child forked after the pool started inherits the executor but not its threads, and work
-    handed to it would never run.  (With this torch build's GNU OpenMP a forked child already
-    hangs in torch's own parallel ops unless it sets one thread, as DataLoader workers do — and
-    with one thread the pool is not used; other OpenMP runtimes survive the fork.)"""
-    key = (os.getpid(), workers)
-    if key not in _POOLS:
-        _POOLS[key] = ThreadPoolExecutor(workers, thread_name_prefix="moe_compile_cpu")
-    return _POOLS[key]
-
-
-def per_expert(fn, experts, workers: int) -> None:
-    """fn(e, lo, hi) for every expert of a chunk, on the caller's thread or spread over the pool."""
-    if workers == 1:
-        for seg in experts:
-            fn(*seg)
-        return
-    inference = torch.is_inference_mode_enabled()
-
-    def run(part):
-        # Grad and inference modes are thread-local: a pool thread takes the caller's inference mode
-        # (its tensors may be inference tensors) and never records autograd history on the weights
-        # (the op's own formula handles gradients; the caller runs below autograd already).
-        with torch.inference_mode() if inference else torch.no_grad():
-            for seg in part:
-                fn(*seg)
-
-    list(_pool(workers).map(run, [experts[i::workers] for i in range(workers)]))
-
-
-# Prefill of experts too large for the pool, on stacked weights without biases, runs each FC as one
-# call of torch's native grouped GEMM (``torch._grouped_mm``, the kernel HF transformers'
-# grouped_mm experts call on CPU): bit-identical results, ~10% faster than per-expert GEMMs from
-# Python at E=8, F=2048, T=512 (94 vs 104 ms, fp32, torch 2.13, 2-core CI VM).  Pooled experts
-# stay on the pool (E=64, F=512: T=2048 374 vs 399 ms; T=512 123 vs 118 ms, within the noise);
-# decode (<= GROUPED_MIN_ROWS rows per expert) streams weights faster per expert (10 vs 15 ms at
-# E=64, T=4) even on one thread; the training forward writes FC1 into its saved buffer.
-GROUPED_MIN_ROWS = 16
+# Prefill on weights that are not packed (cpu_prepack: the first call, the training forward, bf16):
+# large experts on stacked weights without biases run each FC as one call of torch's native grouped
+# GEMM (``torch._grouped_mm``, the kernel HF transformers' grouped_mm experts call on CPU):
+# bit-identical results, faster than per-expert GEMMs from Python at E=8, F=2048 (fp32, torch 2.13,
+# 2-core CI VM, medians of 5: T=512 97 vs 142 ms, T=2048 338 vs 337 ms).  Small experts run
+# faster chunked (E=64, F=512: T=512 146 vs 171 ms); the cut is on the largest expert's FC1
+# output, [rows, F2] elements.
+GROUPED_MIN_FC1_ELEMENTS = 384 * 1024
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def grouped_gemm_fits(x, w: ExpertWeights, rows: list) -> bool:
-    """Whether ``_grouped_experts`` can run these experts: one stacked tensor per role, no biases,
-    weights in x's dtype, and prefill-sized segments."""
+    """Whether ``_grouped_experts`` runs these experts: one stacked tensor per role, no biases,
+    weights in x's dtype, and large experts (GROUPED_MIN_FC1_ELEMENTS)."""
     roles = (w.fc1, w.fc2, *((w.fc1_up,) if w.fc1_up else ()))
     stacked = all(len(role) == 1 and role[0].dim() == 3 and role[0].dtype == x.dtype for role in roles)
     return (
         hasattr(torch, "_grouped_mm") and x.device.type == "cpu" and stacked
         and not (w.fc1_bias or w.fc1_up_bias or w.fc2_bias) and x.dtype in _GROUPED_DTYPES
-        and max(rows, default=0) > GROUPED_MIN_ROWS
+        and max(rows, default=0) * w.fc1_width() > GROUPED_MIN_FC1_ELEMENTS
     )
 
 
@@ -266,13 +205,43 @@ def _grouped_experts(xin, g, w: ExpertWeights, attrs: FFNAttrs, bounds: list, ba
     return grouped(a.contiguous(), w.fc2[0])  # [S', H]; interleaved: a is a strided view of h
 
 
-def _run_chunk(xin, g, w: ExpertWeights, attrs: FFNAttrs, experts, out, h, workers: int, ws, keep_h: bool):
+def _packed_experts(x, tokens, g, w: ExpertWeights, packed: cpu_prepack.PackedExperts, attrs: FFNAttrs, bounds):
+    """y [T, H]: every expert's FFN on its packed weights, expert by expert, straight from x's rows
+    to y's.  Nothing is [S', H]-sized: buffers that large are fresh pages every call (glibc trims
+    them back to the kernel), and faulting in two of them took ~30 ms of a ~110 ms call at the
+    fine-grained shape, T=512 (2-core CI VM).  Each expert's rows stay in cache between steps."""
+    y = torch.zeros_like(x)  # [T, H]
+    base = bounds[0]
+    # g scales FC2's input where that equals scaling its output (no FC2 bias): [n, F] < [n, H].
+    scale_a = attrs.weight_on == "between" or (attrs.weight_on == "output" and not w.fc2_bias)
+    for e in range(len(bounds) - 1):
+        lo, hi = bounds[e] - base, bounds[e + 1] - base
+        if hi == lo:
+            continue
+        xe = x.index_select(0, tokens[lo:hi])  # [n, H]
+        if attrs.weight_on == "input":
+            xe.mul_(g[lo:hi])
+        h = cpu_prepack.linear(xe, packed.fc1[e], w.fc1_bias_of(e))  # [n, F2], or the gate [n, F]
+        if packed.fc1_up is not None:
+            a = _activate(h, cpu_prepack.linear(xe, packed.fc1_up[e], w.fc1_up_bias_of(e)), attrs)
+        else:
+            a = _activate(*_gate_up(h, attrs), attrs)  # [n, F]
+        ye = cpu_prepack.linear(a * g[lo:hi] if scale_a else a, packed.fc2[e], w.fc2_bias_of(e))  # [n, H]
+        if attrs.weight_on == "output" and not scale_a:
+            ye.mul_(g[lo:hi])
+        y.index_add_(0, tokens[lo:hi], ye)
+    return y
+
+
+def _run_chunk(xin, g, w: ExpertWeights, attrs: FFNAttrs, experts, out, h, ws, keep_h: bool):
     """Rows of one chunk: xin [n, H] (already scaled for weight_on "input"), g [n, 1]; FC1 into
     h [n, F2], activation, FC2 into out [n, H].  ``keep_h``: h is the training forward's saved
     FC1 output and must not be overwritten by the activation (it goes to ``ws`` instead)."""
-    per_expert(lambda e, lo, hi: _fc1_into(xin[lo:hi], w, e, h[lo:hi]), experts, workers)
+    for e, lo, hi in experts:
+        _fc1_into(xin[lo:hi], w, e, h[lo:hi])
     a = _chunk_activation(h, g, attrs, ws if keep_h else None)  # [n, F]
-    per_expert(lambda e, lo, hi: _fc2_into(a[lo:hi], w, e, out[lo:hi]), experts, workers)
+    for e, lo, hi in experts:
+        _fc2_into(a[lo:hi], w, e, out[lo:hi])
 
 
 def _chunk_activation(h, g, attrs: FFNAttrs, ws=None):
@@ -302,7 +271,7 @@ def _fused_decode(x, tokens, gs, w: ExpertWeights, attrs: FFNAttrs, bounds: list
     xin = gather_rows(x, tokens).mul_(gs) if gathered else x
     scale = gs.reshape(-1) if attrs.weight_on == "output" else None  # [S']
     y = torch.zeros_like(x)  # [T, H]
-    chunks = expert_chunks(bounds, bounds[0], POOL_CHUNK_ROWS)
+    chunks = expert_chunks(bounds, bounds[0], DECODE_CHUNK_ROWS)
     ws = chunk_workspace(chunks, x.dtype, x.device)
     for lo, hi, rel in chunks:
         h = fc1_out[lo:hi] if fc1_out is not None else ws.take("h", hi - lo, w.fc1_width())
@@ -335,20 +304,22 @@ def fused_moe_cpu(
     gs = topk_weights.reshape(-1).index_select(0, valid).to(x.dtype)[:, None]  # [S', 1]
     if cpu_decode.fits(x, w, bounds):
         return _fused_decode(x, tokens, gs, w, attrs, bounds, fc1_out)
+    packed = cpu_prepack.lookup(x, w) if fc1_out is None else None
+    if packed is not None:
+        return _packed_experts(x, tokens, gs, w, packed, attrs, bounds)
     xs = gather_rows(x, tokens)  # [S', H]
     if attrs.weight_on == "input":
         xs.mul_(gs)
     rows = segment_rows(bounds)
-    workers = stream_workers(rows, w.fc1_width())
-    if fc1_out is None and workers == 1 and grouped_gemm_fits(x, w, rows):
+    if fc1_out is None and grouped_gemm_fits(x, w, rows):
         out = _grouped_experts(xs, gs, w, attrs, bounds, base)  # [S', H]
     else:
         out = cpu_memory.empty(xs.shape, xs.dtype, xs.device)  # [S', H]
-        chunks = expert_chunks(bounds, base, POOL_CHUNK_ROWS if workers > 1 else CHUNK_ROWS)
+        chunks = expert_chunks(bounds, base, CHUNK_ROWS)
         ws = chunk_workspace(chunks, x.dtype, x.device)
         for lo, hi, rel in chunks:
             h = fc1_out[lo:hi] if fc1_out is not None else ws.take("h", hi - lo, w.fc1_width())
-            _run_chunk(xs[lo:hi], gs[lo:hi], w, attrs, rel, out[lo:hi], h, workers, ws, fc1_out is not None)
+            _run_chunk(xs[lo:hi], gs[lo:hi], w, attrs, rel, out[lo:hi], h, ws, fc1_out is not None)
     if attrs.weight_on == "output":
         out.mul_(gs)
     y = cpu_memory.empty((T, H), acc_dtype, x.device).zero_()

@@ -34,8 +34,7 @@ import torch
 from moe_compile.ir import ExpertWeights, FFNAttrs, is_stacked
 from moe_compile.kernels import cpu_memory
 from moe_compile.kernels.cpu import (
-    activation_into, chunk_workspace, expert_chunks, expert_linear, per_expert, segment_rows, sort_by_expert,
-    stream_workers,
+    activation_into, chunk_workspace, expert_chunks, expert_linear, sort_by_expert,
 )
 from moe_compile.kernels.reference import compute_dtype, gated_activation
 
@@ -228,7 +227,6 @@ class _Chunk:
     xs: torch.Tensor  # [n, H]
     dys: torch.Tensor  # [n, H]
     g: torch.Tensor  # [n, 1]
-    workers: int  # experts' GEMMs run this many at a time (cpu.stream_workers)
     ws: cpu_memory.Workspace  # the call's scratch buffers, sized for its largest chunk
 
     @property
@@ -242,12 +240,6 @@ class _Chunk:
 # expert with more rows is a chunk of its own), so the chunk's [n, H] / [n, F2] temporaries stay a
 # few MiB and peak memory does not grow with T.
 CHUNK_ROWS = 512
-# Experts with small GEMMs (cpu.POOL_MAX_FC1_ELEMENTS) run two at a time on the thread pool, in
-# larger chunks (fewer waits for each other).  The chunk's temporaries are ~10 floats per row per
-# hidden unit; at E=64, F=512, K=8, T=512 (fp32, 2-core CI VM, bench_cpu_train's moe variant)
-# 2048-row chunks peaked 516 MiB over one step (HF grouped_mm eager: 482), 1024-row chunks 475, and
-# one step took 423 vs 393 ms (T=2048: 1317 vs 1290 ms), so 1024.
-POOL_CHUNK_ROWS = 1024
 
 
 def _fc1_rows(chunk: _Chunk, xin, w: ExpertWeights, cdt, fc1_out):
@@ -267,19 +259,14 @@ def _fc2_backward(chunk: _Chunk, a, w: ExpertWeights, on: str, grads: _Grads, cd
     scaled = needs_w and on == "output"
     do = torch.mul(chunk.dys, chunk.g, out=ws.take("do", chunk.n, chunk.dys.shape[1])) if scaled else chunk.dys
     a_in = a * chunk.g if needs_w and on == "between" else a  # [n, F]
-    # Slots are taken here, on the calling thread: a role's buffer is allocated on first use.
-    slots = {e: (grads.fc2.of(e), grads.fc2_bias.of(e)) for e, _, _ in chunk.experts}
     da = ws.take("da", chunk.n, a.shape[1])  # [n, F]
-
-    def expert(e, lo, hi):
-        gw2, gb2 = slots[e]
+    for e, lo, hi in chunk.experts:
+        gw2, gb2 = grads.fc2.of(e), grads.fc2_bias.of(e)
         if gw2 is not None:
             _wgrad(do[lo:hi], a_in[lo:hi], w.transposed, gw2)
         if gb2 is not None:
             torch.sum(do[lo:hi], 0, out=gb2)
         _dgrad(chunk.dys[lo:hi], _w(w.fc2_of(e), cdt), w.transposed, da[lo:hi])
-
-    per_expert(expert, chunk.experts, chunk.workers)
     return da
 
 
@@ -298,11 +285,9 @@ def _fc1_backward(chunk: _Chunk, xin, dh, w: ExpertWeights, grads: _Grads, cdt, 
         dh_gate, dh_up = dh.chunk(2, dim=1)  # [n, F] each
     else:
         dh_gate, dh_up = dh, None
-    slots = {e: ((grads.fc1.of(e), grads.fc1_bias.of(e), dh_gate), (grads.fc1_up.of(e), grads.fc1_up_bias.of(e), dh_up))
-             for e, _, _ in chunk.experts}  # taken on the calling thread (allocation on first use)
-
-    def expert(e, lo, hi):
-        for grad_w, grad_b, part in slots[e]:
+    for e, lo, hi in chunk.experts:
+        slots = ((grads.fc1.of(e), grads.fc1_bias.of(e), dh_gate), (grads.fc1_up.of(e), grads.fc1_up_bias.of(e), dh_up))
+        for grad_w, grad_b, part in slots:
             if grad_w is not None:
                 _wgrad(part[lo:hi], xin[lo:hi], w.transposed, grad_w)
             if grad_b is not None:
@@ -312,8 +297,6 @@ def _fc1_backward(chunk: _Chunk, xin, dh, w: ExpertWeights, grads: _Grads, cdt, 
             if dh_up is not None:  # separate up projection: + dh_up W1_up
                 up = _w(w.fc1_up_of(e), cdt)
                 dxin[lo:hi].addmm_(dh_up[lo:hi], up.t() if w.transposed else up)
-
-    per_expert(expert, chunk.experts, chunk.workers)
 
 
 def _chunk_backward(chunk: _Chunk, w: ExpertWeights, attrs: FFNAttrs, grads: _Grads, want_dx: bool,
@@ -385,12 +368,11 @@ def _run_segments(grad_y, x, topk_ids, topk_weights, w, attrs, grads, dx, dg_fla
     valid = order[base : bounds[-1]]  # [S'] slots with an id in [0, E)
     tokens = valid // K  # [S']
     gs = _w(topk_weights.reshape(-1).index_select(0, valid), cdt)[:, None]  # [S', 1]
-    workers = stream_workers(segment_rows(bounds), w.fc1_width())
-    chunks = expert_chunks(bounds, base, POOL_CHUNK_ROWS if workers > 1 else CHUNK_ROWS)
+    chunks = expert_chunks(bounds, base, CHUNK_ROWS)
     ws = chunk_workspace(chunks, cdt, x.device)
     for lo, hi, rel in chunks:
         tok = tokens[lo:hi]
-        chunk = _Chunk(lo, hi, rel, _gather(x, tok, ws, "xs"), _gather(grad_y, tok, ws, "dys"), gs[lo:hi], workers, ws)
+        chunk = _Chunk(lo, hi, rel, _gather(x, tok, ws, "xs"), _gather(grad_y, tok, ws, "dys"), gs[lo:hi], ws)
         dxs, dgs = _chunk_backward(chunk, w, attrs, grads, dx is not None, dg_flat is not None, cdt, fc1_out)
         if dxs is not None:
             dx.index_add_(0, tok, dxs)  # the chunk's input-gradient rows summed into their tokens
