@@ -226,7 +226,9 @@ def _packed_experts(x, tokens, g, w: ExpertWeights, packed: cpu_prepack.PackedEx
             a = _activate(h, cpu_prepack.linear(xe, packed.fc1_up[e], w.fc1_up_bias_of(e)), attrs)
         else:
             a = _activate(*_gate_up(h, attrs), attrs)  # [n, F]
-        ye = cpu_prepack.linear(a * g[lo:hi] if scale_a else a, packed.fc2[e], w.fc2_bias_of(e))  # [n, H]
+        if scale_a:
+            a.mul_(g[lo:hi])  # a is this expert's own fresh FC1 output (or made from it)
+        ye = cpu_prepack.linear(a, packed.fc2[e], w.fc2_bias_of(e))  # [n, H]
         if attrs.weight_on == "output" and not scale_a:
             ye.mul_(g[lo:hi])
         y.index_add_(0, tokens[lo:hi], ye)
