@@ -1,7 +1,7 @@
 """``moe-compile devices``: what this machine runs, including which CPU decode path and why."""
 
 from moe_compile import devices
-from moe_compile.kernels import cpu_skinny
+from moe_compile.kernels import cpu_prepack, cpu_skinny
 
 
 def test_describe_names_the_cpu_decode_path():
@@ -10,3 +10,13 @@ def test_describe_names_the_cpu_decode_path():
         assert "cpu_skinny.c" in line and str(cpu_skinny.cache_dir()) in line
     else:
         assert cpu_skinny.unavailable_reason() in line
+
+
+def test_describe_names_the_cpu_prefill_path(monkeypatch):
+    def line():
+        return next(ln for ln in devices.describe().splitlines() if ln.startswith("cpu prefill:"))
+
+    if cpu_prepack.available():
+        assert "oneDNN" in line()
+    monkeypatch.setenv(cpu_prepack.ENV, "0")
+    assert f"{cpu_prepack.ENV}=0" in line() and "unavailable" in line()
