@@ -31,7 +31,7 @@ def experts_on_rows(rows, g, counts, w: ExpertWeights, attrs: FFNAttrs, out) -> 
 
     The rows come src-major, so one expert's rows lie in r blocks; the single-device path with
     K = 1 regroups them by expert (one sort) so that each expert runs one GEMM on all its rows,
-    and picks the pool / grouped GEMM / serial path like any other call."""
+    and picks the decode / packed / grouped GEMM / chunked path like any other call."""
     n = int(torch.as_tensor(counts).sum()) if len(counts) else 0
     if n == 0:
         return
