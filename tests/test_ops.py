@@ -31,11 +31,12 @@ def make_case(T, H, F, E, K, gate_up="concat", transposed=False, stacked=True, d
 
 def force_cpu_path(monkeypatch, path: str) -> list:
     """"skinny": decode-sized experts on the skinny kernel (cpu_skinny), two threads, chunks of at
-    most 4 rows; "chunked": MKL GEMMs per expert in chunks of at most 4 rows, so that experts share
-    chunks and one expert's rows can exceed a chunk; "packed": oneDNN GEMMs on weights packed at
-    their first call (cpu_prepack).  Returns the list the skinny kernel's calls are recorded into
-    (checked by the caller)."""
-    from moe_compile.kernels import cpu, cpu_decode, cpu_prepack, cpu_skinny
+    most 4 rows; "chunked": per-expert GEMMs (oneDNN on plain weights for fp32) in chunks of at
+    most 4 rows, so that experts share chunks and one expert's rows can exceed a chunk; "mkl": the
+    same on MKL (MOE_COMPILE_ONEDNN=0); "packed": oneDNN GEMMs on weights packed at their first
+    call (cpu_prepack).  Returns the list the skinny kernel's calls or the packed GEMMs are recorded
+    into (checked by the caller)."""
+    from moe_compile.kernels import cpu, cpu_decode, cpu_onednn, cpu_prepack, cpu_skinny
 
     calls = []
     if path == "skinny" and not cpu_skinny.available():
@@ -52,15 +53,23 @@ def force_cpu_path(monkeypatch, path: str) -> list:
     monkeypatch.setattr(cpu, "CHUNK_ROWS", 4)
     if path == "packed":
         monkeypatch.setattr(cpu_prepack, "UNCHANGED_CALLS_BEFORE_PACKING", 0)
-        real_linear = cpu_prepack.linear
-        monkeypatch.setattr(cpu_prepack, "linear", lambda *args: (calls.append("packed"), real_linear(*args))[1])
-    else:
-        monkeypatch.setattr(cpu_prepack, "lookup", lambda *args: None)
+        real_linear = cpu_onednn.linear
+
+        def linear(x, weight, bias=None):
+            if weight.is_mkldnn:
+                calls.append("packed")
+            return real_linear(x, weight, bias)
+
+        monkeypatch.setattr(cpu_onednn, "linear", linear)
+        return calls
+    monkeypatch.setattr(cpu_prepack, "lookup", lambda *args: None)
+    if path == "mkl":
+        monkeypatch.setenv(cpu_onednn.ENV, "0")
     return calls
 
 
 # fp32: the CPU path sums experts in a different order than the reference: ~1e-6 relative.
-@pytest.mark.parametrize("path", ["skinny", "chunked", "packed"])
+@pytest.mark.parametrize("path", ["skinny", "chunked", "mkl", "packed"])
 @pytest.mark.parametrize("gate_up,transposed,weight_on,stacked", list(itertools.product(
     ["concat", "interleaved", "separate", "none"], [False, True], ["output", "between", "input"], [True, False])))
 def test_cpu_matches_reference_all_layouts(gate_up, transposed, weight_on, stacked, path, monkeypatch):
@@ -69,7 +78,7 @@ def test_cpu_matches_reference_all_layouts(gate_up, transposed, weight_on, stack
     attrs = FFNAttrs(gate_up=gate_up, transposed=transposed, weight_on=weight_on)
     torch.testing.assert_close(call_fused_moe(x, ids, g, w, attrs), fused_moe_reference(x, ids, g, w, attrs),
                                rtol=1e-5, atol=1e-5)
-    assert (path != "chunked") == bool(calls)
+    assert (path in ("skinny", "packed")) == bool(calls)
 
 
 @pytest.mark.parametrize("stacked", [True, False])
@@ -109,17 +118,17 @@ def test_all_tokens_on_one_expert_and_empty_experts():
 
 @pytest.mark.parametrize("activation,limit", [("gelu", 0.0), ("gelu_tanh", 0.0), ("relu", 0.0), ("silu", 0.5),
                                               ("gptoss", 0.5)])
-@pytest.mark.parametrize("path", ["skinny", "chunked", "packed"])
+@pytest.mark.parametrize("path", ["skinny", "chunked", "mkl", "packed"])
 def test_activations(activation, limit, path, monkeypatch):
     calls = force_cpu_path(monkeypatch, path)
     x, ids, g, w = make_case(9, 16, 12, 4, 2, "interleaved")
     attrs = FFNAttrs(gate_up="interleaved", activation=activation, limit=limit)
     torch.testing.assert_close(call_fused_moe(x, ids, g, w, attrs), fused_moe_reference(x, ids, g, w, attrs),
                                rtol=1e-5, atol=1e-5)
-    assert (path != "chunked") == bool(calls)
+    assert (path in ("skinny", "packed")) == bool(calls)
 
 
-@pytest.mark.parametrize("path", ["skinny", "chunked", "packed"])
+@pytest.mark.parametrize("path", ["skinny", "chunked", "mkl", "packed"])
 def test_no_slot_in_range_gives_zeros_and_zero_grads(path, monkeypatch):
     # An expert-parallel rank whose tokens all went to other ranks: every id is the sentinel E, no
     # expert has a row (no chunk at all), the output is zero and so are all gradients.

@@ -32,7 +32,7 @@ import dataclasses
 import torch
 
 from moe_compile.ir import ExpertWeights, FFNAttrs, is_stacked
-from moe_compile.kernels import cpu_memory
+from moe_compile.kernels import cpu_memory, cpu_onednn
 from moe_compile.kernels.cpu import (
     activation_into, chunk_workspace, expert_chunks, expert_linear, sort_by_expert,
 )
@@ -213,8 +213,11 @@ class _Grads:
 
 def _dgrad(a, w, transposed: bool, out):
     """a [n, out] times the stored weight back to [n, in] (the dgrad of ``x @ W`` / ``F.linear``),
-    written into ``out``."""
-    return torch.mm(a, w.t() if transposed else w, out=out)
+    written into ``out``; on oneDNN for fp32 (E=64, [1024, 1024], 64 rows each: 55 vs 70 ms)."""
+    w_in_out = w if transposed else w.t()  # the [in, out] operand, a view of the stored weight
+    if cpu_onednn.fits(a, w_in_out):
+        return out.copy_(cpu_onednn.linear(a, w_in_out))
+    return torch.mm(a, w_in_out.t(), out=out)
 
 
 @dataclasses.dataclass

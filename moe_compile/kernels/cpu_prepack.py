@@ -18,7 +18,8 @@ The price is a second copy of the experts' weights, so packing is automatic only
 * never for a weight the backward computed a gradient for (``mark_trained``): training repacks
   would cost more than they save;
 * only fp32 on CPU with oneDNN built in, only when the packs fit in half of the available memory,
-  and not with ``MOE_COMPILE_PREPACK=0``.
+  and not with ``MOE_COMPILE_PREPACK=0`` (nor ``MOE_COMPILE_ONEDNN=0``).  The GEMMs themselves
+  are ``cpu_onednn.linear``.
 
 Writes that bypass the version counter (``weight.data.copy_(...)``) are not seen: call
 ``moe_compile.kernels.cpu_prepack.clear()`` after them, or turn packing off.
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_compile.ir import ExpertWeights
+from moe_compile.kernels import cpu_onednn
 
 ENV = "MOE_COMPILE_PREPACK"
 # Calls that must see a weight unchanged before the one that packs it (tests set 0: pack at once).
@@ -44,20 +46,11 @@ def unavailable_reason() -> str | None:
     """Why packed GEMMs are not used in this process, or None when they are."""
     if os.environ.get(ENV, "1") == "0":
         return f"{ENV}=0"
-    if not torch.backends.mkldnn.is_available():
-        return "this torch build has no oneDNN (mkldnn)"
-    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight") or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-        return "this torch build lacks mkldnn::_reorder_linear_weight / _linear_pointwise"
-    return None
+    return cpu_onednn.unavailable_reason()
 
 
 def available() -> bool:
     return unavailable_reason() is None
-
-
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [n, in] times a packed weight (``pack``) -> a fresh [n, out], plus bias [out]."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def pack(w_out_in: torch.Tensor) -> torch.Tensor:
