@@ -55,20 +55,22 @@ def _skinny_status() -> str:
     return f"torch GEMMs per expert (skinny kernel unavailable: {cpu_skinny.unavailable_reason()})"
 
 
-def _prepack_status() -> str:
-    """Whether fp32 prefill runs on prepacked oneDNN weights (cpu_prepack) or on MKL, and why."""
-    from moe_compile.kernels import cpu_prepack
+def _prefill_status() -> str:
+    """Which GEMMs fp32 prefill runs on (cpu_onednn, cpu_prepack) and why."""
+    from moe_compile.kernels import cpu_onednn, cpu_prepack
 
-    if cpu_prepack.available():
-        return (f"oneDNN on expert weights packed at the second call that sees them unchanged (fp32, inference; "
-                f"{cpu_prepack.ENV}=0 turns it off)")
-    return f"torch GEMMs per expert (packed weights unavailable: {cpu_prepack.unavailable_reason()})"
+    if not cpu_onednn.available():
+        return f"torch (MKL) GEMMs per expert (oneDNN unavailable: {cpu_onednn.unavailable_reason()})"
+    if not cpu_prepack.available():
+        return f"oneDNN GEMMs on the weights as held (packed weights unavailable: {cpu_prepack.unavailable_reason()})"
+    return (f"oneDNN GEMMs; inference packs expert weights at the second call that sees them unchanged "
+            f"({cpu_prepack.ENV}=0 or {cpu_onednn.ENV}=0 turn that off)")
 
 
 def describe() -> str:
     lines = [f"cpu: {torch.backends.cpu.get_cpu_capability()} -> {cpu_kind().name}: "
              f"{', '.join(cpu_kind().variants)} via {cpu_kind().kernel}", f"cpu decode: {_skinny_status()}",
-             f"cpu prefill: {_prepack_status()}"]
+             f"cpu prefill: {_prefill_status()}"]
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             cap = torch.cuda.get_device_capability(i)

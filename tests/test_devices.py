@@ -1,7 +1,7 @@
 """``moe-compile devices``: what this machine runs, including which CPU decode path and why."""
 
 from moe_compile import devices
-from moe_compile.kernels import cpu_prepack, cpu_skinny
+from moe_compile.kernels import cpu_onednn, cpu_prepack, cpu_skinny
 
 
 def test_describe_names_the_cpu_decode_path():
@@ -17,6 +17,8 @@ def test_describe_names_the_cpu_prefill_path(monkeypatch):
         return next(ln for ln in devices.describe().splitlines() if ln.startswith("cpu prefill:"))
 
     if cpu_prepack.available():
-        assert "oneDNN" in line()
+        assert "oneDNN" in line() and "packs" in line()
     monkeypatch.setenv(cpu_prepack.ENV, "0")
     assert f"{cpu_prepack.ENV}=0" in line() and "unavailable" in line()
+    monkeypatch.setenv(cpu_onednn.ENV, "0")
+    assert f"{cpu_onednn.ENV}=0" in line() and "MKL" in line()

@@ -207,20 +207,26 @@ def test_op_respects_the_callers_grad_mode(mode):
     torch.testing.assert_close(out.detach(), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("path", ["grouped", "serial"])
+@pytest.mark.parametrize("path", ["grouped", "serial_mkl", "serial"])
 @pytest.mark.parametrize("weight_on", ["output", "between", "input"])
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("gate_up", ["concat", "interleaved", "separate", "none"])
 def test_segments_longer_than_skinny_rows(gate_up, transposed, weight_on, path, monkeypatch):
     # 300 rows on each of 2 experts: prefill-sized.  "grouped": stacked weights through torch's
-    # grouped GEMM (cpu.grouped_gemm_fits); "serial" (per-expert weights): FC1/FC2 write straight
-    # into the chunk's rows with out= past cpu.SKINNY_ROWS (a column half of the FC1 buffer for the
-    # separate up projection).
-    from moe_compile.kernels import cpu
+    # grouped GEMM (cpu.grouped_gemm_fits, without oneDNN); "serial_mkl" (per-expert weights, MKL):
+    # FC1/FC2 write straight into the chunk's rows with out= past cpu.SKINNY_ROWS (a column half of
+    # the FC1 buffer for the separate up projection); "serial": the same GEMMs on oneDNN.
+    from moe_compile.kernels import cpu, cpu_onednn
 
     monkeypatch.setattr(cpu, "GROUPED_MIN_FC1_ELEMENTS", 0)
-    x, ids, g, w = make_case(300, 16, 12, 2, 2, gate_up, transposed, stacked=path != "serial")
+    if path != "serial":
+        monkeypatch.setenv(cpu_onednn.ENV, "0")
+    grouped = []
+    real = cpu._grouped_experts
+    monkeypatch.setattr(cpu, "_grouped_experts", lambda *args: (grouped.append(1), real(*args))[1])
+    x, ids, g, w = make_case(300, 16, 12, 2, 2, gate_up, transposed, stacked=path == "grouped")
     attrs = FFNAttrs(gate_up=gate_up, transposed=transposed, weight_on=weight_on)
     torch.testing.assert_close(call_fused_moe(x, ids, g, w, attrs), fused_moe_reference(x, ids, g, w, attrs),
                                rtol=1e-5, atol=1e-5)
+    assert bool(grouped) == (path == "grouped")
 

@@ -170,26 +170,28 @@ def segment_rows(bounds: list) -> list:
     return [hi - lo for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
 
 
-# Prefill on weights that are not packed (cpu_prepack: the first call, the training forward, bf16):
-# large experts on stacked weights without biases run each FC as one call of torch's native grouped
-# GEMM (``torch._grouped_mm``, the kernel HF transformers' grouped_mm experts call on CPU):
-# bit-identical results, faster than per-expert GEMMs from Python at E=8, F=2048 (fp32, torch 2.13,
-# 2-core CI VM, medians of 5: T=512 97 vs 142 ms, T=2048 338 vs 337 ms).  Small experts run
-# faster chunked (E=64, F=512: T=512 146 vs 171 ms); the cut is on the largest expert's FC1
-# output, [rows, F2] elements.
+# Prefill on weights that are not packed (cpu_prepack: the first call, the training forward, bf16)
+# and not on oneDNN either (bf16, or MOE_COMPILE_ONEDNN=0): large experts on stacked weights without
+# biases run each FC as one call of torch's native grouped GEMM (``torch._grouped_mm``, the kernel
+# HF transformers' grouped_mm experts call on CPU): faster than per-expert MKL GEMMs from Python at
+# E=8, F=2048 (fp32, torch 2.13, 2-core CI VM, medians of 5: T=512 97 vs 142 ms, T=2048 338 vs
+# 337 ms), slower than per-expert oneDNN GEMMs (T=512 127 vs 85 ms, T=2048 428 vs 293 ms).  Small
+# experts run faster chunked (E=64, F=512, MKL: T=512 146 vs 171 ms); the cut is on the largest
+# expert's FC1 output, [rows, F2] elements.
 GROUPED_MIN_FC1_ELEMENTS = 384 * 1024
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def grouped_gemm_fits(x, w: ExpertWeights, rows: list) -> bool:
     """Whether ``_grouped_experts`` runs these experts: one stacked tensor per role, no biases,
-    weights in x's dtype, and large experts (GROUPED_MIN_FC1_ELEMENTS)."""
+    weights in x's dtype, large experts (GROUPED_MIN_FC1_ELEMENTS), and no oneDNN for them."""
     roles = (w.fc1, w.fc2, *((w.fc1_up,) if w.fc1_up else ()))
     stacked = all(len(role) == 1 and role[0].dim() == 3 and role[0].dtype == x.dtype for role in roles)
     return (
         hasattr(torch, "_grouped_mm") and x.device.type == "cpu" and stacked
         and not (w.fc1_bias or w.fc1_up_bias or w.fc2_bias) and x.dtype in _GROUPED_DTYPES
         and max(rows, default=0) * w.fc1_width() > GROUPED_MIN_FC1_ELEMENTS
+        and not cpu_onednn.fits(x, w.fc1[0])
     )
 
 
