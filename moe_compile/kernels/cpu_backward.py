@@ -64,6 +64,8 @@ class _RoleGrad:
         self.stacked = is_stacked(role, stacked_dim)
         self.bufs: list = [None] * len(role)
         self.written: set[int] = set()
+        self.huge = False  # the stacked buffer is on huge pages (see ``of``): GEMMs go via scratch
+        self.scratch = None  # one expert's [out, in] / [in, out], for those GEMMs
 
     def wants(self, e: int) -> bool:
         """Whether expert e's gradient of this role is needed (allocates nothing)."""
@@ -80,13 +82,30 @@ class _RoleGrad:
             # Uninitialised: every slot handed out is overwritten by its expert's GEMM or sum, and
             # result() zeroes the experts never handed out (no tokens).  Zero-filling all of it
             # up front cost ~10% of a fine-grained (E=64) training step on the 2-core CI VM.
-            # Plain pages, not cpu_memory's huge pages: the wgrad GEMMs write rows 4-8 KiB apart,
-            # and on physically contiguous 2 MiB pages those rows fall into the same cache sets.
-            # Measured (fp32, 2-core CI VM, moe step of bench_cpu_train): Mixtral T=2048 1254 ms
-            # with huge-page gradients vs 1016 plain, T=512 421 vs 312; E=64 T=2048 1614 vs 1259.
-            self.bufs[i] = torch.empty(self.role[i].shape, dtype=self.cdt, device=self.device)
+            # A large stacked gradient is fresh memory every step: on 4 KiB pages faulting it in
+            # costs as much as its GEMMs, on huge pages (cpu_memory) a fifth of that.  But a GEMM
+            # writing its rows (4-8 KiB apart) straight onto 2 MiB pages puts them into the same
+            # cache sets, so ``wgrad`` writes into a scratch and copies.  E=64 [1024, 1024], 64 rows
+            # each, fp32, 2-core CI VM: 4 KiB pages 143 ms, huge pages 213, huge + scratch 87
+            # (the GEMMs alone into memory already faulted in: 74).
+            buf = torch.empty(self.role[i].shape, dtype=self.cdt, device=self.device)
+            self.huge = self.stacked and cpu_memory.advise_huge_pages(buf)
+            self.bufs[i] = buf
         self.written.add(e)
         return self.bufs[0][e] if self.stacked else self.bufs[e]
+
+    def wgrad(self, e: int, dout, inp, transposed: bool) -> None:
+        """Expert e's weight gradient, when needed: dout^T inp in the stored layout."""
+        slot = self.of(e)
+        if slot is None:
+            return
+        if not self.huge:
+            _wgrad(dout, inp, transposed, slot)
+            return
+        if self.scratch is None:
+            self.scratch = torch.empty_like(slot)
+        _wgrad(dout, inp, transposed, self.scratch)
+        slot.copy_(self.scratch)
 
     def result(self) -> list:
         experts = (self.role[0].shape[0] if self.stacked else len(self.role)) if self.role else 0
@@ -264,9 +283,8 @@ def _fc2_backward(chunk: _Chunk, a, w: ExpertWeights, on: str, grads: _Grads, cd
     a_in = a * chunk.g if needs_w and on == "between" else a  # [n, F]
     da = ws.take("da", chunk.n, a.shape[1])  # [n, F]
     for e, lo, hi in chunk.experts:
-        gw2, gb2 = grads.fc2.of(e), grads.fc2_bias.of(e)
-        if gw2 is not None:
-            _wgrad(do[lo:hi], a_in[lo:hi], w.transposed, gw2)
+        grads.fc2.wgrad(e, do[lo:hi], a_in[lo:hi], w.transposed)
+        gb2 = grads.fc2_bias.of(e)
         if gb2 is not None:
             torch.sum(do[lo:hi], 0, out=gb2)
         _dgrad(chunk.dys[lo:hi], _w(w.fc2_of(e), cdt), w.transposed, da[lo:hi])
@@ -289,12 +307,13 @@ def _fc1_backward(chunk: _Chunk, xin, dh, w: ExpertWeights, grads: _Grads, cdt, 
     else:
         dh_gate, dh_up = dh, None
     for e, lo, hi in chunk.experts:
-        slots = ((grads.fc1.of(e), grads.fc1_bias.of(e), dh_gate), (grads.fc1_up.of(e), grads.fc1_up_bias.of(e), dh_up))
-        for grad_w, grad_b, part in slots:
-            if grad_w is not None:
-                _wgrad(part[lo:hi], xin[lo:hi], w.transposed, grad_w)
-            if grad_b is not None:
-                torch.sum(part[lo:hi], 0, out=grad_b)
+        for weight_grad, bias_grad, part in ((grads.fc1, grads.fc1_bias, dh_gate), (grads.fc1_up, grads.fc1_up_bias, dh_up)):
+            if part is None:
+                continue
+            weight_grad.wgrad(e, part[lo:hi], xin[lo:hi], w.transposed)
+            bias_slot = bias_grad.of(e)
+            if bias_slot is not None:
+                torch.sum(part[lo:hi], 0, out=bias_slot)
         if dxin is not None:
             _dgrad(dh_gate[lo:hi], _w(w.fc1_of(e), cdt), w.transposed, dxin[lo:hi])
             if dh_up is not None:  # separate up projection: + dh_up W1_up
