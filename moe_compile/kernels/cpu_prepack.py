@@ -73,6 +73,7 @@ class _Seen:
 
 
 _SEEN: dict[tuple, _Seen] = {}
+_REFUSED = {"memory": 0}  # calls whose packs did not fit the memory budget (``stats``)
 
 
 def _key(t: torch.Tensor):
@@ -99,9 +100,14 @@ def _observe(t: torch.Tensor) -> _Seen | None:
     if seen is not None and seen.base() is base and seen.data_ptr == t.data_ptr() and seen.version == version:
         seen.unchanged_calls += 1
         return seen
-    ref = weakref.ref(base, lambda _ref, key=key: _SEEN.pop(key, None))
     trained = seen is not None and seen.base() is base and seen.trained
-    _SEEN[key] = _Seen(ref, t.data_ptr(), version, trained=trained)
+    return _new_entry(key, base, t.data_ptr(), version, trained)
+
+
+def _new_entry(key, base: torch.Tensor, data_ptr: int, version: int, trained: bool) -> _Seen:
+    """A fresh entry for key (replacing any), dropped when its base tensor is freed."""
+    ref = weakref.ref(base, lambda _ref, key=key: _SEEN.pop(key, None))
+    _SEEN[key] = _Seen(ref, data_ptr, version, trained=trained)
     return _SEEN[key]
 
 
@@ -145,7 +151,8 @@ def lookup(x: torch.Tensor, w: ExpertWeights) -> PackedExperts | None:
     if any(s is None or s.trained or s.unchanged_calls < UNCHANGED_CALLS_BEFORE_PACKING for s in seen):
         return None
     missing = [(t, s) for t, s in zip(tensors, seen) if s.packs is None]
-    if sum(t.numel() for t, _ in missing) * _FP32_BYTES * 2 > _available_bytes():
+    if missing and sum(t.numel() for t, _ in missing) * _FP32_BYTES * 2 > _available_bytes():
+        _REFUSED["memory"] += 1
         return None
     for t, s in missing:
         s.packs = [pack(m) for m in _experts_of(t, w.transposed)]
@@ -164,16 +171,19 @@ def mark_trained(tensors) -> None:
         key, base = _key(t)
         seen = _SEEN.get(key)
         if seen is None or seen.base() is not base:
-            seen = _SEEN[key] = _Seen(weakref.ref(base, lambda _ref, key=key: _SEEN.pop(key, None)), 0, -1)
+            seen = _new_entry(key, base, 0, -1, trained=True)
         seen.trained, seen.packs = True, None
 
 
 def clear() -> None:
     """Forget every pack and sighting (after weight writes the version counter does not see)."""
     _SEEN.clear()
+    _REFUSED["memory"] = 0
 
 
 def stats() -> dict:
-    """{"tensors": weight tensors with packs, "bytes": their packed size}."""
+    """{"tensors": weight tensors with packs, "bytes": their packed size, "refused_for_memory":
+    calls that would have packed but whose packs did not fit in half of the available memory}."""
     packed = [s for s in _SEEN.values() if s.packs]
-    return {"tensors": len(packed), "bytes": sum(p.numel() for s in packed for p in s.packs) * _FP32_BYTES}
+    return {"tensors": len(packed), "bytes": sum(p.numel() for s in packed for p in s.packs) * _FP32_BYTES,
+            "refused_for_memory": _REFUSED["memory"]}
