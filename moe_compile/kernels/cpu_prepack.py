@@ -142,10 +142,12 @@ def lookup(x: torch.Tensor, w: ExpertWeights) -> PackedExperts | None:
     last call; None when this call runs on the weights as the model holds them."""
     roles = [w.fc1, w.fc1_up, w.fc2]
     tensors = [t for role in roles for t in role]
-    if x.dtype != torch.float32 or x.device.type != "cpu" or not available():
-        return None
     biases = [t for role in (w.fc1_bias, w.fc1_up_bias, w.fc2_bias) for t in role]
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors + biases):
+        for t in tensors:  # e.g. the model moved to another dtype or device: its old packs go
+            _SEEN.pop(_key(t)[0], None)
+        return None
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not available():
         return None
     seen = [_observe(t) for t in tensors]  # every tensor is observed, so stability is per call
     if any(s is None or s.trained or s.unchanged_calls < UNCHANGED_CALLS_BEFORE_PACKING for s in seen):

@@ -114,6 +114,16 @@ def test_frozen_experts_pack_while_inputs_train():
     torch.testing.assert_close(y, fused_moe_reference(x, ids, g, w, attrs), **TOL)
 
 
+def test_weights_moved_to_another_dtype_drop_their_packs():
+    # module.to(dtype) swaps each parameter's data in place: the same tensor objects, new data.
+    x, ids, g, w = make_case(T, H, F, E, K)
+    call_twice(x, ids, g, w, FFNAttrs())
+    for t in (*w.fc1, *w.fc2):
+        t.data = t.data.double()
+    call_fused_moe(x.double(), ids, g.double(), w, FFNAttrs())
+    assert cpu_prepack.stats()["tensors"] == 0
+
+
 def test_freed_weights_free_their_packs():
     x, ids, g, w = make_case(T, H, F, E, K)
     call_twice(x, ids, g, w, FFNAttrs())
