@@ -144,8 +144,7 @@ def lookup(x: torch.Tensor, w: ExpertWeights) -> PackedExperts | None:
     tensors = [t for role in roles for t in role]
     biases = [t for role in (w.fc1_bias, w.fc1_up_bias, w.fc2_bias) for t in role]
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors + biases):
-        for t in tensors:  # e.g. the model moved to another dtype or device: its old packs go
-            _SEEN.pop(_key(t)[0], None)
+        _forget(tensors)  # e.g. the model moved to another dtype or device: its old packs go
         return None
     if x.dtype != torch.float32 or x.device.type != "cpu" or not available():
         return None
@@ -164,6 +163,13 @@ def lookup(x: torch.Tensor, w: ExpertWeights) -> PackedExperts | None:
         return [p for _ in role for p in next(by_role).packs] if role else None
 
     return PackedExperts(packs_of(w.fc1), packs_of(w.fc1_up), packs_of(w.fc2))
+
+
+def _forget(tensors) -> None:
+    """Drop every entry of these tensors' bases (whatever shape or dtype they were seen with)."""
+    bases = {id(_key(t)[1]) for t in tensors}
+    for key in [k for k in _SEEN if k[0] in bases]:
+        del _SEEN[key]
 
 
 def mark_trained(tensors) -> None:
