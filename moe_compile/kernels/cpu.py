@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moe_compile.ir import ExpertWeights, FFNAttrs
+from moe_compile.ir import ExpertWeights, FFNAttrs, is_stacked
 from moe_compile.kernels import cpu_decode, cpu_memory, cpu_onednn, cpu_prepack
 from moe_compile.kernels.reference import compute_dtype, gated_activation
 
@@ -188,7 +188,7 @@ def grouped_gemm_fits(x, w: ExpertWeights, rows: list) -> bool:
     """Whether ``_grouped_experts`` runs these experts: one stacked tensor per role, no biases,
     weights in x's dtype, large experts (GROUPED_MIN_FC1_ELEMENTS), and no oneDNN for them."""
     roles = (w.fc1, w.fc2, *((w.fc1_up,) if w.fc1_up else ()))
-    stacked = all(len(role) == 1 and role[0].dim() == 3 and role[0].dtype == x.dtype for role in roles)
+    stacked = all(is_stacked(role) and role[0].dtype == x.dtype for role in roles)
     return (
         hasattr(torch, "_grouped_mm") and x.device.type == "cpu" and stacked
         and not (w.fc1_bias or w.fc1_up_bias or w.fc2_bias) and x.dtype in _GROUPED_DTYPES

@@ -14,6 +14,7 @@ fp32 only: bf16 stays on torch's GEMMs (oneDNN's bf16 speed depends on the CPU's
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -25,6 +26,12 @@ def unavailable_reason() -> str | None:
     """Why oneDNN GEMMs are not used in this process, or None when they are."""
     if os.environ.get(ENV, "1") == "0":
         return f"{ENV}=0"
+    return _build_lacks()
+
+
+@functools.cache
+def _build_lacks() -> str | None:
+    """What this torch build lacks for these GEMMs (looked up once: ``fits`` runs per expert GEMM)."""
     if not torch.backends.mkldnn.is_available():
         return "this torch build has no oneDNN (mkldnn)"
     if not hasattr(torch.ops.mkldnn, "_linear_pointwise") or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):

@@ -39,7 +39,6 @@ from moe_compile.kernels import cpu_onednn
 ENV = "MOE_COMPILE_PREPACK"
 # Calls that must see a weight unchanged before the one that packs it (tests set 0: pack at once).
 UNCHANGED_CALLS_BEFORE_PACKING = 1
-_FP32_BYTES = 4
 
 
 def unavailable_reason() -> str | None:
@@ -152,7 +151,7 @@ def lookup(x: torch.Tensor, w: ExpertWeights) -> PackedExperts | None:
     if any(s is None or s.trained or s.unchanged_calls < UNCHANGED_CALLS_BEFORE_PACKING for s in seen):
         return None
     missing = [(t, s) for t, s in zip(tensors, seen) if s.packs is None]
-    if missing and sum(t.numel() for t, _ in missing) * _FP32_BYTES * 2 > _available_bytes():
+    if missing and sum(t.nbytes for t, _ in missing) * 2 > _available_bytes():
         _REFUSED["memory"] += 1
         return None
     for t, s in missing:
@@ -193,5 +192,5 @@ def stats() -> dict:
     """{"tensors": weight tensors with packs, "bytes": their packed size, "refused_for_memory":
     calls that would have packed but whose packs did not fit in half of the available memory}."""
     packed = [s for s in _SEEN.values() if s.packs]
-    return {"tensors": len(packed), "bytes": sum(p.numel() for s in packed for p in s.packs) * _FP32_BYTES,
+    return {"tensors": len(packed), "bytes": sum(p.numel() * p.element_size() for s in packed for p in s.packs),
             "refused_for_memory": _REFUSED["memory"]}
