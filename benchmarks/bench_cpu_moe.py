@@ -11,7 +11,7 @@ normal(0, 0.02).  Side by side in one process, for each (shape, T):
   inductor  ``torch.compile(hf_gmm block, dynamic=False)`` (default backend)
   moe       ``torch.compile(hf_gmm block, backend="moe", dynamic=False)``
   roof      prefill: one dense fp32 ``torch.mm`` [T*K, H] x [H, 3F] (the expert GEMMs' FLOPs,
-            2*T*K*3*H*F);  decode (T < 64): bytes of the experts actually touched (+ router)
+            2*T*K*3*H*F), timed round-robin with the variants;  decode (T < 64): bytes of the experts actually touched (+ router)
             divided by the measured read bandwidth (``torch.sum`` over 512 MiB fp32).
 
 All blocks share the same parameter tensors.  Every output is checked against ``eager``
@@ -20,6 +20,7 @@ faster); ``roof/moe`` = roof time / moe time (1.0 = at the roof).
 
     python benchmarks/bench_cpu_moe.py --out results/cpu_moe          # full run (< 10 min, 2 cores)
     python benchmarks/bench_cpu_moe.py --quick --out /tmp/cpu_moe     # smoke run
+    python benchmarks/bench_cpu_moe.py --shapes fine-grained --tokens 512  # one cell
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def repeats_for(T, quick):
     return dict(warmup=1, repeats=3 if quick else 5)
 
 
-def run(quick: bool) -> dict:
+def run(quick: bool, shapes=None, tokens=None) -> dict:
     import moe_compile
 
     threads = harness.setup_threads(2)
@@ -99,8 +100,9 @@ def run(quick: bool) -> dict:
     print(f"# threads={threads} torch={torch.__version__} read bandwidth {bw / 1e9:.1f} GB/s "
           f"(spread {bw_t.spread} ms per 512 MiB)", file=sys.stderr)
     results = []
-    tokens = QUICK_TOKENS if quick else TOKENS
-    for name, (H, Fw, E, K) in SHAPES.items():
+    tokens = tokens or (QUICK_TOKENS if quick else TOKENS)
+    for name in shapes or SHAPES:
+        H, Fw, E, K = SHAPES[name]
         torch._dynamo.reset()
         gmm, eager = build_blocks(H, Fw, E, K)
         n_rewritten, rewritten, skipped = check_rewritten(gmm, H)
@@ -122,6 +124,9 @@ def run(quick: bool) -> dict:
                 "inductor": lambda: compiled["inductor"](x),
                 "moe": lambda: compiled["moe"](x),
             }
+            flops = 2.0 * T * K * 3 * H * Fw
+            if T >= DECODE_MAX_T:
+                fns["roof"], _ = harness.dense_gemm(T * K, H, 3 * Fw)
             with torch.no_grad(), moe_compile.api.capture_flags():
                 ref = eager(x)
                 for key in ("inductor", "moe"):  # compile (and first run) outside the timing
@@ -134,7 +139,6 @@ def run(quick: bool) -> dict:
                 row["load_after"] = harness.load_average()
             row["times"] = {k: v.to_dict() for k, v in times.items()}
             row["rel_err_vs_eager"] = errs
-            flops = 2.0 * T * K * 3 * H * Fw
             row["expert_flops"] = flops
             if T < DECODE_MAX_T:
                 touched, nbytes = touched_bytes(gmm, x, H, Fw, E, K)
@@ -142,11 +146,9 @@ def run(quick: bool) -> dict:
                 row["roof"] = dict(kind="weight-stream", touched_experts=touched, bytes=nbytes,
                                    read_bw_Bps=bw, time_s=roof_s)
             else:
-                rt, rate = harness.dense_gemm_roof(T * K, H, 3 * Fw, **{k: v for k, v in repeats_for(T, quick).items()
-                                                                        if k in ("repeats", "warmup")})
-                roof_s = rt.median_s
+                roof_s = times.pop("roof").median_s
                 row["roof"] = dict(kind="dense-gemm", shape=[T * K, H, 3 * Fw], time_s=roof_s,
-                                   timing=rt.to_dict(), flops_per_s=rate)
+                                   timing=row["times"].pop("roof"), flops_per_s=flops / roof_s)
             best_peer = min(PEERS, key=lambda k: times[k].median_s)
             moe_s = times["moe"].median_s
             row["best_peer"] = best_peer
@@ -208,9 +210,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repeats, T in {4, 512}")
     ap.add_argument("--out", default=None, help="directory for cpu_moe.md and cpu_moe.json")
+    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), help="only these shapes")
+    ap.add_argument("--tokens", nargs="+", type=int, help="only these token counts")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    data = run(args.quick)
+    data = run(args.quick, args.shapes, args.tokens)
     data["wall_s"] = time.perf_counter() - t0
     md = to_markdown(data)
     print(md)

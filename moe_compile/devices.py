@@ -48,23 +48,26 @@ def cpu_kind() -> DeviceKind:
 
 def _skinny_status() -> str:
     """Whether fp32 decode runs on the skinny kernel (built here on first use) or on MKL, and why."""
-    from moe_compile.kernels import cpu_skinny
+    from moe_compile.kernels import cpu_cc, cpu_skinny
 
     if cpu_skinny.available():
-        return f"kernels/cpu_skinny.c (fp32, <= {cpu_skinny.MAX_ROWS} rows per expert), built in {cpu_skinny.cache_dir()}"
+        return f"kernels/cpu_skinny.c (fp32, <= {cpu_skinny.MAX_ROWS} rows per expert), built in {cpu_cc.cache_dir()}"
     return f"torch GEMMs per expert (skinny kernel unavailable: {cpu_skinny.unavailable_reason()})"
 
 
 def _prefill_status() -> str:
-    """Which GEMMs fp32 prefill runs on (cpu_onednn, cpu_prepack) and why."""
-    from moe_compile.kernels import cpu_onednn, cpu_prepack
+    """Which GEMMs fp32 prefill runs on (cpu_onednn, cpu_prepack), the row work between them
+    (cpu_rows), and why."""
+    from moe_compile.kernels import cpu_onednn, cpu_prepack, cpu_rows
 
     if not cpu_onednn.available():
         return f"torch (MKL) GEMMs per expert (oneDNN unavailable: {cpu_onednn.unavailable_reason()})"
     if not cpu_prepack.available():
         return f"oneDNN GEMMs on the weights as held (packed weights unavailable: {cpu_prepack.unavailable_reason()})"
+    rows = ("kernels/cpu_rows.c" if cpu_rows.available()
+            else f"torch ops (row kernels unavailable: {cpu_rows.unavailable_reason()})")
     return (f"oneDNN GEMMs; inference packs expert weights at the second call that sees them unchanged "
-            f"({cpu_prepack.ENV}=0 or {cpu_onednn.ENV}=0 turn that off)")
+            f"({cpu_prepack.ENV}=0 or {cpu_onednn.ENV}=0 turn that off); gather, SwiGLU and combine on {rows}")
 
 
 def describe() -> str:

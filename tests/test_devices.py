@@ -1,13 +1,13 @@
 """``moe-compile devices``: what this machine runs, including which CPU decode path and why."""
 
 from moe_compile import devices
-from moe_compile.kernels import cpu_onednn, cpu_prepack, cpu_skinny
+from moe_compile.kernels import cpu_cc, cpu_onednn, cpu_prepack, cpu_rows, cpu_skinny
 
 
 def test_describe_names_the_cpu_decode_path():
     line = next(ln for ln in devices.describe().splitlines() if ln.startswith("cpu decode:"))
     if cpu_skinny.available():
-        assert "cpu_skinny.c" in line and str(cpu_skinny.cache_dir()) in line
+        assert "cpu_skinny.c" in line and str(cpu_cc.cache_dir()) in line
     else:
         assert cpu_skinny.unavailable_reason() in line
 
@@ -18,6 +18,7 @@ def test_describe_names_the_cpu_prefill_path(monkeypatch):
 
     if cpu_prepack.available():
         assert "oneDNN" in line() and "packs" in line()
+        assert ("cpu_rows.c" if cpu_rows.available() else cpu_rows.unavailable_reason()) in line()
     monkeypatch.setenv(cpu_prepack.ENV, "0")
     assert f"{cpu_prepack.ENV}=0" in line() and "unavailable" in line()
     monkeypatch.setenv(cpu_onednn.ENV, "0")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moe_compile.ir import ExpertWeights, FFNAttrs
+from moe_compile.kernels import cpu_rows
 from moe_compile.kernels.reference import fused_moe_reference
 from moe_compile.ops import call_fused_moe
 
@@ -34,14 +35,15 @@ def force_cpu_path(monkeypatch, path: str) -> list:
     most 4 rows; "chunked": per-expert GEMMs (oneDNN on plain weights for fp32) in chunks of at
     most 4 rows, so that experts share chunks and one expert's rows can exceed a chunk; "mkl": the
     same on MKL (MOE_COMPILE_ONEDNN=0); "packed": oneDNN GEMMs on weights packed at their first
-    call (cpu_prepack).  Returns the list the skinny kernel's calls or the packed GEMMs are recorded
-    into (checked by the caller)."""
-    from moe_compile.kernels import cpu, cpu_decode, cpu_onednn, cpu_prepack, cpu_skinny
+    call (cpu_prepack), the row work between them on the C loops (cpu_rows) where they build;
+    "packed_torch_rows": the same with that row work on torch's ops.  Returns the list the skinny
+    kernel's calls or the packed GEMMs (and C combines) are recorded into (checked by the caller)."""
+    from moe_compile.kernels import cpu, cpu_decode, cpu_onednn, cpu_prepack, cpu_rows, cpu_skinny
 
     calls = []
     if path == "skinny" and not cpu_skinny.available():
         pytest.skip(f"no skinny kernel: {cpu_skinny.unavailable_reason()}")
-    if path == "packed" and not cpu_prepack.available():
+    if path.startswith("packed") and not cpu_prepack.available():
         pytest.skip(f"no packed GEMMs: {cpu_prepack.unavailable_reason()}")
     if path == "skinny":
         monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
@@ -51,16 +53,23 @@ def force_cpu_path(monkeypatch, path: str) -> list:
         return calls
     monkeypatch.setattr(cpu_decode, "fits", lambda *args: False)
     monkeypatch.setattr(cpu, "CHUNK_ROWS", 4)
-    if path == "packed":
+    if path.startswith("packed"):
         monkeypatch.setattr(cpu_prepack, "UNCHANGED_CALLS_BEFORE_PACKING", 0)
-        real_linear = cpu_onednn.linear
+        real_linear, real_add = cpu_onednn.linear, cpu_rows.SlotRows.add
 
         def linear(x, weight, bias=None):
             if weight.is_mkldnn:
                 calls.append("packed")
             return real_linear(x, weight, bias)
 
+        def add(self, *args, **kwargs):
+            calls.append("rows")
+            return real_add(self, *args, **kwargs)
+
         monkeypatch.setattr(cpu_onednn, "linear", linear)
+        monkeypatch.setattr(cpu_rows.SlotRows, "add", add)
+        if path == "packed_torch_rows":
+            monkeypatch.setattr(cpu_rows, "available", lambda: False)
         return calls
     monkeypatch.setattr(cpu_prepack, "lookup", lambda *args: None)
     if path == "mkl":
@@ -68,8 +77,11 @@ def force_cpu_path(monkeypatch, path: str) -> list:
     return calls
 
 
+PATHS = ["skinny", "chunked", "mkl", "packed", "packed_torch_rows"]
+
+
 # fp32: the CPU path sums experts in a different order than the reference: ~1e-6 relative.
-@pytest.mark.parametrize("path", ["skinny", "chunked", "mkl", "packed"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("gate_up,transposed,weight_on,stacked", list(itertools.product(
     ["concat", "interleaved", "separate", "none"], [False, True], ["output", "between", "input"], [True, False])))
 def test_cpu_matches_reference_all_layouts(gate_up, transposed, weight_on, stacked, path, monkeypatch):
@@ -78,15 +90,19 @@ def test_cpu_matches_reference_all_layouts(gate_up, transposed, weight_on, stack
     attrs = FFNAttrs(gate_up=gate_up, transposed=transposed, weight_on=weight_on)
     torch.testing.assert_close(call_fused_moe(x, ids, g, w, attrs), fused_moe_reference(x, ids, g, w, attrs),
                                rtol=1e-5, atol=1e-5)
-    assert (path in ("skinny", "packed")) == bool(calls)
+    assert (path in ("skinny", "packed", "packed_torch_rows")) == bool(calls)
+    assert ("rows" in calls) == (path == "packed" and cpu_rows.available())
 
 
+@pytest.mark.parametrize("path,weight_on", [("skinny", "output"), ("packed", "output"), ("packed", "input"),
+                                            ("packed_torch_rows", "output"), ("packed_torch_rows", "input")])
 @pytest.mark.parametrize("stacked", [True, False])
 @pytest.mark.parametrize("transposed", [False, True])
-def test_skinny_path_with_biases(stacked, transposed, monkeypatch):
-    # Every role with a bias (separate up projection too): the kernel adds them per expert, from a
-    # stacked [E, n] tensor or E tensors [n].
-    calls = force_cpu_path(monkeypatch, "skinny")
+def test_paths_with_biases(stacked, transposed, path, weight_on, monkeypatch):
+    # Every role with a bias (separate up projection too): added per expert, from a stacked [E, n]
+    # tensor or E tensors [n].  With an FC2 bias the routing weight of weight_on "output" scales
+    # FC2's output, not its input (the C combine's scaled form on the packed path).
+    calls = force_cpu_path(monkeypatch, path)
     x, ids, g, w = make_case(5, 16, 12, 6, 2, "separate", transposed, stacked)
     biases = [torch.randn(6, n) for n in (12, 12, 16)]
     if not stacked:
@@ -94,7 +110,7 @@ def test_skinny_path_with_biases(stacked, transposed, monkeypatch):
     else:
         biases = [(b,) for b in biases]
     w = ExpertWeights(w.fc1, w.fc1_up, w.fc2, *biases, transposed=transposed)
-    attrs = FFNAttrs(gate_up="separate", transposed=transposed)
+    attrs = FFNAttrs(gate_up="separate", transposed=transposed, weight_on=weight_on)
     torch.testing.assert_close(call_fused_moe(x, ids, g, w, attrs), fused_moe_reference(x, ids, g, w, attrs),
                                rtol=1e-5, atol=1e-5)
     assert calls
@@ -118,17 +134,18 @@ def test_all_tokens_on_one_expert_and_empty_experts():
 
 @pytest.mark.parametrize("activation,limit", [("gelu", 0.0), ("gelu_tanh", 0.0), ("relu", 0.0), ("silu", 0.5),
                                               ("gptoss", 0.5)])
-@pytest.mark.parametrize("path", ["skinny", "chunked", "mkl", "packed"])
+@pytest.mark.parametrize("path", PATHS)
 def test_activations(activation, limit, path, monkeypatch):
     calls = force_cpu_path(monkeypatch, path)
     x, ids, g, w = make_case(9, 16, 12, 4, 2, "interleaved")
     attrs = FFNAttrs(gate_up="interleaved", activation=activation, limit=limit)
     torch.testing.assert_close(call_fused_moe(x, ids, g, w, attrs), fused_moe_reference(x, ids, g, w, attrs),
                                rtol=1e-5, atol=1e-5)
-    assert (path in ("skinny", "packed")) == bool(calls)
+    assert (path in ("skinny", "packed", "packed_torch_rows")) == bool(calls)
+    assert ("rows" in calls) == (path == "packed" and cpu_rows.available())
 
 
-@pytest.mark.parametrize("path", ["skinny", "chunked", "mkl", "packed"])
+@pytest.mark.parametrize("path", PATHS)
 def test_no_slot_in_range_gives_zeros_and_zero_grads(path, monkeypatch):
     # An expert-parallel rank whose tokens all went to other ranks: every id is the sentinel E, no
     # expert has a row (no chunk at all), the output is zero and so are all gradients.

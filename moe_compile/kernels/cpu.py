@@ -11,7 +11,7 @@ Plan (one host sync, no per-call weight copies):
      FC2 output into y (``cpu_decode``); otherwise gather the S' valid slots' token rows once
      (``index_select``) -> xs [S', H];
   3. prefill, fp32 inference on weights packed for oneDNN (``cpu_prepack``): ``_packed_experts``,
-     expert by expert from x's rows to y's; large experts on stacked weights without biases that
+     expert by expert from x's rows to y's (gather, SwiGLU, combine on ``cpu_rows``' C loops); large experts on stacked weights without biases that
      oneDNN does not run (bf16): FC1 and FC2 as one native grouped GEMM each
      (``torch._grouped_mm``), the activation once over all rows; otherwise consecutive experts a
      chunk (<= CHUNK_ROWS rows) at a time (GEMMs on oneDNN for fp32, ``expert_linear``):
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_compile.ir import ExpertWeights, FFNAttrs, is_stacked
-from moe_compile.kernels import cpu_decode, cpu_memory, cpu_onednn, cpu_prepack
+from moe_compile.kernels import cpu_decode, cpu_memory, cpu_onednn, cpu_prepack, cpu_rows
 from moe_compile.kernels.reference import compute_dtype, gated_activation
 
 
@@ -218,30 +218,64 @@ def _packed_experts(x, tokens, g, w: ExpertWeights, packed: cpu_prepack.PackedEx
     """y [T, H]: every expert's FFN on its packed weights, expert by expert, straight from x's rows
     to y's.  Nothing is [S', H]-sized: buffers that large are fresh pages every call (glibc trims
     them back to the kernel), and faulting in two of them took ~30 ms of a ~110 ms call at the
-    fine-grained shape, T=512 (2-core CI VM).  Each expert's rows stay in cache between steps."""
+    fine-grained shape, T=512 (2-core CI VM).  Each expert's rows stay in cache between steps.
+    The row work between the GEMMs runs on ``cpu_rows``' C loops where they apply."""
     y = torch.zeros_like(x)  # [T, H]
     base = bounds[0]
     # g scales FC2's input where that equals scaling its output (no FC2 bias): [n, F] < [n, H].
     scale_a = attrs.weight_on == "between" or (attrs.weight_on == "output" and not w.fc2_bias)
+    scale_out = attrs.weight_on == "output" and not scale_a
+    rows = _slot_rows(x, y, tokens, g)
     for e in range(len(bounds) - 1):
         lo, hi = bounds[e] - base, bounds[e + 1] - base
         if hi == lo:
             continue
-        xe = x.index_select(0, tokens[lo:hi])  # [n, H]
-        if attrs.weight_on == "input":
-            xe.mul_(g[lo:hi])
+        xe = _gather_expert(rows, x, tokens, g, lo, hi, attrs.weight_on == "input")  # [n, H]
         h = cpu_onednn.linear(xe, packed.fc1[e], w.fc1_bias_of(e))  # [n, F2], or the gate [n, F]
         if packed.fc1_up is not None:
-            a = _activate(h, cpu_onednn.linear(xe, packed.fc1_up[e], w.fc1_up_bias_of(e)), attrs)
+            gate, up = h, cpu_onednn.linear(xe, packed.fc1_up[e], w.fc1_up_bias_of(e))
         else:
-            a = _activate(*_gate_up(h, attrs), attrs)  # [n, F]
-        if scale_a:
-            a.mul_(g[lo:hi])  # a is this expert's own fresh FC1 output (or made from it)
+            gate, up = _gate_up(h, attrs)
+        a = _expert_activation(rows, gate, up, g, lo, hi, attrs, scale_a)  # [n, F]
         ye = cpu_onednn.linear(a, packed.fc2[e], w.fc2_bias_of(e))  # [n, H]
-        if attrs.weight_on == "output" and not scale_a:
-            ye.mul_(g[lo:hi])
-        y.index_add_(0, tokens[lo:hi], ye)
+        _combine_expert(rows, y, ye, tokens, g, lo, hi, scale_out)
     return y
+
+
+def _slot_rows(x, y, tokens, g) -> cpu_rows.SlotRows | None:
+    """The C row loops for this call, or None where they do not apply (the loop uses torch's ops)."""
+    if x.dtype != torch.float32 or x.stride(-1) != 1 or not cpu_rows.available():
+        return None
+    return cpu_rows.SlotRows(x, y, tokens, g.reshape(-1), torch.get_num_threads())
+
+
+def _gather_expert(rows, x, tokens, g, lo: int, hi: int, scaled: bool):
+    """x's rows of slots [lo, hi) -> a fresh [n, H] (times g for weight_on "input")."""
+    if rows is not None:
+        return rows.gather(lo, hi, x.new_empty(hi - lo, x.shape[1]), scaled)
+    xe = x.index_select(0, tokens[lo:hi])
+    return xe.mul_(g[lo:hi]) if scaled else xe
+
+
+def _expert_activation(rows, gate, up, g, lo: int, hi: int, attrs: FFNAttrs, scaled: bool):
+    """act(gate) * up [n, F] of one expert's FC1 output (times g when ``scaled``): SwiGLU on the C
+    loop; other activations, clamps and interleaved gate/up (strided columns) on torch's ops, in
+    place in the expert's own fresh FC1 output."""
+    swiglu = attrs.activation == "silu" and attrs.limit == 0 and up is not None and gate.stride(-1) == 1
+    if rows is not None and swiglu:
+        return rows.swiglu(lo, hi, gate, up, gate.new_empty(gate.shape), scaled)
+    a = _activate(gate, up, attrs)
+    return a.mul_(g[lo:hi]) if scaled else a
+
+
+def _combine_expert(rows, y, ye, tokens, g, lo: int, hi: int, scaled: bool) -> None:
+    """y[token] += ye's row of each slot in [lo, hi) (times g for weight_on "output" with a bias)."""
+    if rows is not None:
+        rows.add(lo, hi, ye, scaled)
+        return
+    if scaled:
+        ye.mul_(g[lo:hi])
+    y.index_add_(0, tokens[lo:hi], ye)
 
 
 def _run_chunk(xin, g, w: ExpertWeights, attrs: FFNAttrs, experts, out, h, ws, keep_h: bool):

@@ -5,8 +5,7 @@ Shapes:  a task is one GEMM  y [r, n_out] = x [r, k] @ W^T (+ bias [n_out]),  W 
          r <= MAX_ROWS (the op sends no more).
          Every tensor's last dim is contiguous; rows may be strided (views into shared buffers).
 
-The C file is compiled on first use (never at import) with the system C compiler into a cache
-directory (``$MOE_COMPILE_CACHE`` or ``~/.cache/moe_compile``) and loaded with ctypes.  It splits
+The C file is compiled on first use (never at import, ``cpu_cc``) and loaded with ctypes.  It splits
 every task's output columns over torch's OpenMP threads (see the C file for why not Python
 threads).  Where there is no compiler, no AVX2 or the build fails, ``available()`` is False and
 the op keeps its MKL path; ``MOE_COMPILE_SKINNY=0`` turns the kernel off.
@@ -15,16 +14,12 @@ the op keeps its MKL path; ``MOE_COMPILE_SKINNY=0`` turns the kernel off.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 import warnings
-from importlib import resources
-from pathlib import Path
 
 import torch
+
+from moe_compile.kernels import cpu_cc
 
 # Rows of x per expert up to which the kernel beats the MKL path (cpu.expert_linear).  Sweep on the
 # 2-core CI VM (fp32, 2 threads, five experts' [4096, 1024] + [1024, 2048] weights not in cache),
@@ -32,34 +27,8 @@ import torch
 #   r=1: 26.5/14.0  r=2: 25.8/21.0  r=4: 18.2/12.6  r=8: 11.4/8.3  r=16: 6.5/8.1  r=32: 4.7/6.4
 MAX_ROWS = 8
 _TASK_FIELDS = 14  # the C file's TASK_FIELDS
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-fopenmp")
 _lib: ctypes.CDLL | None = None
 _load_error: str | None = None
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("MOE_COMPILE_CACHE") or Path.home() / ".cache" / "moe_compile")
-
-
-def _build(source: bytes) -> Path:
-    """Compile the kernel into the cache (named by a hash of source and flags) unless it is there.
-    Written to a temporary name then renamed, so concurrent processes never load half a file."""
-    tag = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    lib = cache_dir() / f"cpu_skinny_{tag}.so"
-    if lib.exists():
-        return lib
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-        src, out = Path(tmp) / "cpu_skinny.c", Path(tmp) / "cpu_skinny.so"
-        src.write_bytes(source)
-        done = subprocess.run([cc, *_FLAGS, str(src), "-o", str(out)], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[:500]}")
-        os.replace(out, lib)
-    return lib
 
 
 def _load() -> ctypes.CDLL | None:
@@ -69,11 +38,11 @@ def _load() -> ctypes.CDLL | None:
         return _lib
     if os.environ.get("MOE_COMPILE_SKINNY", "1") == "0":
         _load_error = "turned off by MOE_COMPILE_SKINNY=0"
-    elif torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        _load_error = f"CPU capability {torch.backends.cpu.get_cpu_capability()}, the kernel needs AVX2"
+    elif cpu_cc.lacks_avx2():
+        _load_error = cpu_cc.lacks_avx2()
     else:
         try:
-            lib = ctypes.CDLL(str(_build(resources.files(__package__).joinpath("cpu_skinny.c").read_bytes())))
+            lib = cpu_cc.load("cpu_skinny")
             lib.moe_skinny_run_parallel.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
             lib.moe_skinny_run_parallel.restype = None
             _lib = lib

@@ -1,0 +1,61 @@
+"""Builds the package's small C kernels (``cpu_skinny.c``, ``cpu_rows.c``) on first use.
+
+A kernel is compiled with the system C compiler into a cache directory (``$MOE_COMPILE_CACHE`` or
+``~/.cache/moe_compile``), under a name hashed from its source and flags, and loaded with ctypes.
+Never at import: the caller builds when the kernel is first needed.  Linked with ``-fopenmp``, a
+kernel shares the OpenMP runtime torch has already loaded (same soname, libgomp.so.1), so its
+parallel loops run on torch's own intra-op threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-fopenmp")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MOE_COMPILE_CACHE") or Path.home() / ".cache" / "moe_compile")
+
+
+def lacks_avx2() -> str | None:
+    """Why this CPU cannot run the kernels (they are written for AVX2 + FMA), or None."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    return None if cap in ("AVX2", "AVX512") else f"CPU capability {cap}, the kernel needs AVX2"
+
+
+def _build(stem: str, source: bytes) -> Path:
+    """Compile ``stem``.c into the cache unless it is there.  Written to a temporary name then
+    renamed, so concurrent processes never load half a file."""
+    tag = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    lib = cache_dir() / f"{stem}_{tag}.so"
+    if lib.exists():
+        return lib
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        src, out = Path(tmp) / f"{stem}.c", Path(tmp) / f"{stem}.so"
+        src.write_bytes(source)
+        done = subprocess.run([cc, *FLAGS, str(src), "-o", str(out)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[:500]}")
+        os.replace(out, lib)
+    return lib
+
+
+def load(stem: str) -> ctypes.CDLL:
+    """The compiled ``moe_compile/kernels/<stem>.c``; raises OSError / RuntimeError when it cannot
+    be built or loaded (the caller keeps the reason and falls back to torch ops)."""
+    source = resources.files(__package__).joinpath(f"{stem}.c").read_bytes()
+    return ctypes.CDLL(str(_build(stem, source)))

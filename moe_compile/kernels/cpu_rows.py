@@ -1,0 +1,126 @@
+"""Host side of ``cpu_rows.c``: gather, SwiGLU and combine rows between the prefill loop's GEMMs.
+
+Shapes:  T tokens, H hidden, F expert FFN width, S' valid slots sorted by expert; an expert's
+         slots are rows [lo, hi) of ``tokens`` [S'] (their token) and ``scale`` [S'] (their
+         routing weight).
+
+``SlotRows`` checks one call's fixed operands once (x, y, tokens, scale), then each step takes an
+expert's row range and its own fresh, contiguous buffers: the per-expert loop pays one ctypes call
+(~2 us) per step instead of torch's argument checks and dispatch.  Built on first use
+(``cpu_cc``); where it cannot be (no compiler, no AVX2) or ``MOE_COMPILE_ROWS=0``, ``available()``
+is False and the loop keeps torch's ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import warnings
+
+import torch
+
+from moe_compile.kernels import cpu_cc
+
+ENV = "MOE_COMPILE_ROWS"
+_lib: ctypes.CDLL | None = None
+_load_error: str | None = None
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_SIGNATURES = {  # out/y, ld, in, ld, [up, ld,] idx, scale, n, w, threads
+    "moe_rows_gather": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64],
+    "moe_rows_swiglu": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64],
+    "moe_rows_add": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64],
+}
+
+
+def _load() -> ctypes.CDLL | None:
+    """The compiled kernels, built on the first call; None (with the reason kept) when unusable."""
+    global _lib, _load_error
+    if _lib is not None or _load_error is not None:
+        return _lib
+    if os.environ.get(ENV, "1") == "0":
+        _load_error = f"turned off by {ENV}=0"
+    elif cpu_cc.lacks_avx2():
+        _load_error = cpu_cc.lacks_avx2()
+    else:
+        try:
+            lib = cpu_cc.load("cpu_rows")
+            for name, argtypes in _SIGNATURES.items():
+                getattr(lib, name).argtypes = argtypes
+                getattr(lib, name).restype = None
+            _lib = lib
+        except (OSError, RuntimeError) as err:
+            _load_error = str(err)
+            warnings.warn(f"moe_compile: CPU row kernels unavailable, using torch ops ({err})", stacklevel=2)
+    return _lib
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    _load()
+    return _load_error
+
+
+def _check_rows(t: torch.Tensor, rows: int, width: int, name: str) -> None:
+    if t.dtype != torch.float32 or t.device.type != "cpu" or tuple(t.shape) != (rows, width) or t.stride(1) != 1:
+        raise ValueError(f"cpu_rows: {name} must be an fp32 CPU [{rows}, {width}] tensor with contiguous rows, "
+                         f"got {t.dtype} {t.device.type} {tuple(t.shape)} strides {t.stride()}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotRows:
+    """One call's operands: x [T, H] (rows gathered from), y [T, H] (rows added into), tokens [S']
+    int64 in [0, T), scale [S'] fp32.  ``threads``: torch's intra-op thread count."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    tokens: torch.Tensor
+    scale: torch.Tensor
+    threads: int
+
+    def __post_init__(self) -> None:
+        T, H = self.x.shape
+        _check_rows(self.x, T, H, "x")
+        _check_rows(self.y, T, H, "y")
+        S = self.tokens.shape[0]
+        if self.tokens.dtype != torch.int64 or self.tokens.dim() != 1 or not self.tokens.is_contiguous():
+            raise ValueError(f"cpu_rows: tokens must be contiguous int64 [S'], got {self.tokens.dtype} {tuple(self.tokens.shape)}")
+        if self.scale.dtype != torch.float32 or tuple(self.scale.shape) != (S,) or not self.scale.is_contiguous():
+            raise ValueError(f"cpu_rows: scale must be contiguous fp32 [{S}], got {self.scale.dtype} {tuple(self.scale.shape)}")
+        # The C loops index x and y by these values: one bad token would write outside y.
+        if S and not (0 <= int(self.tokens.min()) and int(self.tokens.max()) < T):
+            raise ValueError(f"cpu_rows: tokens must lie in [0, {T}), got {int(self.tokens.min())}..{int(self.tokens.max())}")
+        if _load() is None:
+            raise RuntimeError(f"cpu_rows: kernels unavailable ({_load_error})")
+
+    def _scale_at(self, lo: int, scaled: bool) -> int:
+        return self.scale.data_ptr() + 4 * lo if scaled else 0
+
+    def gather(self, lo: int, hi: int, out: torch.Tensor, scaled: bool = False) -> torch.Tensor:
+        """out [hi-lo, H] = x[tokens[lo:hi]] (times scale[lo:hi] per row when ``scaled``)."""
+        H = self.x.shape[1]
+        _check_rows(out, hi - lo, H, "out")
+        _lib.moe_rows_gather(out.data_ptr(), out.stride(0), self.x.data_ptr(), self.x.stride(0), self.tokens.data_ptr() + 8 * lo,
+                             self._scale_at(lo, scaled), hi - lo, H, self.threads)
+        return out
+
+    def swiglu(self, lo: int, hi: int, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor,
+               scaled: bool = False) -> torch.Tensor:
+        """out [hi-lo, F] = silu(gate) * up (times scale[lo:hi] per row when ``scaled``); gate, up
+        [hi-lo, F] may be views of one FC1 output, out may be gate itself."""
+        n, f = out.shape
+        for t, name in ((gate, "gate"), (up, "up"), (out, "out")):
+            _check_rows(t, hi - lo, f, name)
+        _lib.moe_rows_swiglu(out.data_ptr(), out.stride(0), gate.data_ptr(), gate.stride(0), up.data_ptr(),
+                             up.stride(0), self._scale_at(lo, scaled), n, f, self.threads)
+        return out
+
+    def add(self, lo: int, hi: int, src: torch.Tensor, scaled: bool = False) -> None:
+        """y[tokens[lo:hi]] += src [hi-lo, H] (times scale[lo:hi] per row when ``scaled``)."""
+        H = self.y.shape[1]
+        _check_rows(src, hi - lo, H, "src")
+        _lib.moe_rows_add(self.y.data_ptr(), self.y.stride(0), src.data_ptr(), src.stride(0), self.tokens.data_ptr() + 8 * lo,
+                          self._scale_at(lo, scaled), hi - lo, H, self.threads)
