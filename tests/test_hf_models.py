@@ -25,6 +25,13 @@ def configs():
             first_k_dense_replace=0, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
             num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, vocab_size=128, q_lora_rank=None,
             kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8),
+        # GPT-OSS: [E, H, 2F] (transposed) interleaved gate/up with biases, clamped (up + 1) * g *
+        # sigmoid(alpha g), router top-k on logits then softmax.  A small clamp limit and a
+        # non-default alpha, so that the proof must find both.
+        "gpt_oss": transformers.GptOssConfig(
+            hidden_size=H, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, num_local_experts=8, num_experts_per_tok=2, vocab_size=128, swiglu_limit=0.5,
+            swiglu_alpha=1.25),
     }
 
 
@@ -36,7 +43,16 @@ def hf_block(name, impl, dtype):
     if name == "deepseek_v3":  # from_config leaves the router at zeros: give it real scores
         torch.nn.init.normal_(block.gate.weight, std=0.2)
         torch.nn.init.normal_(block.gate.e_score_correction_bias, std=0.01)
+    if name == "gpt_oss":  # router and biases start at zeros: make routing and every bias matter
+        with torch.no_grad():
+            for p in (block.router.weight, block.experts.gate_up_proj_bias, block.experts.down_proj_bias):
+                p.normal_(std=0.2)
     return block
+
+
+def first(out):
+    """The hidden states of a block's output (GPT-OSS's block also returns its router scores)."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 FAMILY = {"grouped_mm": "sorted", "batched_mm": "gathered"}
@@ -44,19 +60,27 @@ FAMILY = {"grouped_mm": "sorted", "batched_mm": "gathered"}
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"])
 def test_hf_block_matches_eager(name, impl, dtype):
     block = hf_block(name, impl, dtype)
     x = torch.randn(2, 7, H, dtype=dtype)
     with torch.no_grad():
-        want = block(x)
+        want = first(block(x))
         got, report = run_compiled(block, x)
     assert [r.family for r in report.rewritten] == [FAMILY[impl]]
     assert report.rewritten[0].source.endswith("experts")
-    assert rel_err(got, want) <= TOL[dtype]
+    assert rel_err(first(got), want) <= TOL[dtype]
 
 
-@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])
+def test_gpt_oss_lifted_with_its_biases_clamp_and_alpha():
+    report = moe_compile.explain(hf_block("gpt_oss", "grouped_mm", torch.float32), torch.randn(1, 9, H))
+    (r,) = report.rewritten
+    assert (r.gate_up, r.transposed, r.activation, r.limit, r.alpha) == ("interleaved", True, "gptoss", 0.5, 1.25)
+    assert r.biases == ("fc1", "fc2")
+    assert "interleaved/gptoss(limit=0.5, alpha=1.25) transposed biases=fc1+fc2" in str(report)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "gpt_oss"])
 def test_hf_eager_experts_explained(name):
     # HF's eager experts iterate over a nonzero() result: Dynamo cannot keep that in one graph.
     block = hf_block(name, "eager", torch.float32)

@@ -63,7 +63,7 @@ def test_gradients_under_aot_autograd_and_inductor():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"])
 def test_hf_block_gradients_match_eager(name, impl, dtype):
     block = hf_block(name, impl, dtype)
     assert_same_training_step(block, torch.randn(2, 5, H, dtype=dtype), dtype)

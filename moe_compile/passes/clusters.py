@@ -22,7 +22,7 @@ import torch.fx as fx
 from moe_compile.passes.graph import Deps, const_int_index, is_grouped_mm, is_matmul, is_view_like, target_name
 
 _ELEMENTWISE = {
-    "mul", "add", "sub", "truediv", "div", "silu", "gelu", "relu", "sigmoid", "tanh", "clamp",
+    "mul", "add", "sub", "relu_", "tanh_", "truediv", "div", "silu", "gelu", "relu", "sigmoid", "tanh", "clamp",
     "clamp_min", "clamp_max", "clip", "chunk", "split", "getitem", "view", "reshape", "to", "float",
     "half", "bfloat16", "contiguous", "neg", "mul_", "add_", "silu_", "unflatten", "flatten",
     "squeeze", "unsqueeze", "type_as", "pow", "minimum", "maximum", "__mul__", "__add__", "__sub__",
@@ -45,7 +45,7 @@ class Cluster:
     down_w: WeightRef
     fc1: tuple[fx.Node, ...]
     fc1_w: tuple[WeightRef, ...]
-    down_b: WeightRef | None = None  # F.linear's bias operand, when the GEMM has one
+    down_b: WeightRef | None = None  # the bias added to the GEMM's output, when it has one
     fc1_b: tuple[WeightRef | None, ...] = ()
 
     @property
@@ -109,17 +109,46 @@ def gemm_operands(node: fx.Node) -> tuple[fx.Node | None, WeightRef | None]:
     return None, None
 
 
-def linear_bias(node: fx.Node) -> WeightRef | None:
-    """The parameter behind ``F.linear(x, w, b)``'s bias, or None (no bias, or not a linear)."""
-    if target_name(node) != "linear":
-        return None
-    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-    return trace_weight(bias) if isinstance(bias, fx.Node) else None
+_ADDS = ("add", "add_", "__add__", "__iadd__")
+
+
+def gemm_bias(node: fx.Node) -> WeightRef | None:
+    """The parameter added to a GEMM's output, or None: ``F.linear(x, w, b)``'s bias operand, or
+    the other operand of an add that reads the GEMM's output (``x @ w[e] + b[e]``, HF's grouped and
+    batched experts' ``out.add_(bias[ids])``).  The proof checks what the bias really does."""
+    if target_name(node) == "linear":
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        return trace_weight(bias) if isinstance(bias, fx.Node) else None
+    outputs = [node]  # the GEMM's output and its views (bmm(...).squeeze(1))
+    for out in outputs:
+        for user in out.users:
+            if is_view_like(user) and user.args[0] is out and len(outputs) < 4:
+                outputs.append(user)
+            elif target_name(user) in _ADDS and len(user.args) == 2 and user.args[0] is out:
+                ref = trace_weight(user.args[1])
+                if ref is not None:
+                    return ref
+    return None
+
+
+def _slicing(index) -> bool:
+    """Whether a getitem index only slices (``h[..., ::2]``, ``h[:, :F]``, ``pair[0]``): FC1's
+    output split into gate and up.  Tensor indices (``weights[tok, k]``) and int/None picks inside
+    a tuple (``scores[:, e]``: a router column) leave the FFN."""
+    if not isinstance(index, tuple):
+        return not isinstance(index, fx.Node)
+    return all(i is Ellipsis or isinstance(i, slice) for i in index)
+
+
+# An expert FFN's FC1 output reaches FC2 through one of these; a path of norms, residual adds and
+# slices only (the last hidden state into the LM head) is not an FFN.
+_NONLINEAR = {"silu", "silu_", "gelu", "relu", "relu_", "sigmoid", "sigmoid_", "tanh", "tanh_", "clamp_min"}
 
 
 def _fc1_gemms(act: fx.Node) -> list[fx.Node]:
-    """GEMMs reaching ``act`` through element-wise ops only (the FC1 side of a down GEMM)."""
-    found, seen, stack = [], set(), [act]
+    """GEMMs reaching ``act`` through element-wise ops only (the FC1 side of a down GEMM), when
+    that path holds a nonlinearity; else none."""
+    found, seen, stack, nonlinear = [], set(), [act], False
     while stack:
         node = stack.pop()
         if node in seen or not isinstance(node, fx.Node):
@@ -131,10 +160,11 @@ def _fc1_gemms(act: fx.Node) -> list[fx.Node]:
         name = target_name(node)
         if node.op not in ("call_function", "call_method") or name not in _ELEMENTWISE:
             continue
-        if name in ("getitem", "__getitem__") and isinstance(node.args[1], (fx.Node, tuple)):
-            continue  # advanced indexing (weights[tok, k]) leaves the FFN
+        if name in ("getitem", "__getitem__") and not _slicing(node.args[1]):
+            continue  # advanced indexing (weights[tok, k]) leaves the FFN; h[..., ::2] stays in it
+        nonlinear |= name in _NONLINEAR
         stack.extend(a for a in node.args if isinstance(a, fx.Node))
-    return found
+    return found if nonlinear else []
 
 
 def find_clusters(graph: fx.Graph) -> list[Cluster]:
@@ -148,8 +178,8 @@ def find_clusters(graph: fx.Graph) -> list[Cluster]:
         fc1 = _fc1_gemms(act)
         fc1_w = [gemm_operands(n)[1] for n in fc1]
         if fc1 and len(fc1) <= 2 and all(w is not None for w in fc1_w):
-            clusters.append(Cluster(node, down_w, tuple(fc1), tuple(fc1_w), linear_bias(node),
-                                    tuple(linear_bias(n) for n in fc1)))
+            clusters.append(Cluster(node, down_w, tuple(fc1), tuple(fc1_w), gemm_bias(node),
+                                    tuple(gemm_bias(n) for n in fc1)))
     return clusters
 
 

@@ -94,8 +94,25 @@ def _activation_options(nodes) -> list[str]:
             found.append("gelu_tanh" if node.kwargs.get("approximate") == "tanh" else "gelu")
         elif name in ("relu", "relu_"):
             found.append("relu")
-    found = list(dict.fromkeys(found))
-    return found or ["silu", "gelu", "gelu_tanh", "relu"]
+    found = list(dict.fromkeys(found)) or ["silu", "gelu", "gelu_tanh", "relu"]
+    if any(target_name(n) in ("sigmoid", "sigmoid_") for n in nodes):
+        found.append("gptoss")  # GPT-OSS's (up + 1) * g * sigmoid(alpha g); silu when written g * sigmoid(g)
+    return found
+
+
+DEFAULT_ALPHA = 1.702  # GPT-OSS's sigmoid slope
+
+
+def _alpha_options(nodes) -> list[float]:
+    """Sigmoid slopes for "gptoss": the constant a sigmoid's input is multiplied by
+    (``sigmoid(g * alpha)``) first, then GPT-OSS's default.  Structure orders them: at bf16's
+    tolerance the default passes the proof for a graph's 1.25 too (see prove.CLEARLY_CLOSER)."""
+    alphas = []
+    for node in nodes:
+        arg = node.args[0] if target_name(node) in ("sigmoid", "sigmoid_") and node.args else None
+        if isinstance(arg, fx.Node) and target_name(arg) in ("mul", "__mul__"):
+            alphas += [float(a) for a in arg.args if isinstance(a, (int, float)) and a > 0]
+    return list(dict.fromkeys([*alphas, DEFAULT_ALPHA]))
 
 
 def _clamp_limits(nodes) -> list[float]:
@@ -146,17 +163,20 @@ def hypotheses(deps, region, clusters, roles: Roles, values) -> list[prove.Hypot
     x_hidden = shape_of(region.x)[1]
     acts = _activation_options(region.nodes)
     limits = _clamp_limits(region.nodes)
+    alphas = _alpha_options(region.nodes)
     places = _weight_on_options(deps, region, clusters)
     orders = [False] if roles.gate_first_known or not roles.fc1_up else [False, True]
     out = []
-    for (layout, transposed), act, limit, place, swap in itertools.product(
-        _layouts(roles, values, x_hidden), acts, limits, places, orders
+    for (layout, transposed), act, limit, alpha, place, swap in itertools.product(
+        _layouts(roles, values, x_hidden), acts, limits, alphas, places, orders
     ):
+        if act == "gptoss" and (limit <= 0 or layout == "none") or act != "gptoss" and alpha != DEFAULT_ALPHA:
+            continue  # gptoss needs its clamp and a gate/up pair; alpha only matters to gptoss
         fc1, up = (roles.fc1_up, roles.fc1) if swap else (roles.fc1, roles.fc1_up)
         b1, b1u = (roles.fc1_up_bias, roles.fc1_bias) if swap else (roles.fc1_bias, roles.fc1_up_bias)
         nodes = (fc1, up, roles.fc2, b1, b1u, roles.fc2_bias)
         weights = ExpertWeights(*(tuple(values[n] for n in role) for role in nodes), transposed=transposed)
-        attrs = FFNAttrs(layout, transposed, act, limit, 1.702, place)
+        attrs = FFNAttrs(layout, transposed, act, limit, alpha, place)
         out.append(prove.Hypothesis(weights, attrs, nodes))
     return out
 

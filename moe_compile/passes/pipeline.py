@@ -80,8 +80,10 @@ def run_moe_pass(gm: fx.GraphModule, example_inputs, min_experts: int = 1, save_
         match.replace_with_fused_op(gm.graph, Deps(gm.graph), save_fc1)
         s = match.spec
         a = s.attrs
+        biases = tuple(role for role in ("fc1", "fc1_up", "fc2") if getattr(s, f"{role}_bias"))
         report.rewritten.append(Rewritten(s.family, s.num_experts, s.top_k, s.hidden, s.ffn, s.variant, s.source,
                                           a.gate_up, a.activation, a.weight_on, match.error,
+                                          transposed=a.transposed, limit=a.limit, alpha=a.alpha, biases=biases,
                                           **getattr(match, "report_extra", {})))
     if matches:
         gm.graph.lint()

@@ -19,12 +19,26 @@ def stacked_roles(candidate: Candidate) -> tuple[Roles, int]:
     sizes = {p.meta["example_value"].shape[0] for p in params if p.meta["example_value"].dim() == 3}
     if len(sizes) != 1 or any(p.meta["example_value"].dim() != 3 for p in params):
         raise Refusal("stacked expert weights must be 3-D with one expert count", cluster.down)
+    fc1_biases = cluster.fc1_b or (None,) * len(cluster.fc1)
     if len(cluster.fc1) == 2:
-        a, b = cluster.fc1_w
-        gate, up = (b, a) if _is_gate(cluster.fc1[1]) and not _is_gate(cluster.fc1[0]) else (a, b)
+        swap = _is_gate(cluster.fc1[1]) and not _is_gate(cluster.fc1[0])
+        (gate, gate_b), (up, up_b) = _ordered(zip(cluster.fc1_w, fc1_biases), swap)
         known = _is_gate(cluster.fc1[0]) != _is_gate(cluster.fc1[1])
-        return Roles((gate.param,), (up.param,), (cluster.down_w.param,), known), sizes.pop()
-    return Roles((cluster.fc1_w[0].param,), (), (cluster.down_w.param,), True), sizes.pop()
+        return Roles((gate.param,), (up.param,), (cluster.down_w.param,), known, _bias(gate_b), _bias(up_b),
+                     _bias(cluster.down_b)), sizes.pop()
+    return Roles((cluster.fc1_w[0].param,), (), (cluster.down_w.param,), True, _bias(fc1_biases[0]),
+                 (), _bias(cluster.down_b)), sizes.pop()
+
+
+def _ordered(pairs, swap: bool) -> list:
+    pairs = list(pairs)
+    return pairs[::-1] if swap else pairs
+
+
+def _bias(ref) -> tuple:
+    """A stacked [E, n] bias role from the parameter added to a GEMM's output (indexed per token or
+    by the sorted ids); the proof rejects anything that does not act as that bias."""
+    return (ref.param,) if ref is not None and ref.param.meta["example_value"].dim() == 2 else ()
 
 
 def find_stacked(family, graph, deps, candidate: Candidate, example_inputs):
