@@ -123,3 +123,12 @@ def test_hf_experts_called_with_outside_routing(impl):
         got, report = run_compiled(routed, x, logits)
     assert [r.family for r in report.rewritten] == [FAMILY[impl]]
     assert rel_err(got, want) <= TOL[torch.float32]
+
+
+def test_report_names_each_layers_experts():
+    cfg = configs()["mixtral"]
+    cfg._experts_implementation = "grouped_mm"
+    cfg.num_hidden_layers = 2
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    report = moe_compile.explain(model, torch.randint(0, 128, (1, 6)))
+    assert [r.source for r in report.rewritten] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]

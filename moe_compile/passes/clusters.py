@@ -203,6 +203,30 @@ def group_by_topk(graph: fx.Graph, deps: Deps, clusters: list[Cluster]) -> tuple
     return [Candidate(t, cs) for t, cs in groups.items()], unrouted
 
 
+def unrecognised_experts(graph: fx.Graph, deps: Deps, candidates: list[Candidate]) -> list[fx.Node]:
+    """For each top-k that no candidate holds, the first GEMM after it that reads expert weights
+    the way MoE experts do (a grouped GEMM, or weights indexed by a tensor: ``w[ids]``) and is in
+    no candidate's FFN: an MoE whose FFN the clusters did not recognise, worth a line in explain()."""
+    held = {c.topk for c in candidates}
+    in_ffn = {g for c in candidates for cl in c.clusters for g in cl.gemms}
+    found = []
+    for topk in (n for n in graph.nodes if is_topk(n) and n not in held):
+        reach = deps.descendants([topk])
+        gemm = next((n for n in graph.nodes if n in reach and n not in in_ffn and _reads_expert_weights(n)), None)
+        if gemm is not None:
+            found.append(gemm)
+    return found
+
+
+def _reads_expert_weights(node: fx.Node) -> bool:
+    if is_grouped_mm(node):
+        return True
+    if not is_matmul(node):
+        return False
+    ref = gemm_operands(node)[1]
+    return ref is not None and ref.indexed_by is not None
+
+
 def uses_grouped_mm(candidate: Candidate) -> bool:
     return any(is_grouped_mm(g) for c in candidate.clusters for g in c.gemms)
 

@@ -250,12 +250,17 @@ def lift(family, graph, deps, candidate, roles: Roles, values: GraphValues, top_
 
 
 def _source_of(fc2_nodes) -> str:
-    path = module_path(fc2_nodes[0])
-    parts = path.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[:i])
-    return ".".join(parts[:-1]) or path  # weights held by the block itself: name the tensor
+    """The experts' module path: per-expert weights (``model.layers.3.mlp.experts.0.down_proj.weight``,
+    ``...experts.1...``) up to where the experts' paths differ; a stacked weight's module."""
+    paths = [module_path(n).split(".") for n in fc2_nodes[:2]]
+    if len(paths) == 2 and len(paths[0]) == len(paths[1]):
+        differ = next((i for i, (a, b) in enumerate(zip(*paths)) if a != b), None)
+        if differ is not None:
+            return ".".join(paths[0][:differ])
+    parts = paths[0]
+    if len(parts) > 2 and parts[-3].isdigit():  # one expert in a list: experts.0.down_proj.weight
+        return ".".join(parts[:-3])
+    return ".".join(parts[:-1]) or ".".join(parts)  # weights held by the block itself: its path
 
 
 def int_index_roles(clusters: list[Cluster], refs_of) -> tuple[fx.Node, ...] | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from moe_compile.passes import dense, expert_parallel, gathered, loop, sorted as sorted_family
-from moe_compile.passes.clusters import find_clusters, group_by_topk
+from moe_compile.passes.clusters import find_clusters, group_by_topk, unrecognised_experts
 from moe_compile.passes.graph import Deps
 from moe_compile.passes.lift import GraphValues
 from moe_compile.passes.region import Refusal
@@ -56,7 +56,12 @@ def find_matches(gm: fx.GraphModule, example_inputs, min_experts: int = 1):
             continue
         matches.append(match)
     skipped += _unrouted_loops(unrouted)
+    skipped += [Skipped(Refusal(UNRECOGNISED, gemm).reason) for gemm in unrecognised_experts(graph, deps, candidates)]
     return matches, skipped
+
+
+UNRECOGNISED = ("a top-k's ids select expert weights here, but no expert FFN (FC1 GEMM -> activation -> FC2 "
+                "GEMM on weights of the same experts) was recognised around this GEMM: left to the inner compiler")
 
 
 def _unrouted_loops(unrouted) -> list[Skipped]:

@@ -46,3 +46,35 @@ def test_unprovable_region_is_left_alone():
     assert report.rewritten == []
     assert any("could not prove" in s.reason for s in report.skipped)
     torch.testing.assert_close(got, model(x))
+
+
+class LinearExperts(torch.nn.Module):
+    """Routed experts that are one GEMM each (a mixture of linear maps, no FFN): the ids pick the
+    weights, but there is no FC1 -> activation -> FC2 to fuse."""
+
+    def __init__(self, hidden=64, experts=4, top_k=2):
+        super().__init__()
+        self.router = torch.nn.Linear(hidden, experts, bias=False)
+        self.w = torch.nn.Parameter(torch.randn(experts, hidden, hidden) / hidden**0.5)
+        self.top_k = top_k
+
+    def forward(self, x):  # [T, H]
+        g, ids = self.router(x).softmax(-1).topk(self.top_k, dim=-1)  # [T, K]
+        y = torch.bmm(x.repeat_interleave(self.top_k, 0)[:, None], self.w[ids.reshape(-1)])[:, 0]  # [T*K, H]
+        return (y.view(-1, self.top_k, x.shape[1]) * g[..., None]).sum(1)
+
+
+def test_routed_weights_without_an_ffn_are_explained():
+    model = LinearExperts()
+    x = torch.randn(5, 64)
+    got, report = run_compiled(model, x)
+    assert report.rewritten == []
+    torch.testing.assert_close(got, model(x))
+    (skip,) = moe_compile.explain(model, x).skipped
+    assert "select expert weights" in skip.reason and "test_negative.py" in skip.reason
+
+
+def test_no_expert_weights_no_such_line():
+    # A top-k that picks features (no weights indexed by its ids, no grouped GEMM) gets no such line.
+    reasons = [s.reason for s in moe_compile.explain(zoo.TopKNotRouting(), torch.randn(5, 64)).skipped]
+    assert not any("select expert weights" in r for r in reasons)
