@@ -111,6 +111,34 @@ class DeepSeekOfficialMoE(nn.Module):
         return (y + self.shared_experts(x)).view(shape)
 
 
+class HashRoutedMoE(nn.Module):
+    """Family A behind DeepSeek-V4's hash layers (Megatron ``_hash_routing``): the experts of a token
+    come from a fixed table indexed by its token id, ``ids = tid2eid[input_ids]``; the mixing weights
+    are still the router's sqrt(softplus) scores at those experts, renormalised and scaled."""
+
+    def __init__(self, hidden=64, ffn=32, experts=8, top_k=2, vocab=50, route_scale=1.5, seed=0):
+        super().__init__()
+        self.num_experts, self.route_scale = experts, route_scale
+        self.router = nn.Linear(hidden, experts, bias=False)
+        g = torch.Generator().manual_seed(seed)
+        table = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(vocab)])
+        self.register_buffer("tid2eid", table)  # [vocab, K] int64: the hash table (a checkpoint's, here random)
+        self.experts = nn.ModuleList([SwiGLU(hidden, ffn) for _ in range(experts)])
+
+    def forward(self, hidden_states, input_ids):  # [B, S, H], [B, S]
+        shape = hidden_states.shape
+        x = hidden_states.view(-1, shape[-1])  # [T, H]
+        scores = F.softplus(self.router(x)).sqrt()  # [T, E]
+        ids = self.tid2eid[input_ids.reshape(-1)]  # [T, K]
+        weights = scores.gather(1, ids)
+        weights = weights / weights.sum(-1, keepdim=True) * self.route_scale  # [T, K]
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            tok, top = torch.where(ids == e)
+            out.index_add_(0, tok, self.experts[e](x[tok]) * weights[tok, top, None])
+        return out.view(shape)
+
+
 class StackedExperts(nn.Module):
     """HF v5 style stacked expert parameters: gate_up [E, 2F, H], down [E, H, F]."""
 

@@ -57,7 +57,7 @@ class Cluster:
 class Candidate:
     """Routed clusters sharing one top-k: possibly one MoE layer."""
 
-    topk: fx.Node
+    topk: fx.Node  # the id source: a topk node, or a hash table lookup giving the ids themselves
     clusters: list[Cluster]
 
 
@@ -187,9 +187,27 @@ def is_topk(node: fx.Node) -> bool:
     return node.op in ("call_function", "call_method") and target_name(node) == "topk"
 
 
+def is_hash_lookup(node: fx.Node) -> bool:
+    """``table[token_ids]``: [T, K] expert ids read from an integer table the module holds (DeepSeek-V4's
+    hash layers, ``tid2eid[input_ids]``), indexed by an integer tensor."""
+    if node.op != "call_function" or node.target is not operator.getitem or not isinstance(node.args[1], fx.Node):
+        return False
+    table, value, index = trace_weight(node.args[0]), node.meta.get("example_value"), node.args[1].meta.get("example_value")
+    return (
+        table is not None and table.expert is None and table.indexed_by is None
+        and isinstance(value, torch.Tensor) and value.dim() == 2 and not value.dtype.is_floating_point
+        and isinstance(index, torch.Tensor) and not index.dtype.is_floating_point and not index.dtype == torch.bool
+    )
+
+
+def is_id_source(node: fx.Node) -> bool:
+    """Where a candidate's expert ids come from: a top-k, or a hash table lookup."""
+    return is_topk(node) or is_hash_lookup(node)
+
+
 def group_by_topk(graph: fx.Graph, deps: Deps, clusters: list[Cluster]) -> tuple[list[Candidate], list[Cluster]]:
     """Routed candidates (clusters grouped by their nearest top-k) and the unrouted clusters."""
-    topks = [n for n in graph.nodes if is_topk(n)]
+    topks = [n for n in graph.nodes if is_id_source(n)]
     groups: dict[fx.Node, list[Cluster]] = {}
     unrouted = []
     reach = {t: deps.descendants([t]) for t in topks}  # one walk per top-k, not per cluster
@@ -210,7 +228,7 @@ def unrecognised_experts(graph: fx.Graph, deps: Deps, candidates: list[Candidate
     held = {c.topk for c in candidates}
     in_ffn = {g for c in candidates for cl in c.clusters for g in cl.gemms}
     found = []
-    for topk in (n for n in graph.nodes if is_topk(n) and n not in held):
+    for topk in (n for n in graph.nodes if is_id_source(n) and n not in held):
         reach = deps.descendants([topk])
         gemm = next((n for n in graph.nodes if n in reach and n not in in_ffn and _reads_expert_weights(n)), None)
         if gemm is not None:

@@ -119,3 +119,38 @@ def test_experts_with_biases():
     got, report = run_compiled(model, x)
     assert len(report.rewritten) == 1
     assert rel_err(got, want) <= TOL[torch.float32]
+
+
+def test_hash_routing_by_token_id():
+    # DeepSeek-V4 hash layers: ids from a table indexed by token id (no top-k); the weights are the
+    # router's scores at those ids.  Forward and the router's and experts' gradients equal eager's.
+    model = zoo.HashRoutedMoE()
+    x, input_ids = torch.randn(2, 7, 64), torch.randint(0, 50, (2, 7))
+    want = model(x, input_ids)
+    want.square().mean().backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    got, report = run_compiled(model, x, input_ids)
+    got.square().mean().backward()
+    assert [r.family for r in report.rewritten] == ["loop"] and report.rewritten[0].top_k == 2
+    assert rel_err(got, want) <= TOL[torch.float32]
+    for name, grad in want_grads.items():  # fp32, summation order only: see tests/test_training.py
+        assert rel_err(model.get_parameter(name).grad, grad) <= 1e-5, name
+
+
+def test_integer_lookup_that_is_not_routing_is_left_alone():
+    # Position ids read from an integer buffer by an index: a hash-lookup look-alike feeding no experts.
+    class PositionLookup(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.arange(40).view(20, 2))
+            self.mlp = zoo.SwiGLU(64, 32)
+
+        def forward(self, x, pos):
+            return self.mlp(x) + self.table[pos].float().sum(-1, keepdim=True)
+
+    model = PositionLookup()
+    x, pos = torch.randn(5, 64), torch.randint(0, 20, (5,))
+    got, report = run_compiled(model, x, pos)
+    assert report.rewritten == []
+    torch.testing.assert_close(got, model(x, pos))
