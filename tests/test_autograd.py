@@ -246,20 +246,6 @@ def test_matches_reference_autograd_fp32(attrs, stacked, bias):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("attrs,stacked,bias", [CASES[0], CASES[1], (CASES[2][0], True, True)])
-def test_huge_page_gradients_are_written_through_a_scratch(attrs, stacked, bias, monkeypatch):
-    # Large stacked weight gradients go on huge pages, and their GEMMs write into one scratch per
-    # role that is copied into each expert's slot, a block of rows at a time
-    # (cpu_backward._RoleGrad.wgrad): forced here on small shapes; fp32 tolerance as above.
-    from moe_compile.kernels import cpu_backward, cpu_memory
-
-    monkeypatch.setattr(cpu_memory, "advise_huge_pages", lambda t: True)
-    monkeypatch.setattr(cpu_backward, "SCRATCH_ROWS", 3)  # several blocks per expert, a short last one
-    got, want = _grads_op_and_reference(attrs, stacked, bias, torch.float32, torch.float32)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
-
-
 @pytest.mark.parametrize("attrs,stacked,bias", CASES)
 def test_matches_reference_autograd_bf16(attrs, stacked, bias):
     # bf16 inputs: the op accumulates in fp32 and rounds each gradient once to bf16 (8-bit

@@ -53,11 +53,6 @@ class Needs:
         return any(self.roles[role])
 
 
-# Rows of a huge-page gradient computed per GEMM into the scratch (``_RoleGrad.wgrad``): the scratch
-# stays 2 MiB for H=1024 fp32 instead of a whole expert's gradient (16 MiB at Mixtral's FC1).
-SCRATCH_ROWS = 512
-
-
 class _RoleGrad:
     """Gradient buffers of one role, in the compute dtype, allocated when first written: a stacked
     role's one buffer on its first expert's write, per-expert tensors each on their expert's write
@@ -69,8 +64,6 @@ class _RoleGrad:
         self.stacked = is_stacked(role, stacked_dim)
         self.bufs: list = [None] * len(role)
         self.written: set[int] = set()
-        self.huge = False  # the stacked buffer is on huge pages (see ``of``): GEMMs go via scratch
-        self.scratch = None  # [SCRATCH_ROWS, in] (or [.., out] when transposed), for those GEMMs
 
     def wants(self, e: int) -> bool:
         """Whether expert e's gradient of this role is needed (allocates nothing)."""
@@ -87,37 +80,19 @@ class _RoleGrad:
             # Uninitialised: every slot handed out is overwritten by its expert's GEMM or sum, and
             # result() zeroes the experts never handed out (no tokens).  Zero-filling all of it
             # up front cost ~10% of a fine-grained (E=64) training step on the 2-core CI VM.
-            # A large stacked gradient is fresh memory every step: on 4 KiB pages faulting it in
-            # costs as much as its GEMMs, on huge pages (cpu_memory) a fifth of that.  But a GEMM
-            # writing its rows (4-8 KiB apart) straight onto 2 MiB pages puts them into the same
-            # cache sets, so ``wgrad`` writes into a scratch and copies.  E=64 [1024, 1024], 64 rows
-            # each, fp32, 2-core CI VM: 4 KiB pages 143 ms, huge pages 213, huge + scratch 87
-            # (the GEMMs alone into memory already faulted in: 74).
-            buf = torch.empty(self.role[i].shape, dtype=self.cdt, device=self.device)
-            self.huge = self.stacked and cpu_memory.advise_huge_pages(buf)
-            self.bufs[i] = buf
+            # On ordinary pages: huge pages (madvise) for large stacked gradients faulted in faster
+            # alone, but in a process doing other work the kernel compacts memory to find them:
+            # fine-grained (E=64) training steps timed round-robin with other steps, 2-core CI VM,
+            # T=512: 631 vs 417 ms, T=2048: 1842 vs 1183 ms (Mixtral shape, T=512: 351 vs 262).
+            self.bufs[i] = torch.empty(self.role[i].shape, dtype=self.cdt, device=self.device)
         self.written.add(e)
         return self.bufs[0][e] if self.stacked else self.bufs[e]
 
     def wgrad(self, e: int, dout, inp, transposed: bool) -> None:
-        """Expert e's weight gradient, when needed: dout^T inp in the stored layout; on huge pages
-        a block of SCRATCH_ROWS rows of it at a time through the scratch."""
+        """Expert e's weight gradient, when needed: dout^T inp in the stored layout."""
         slot = self.of(e)
-        if slot is None:
-            return
-        if not self.huge:
+        if slot is not None:
             _wgrad(dout, inp, transposed, slot)
-            return
-        if self.scratch is None:
-            self.scratch = torch.empty(SCRATCH_ROWS, slot.shape[1], dtype=slot.dtype, device=slot.device)
-        for r in range(0, slot.shape[0], SCRATCH_ROWS):
-            block = slot[r : r + SCRATCH_ROWS]  # rows of the stored layout: columns of dout (or of inp)
-            part = self.scratch[: block.shape[0]]
-            if transposed:
-                _wgrad(dout, inp[:, r : r + SCRATCH_ROWS], True, part)
-            else:
-                _wgrad(dout[:, r : r + SCRATCH_ROWS], inp, False, part)
-            block.copy_(part)
 
     def result(self) -> list:
         experts = (self.role[0].shape[0] if self.stacked else len(self.role)) if self.role else 0

@@ -4,8 +4,8 @@ A fresh allocation of many MiB (glibc serves it with a new ``mmap``) costs one p
 page on first touch.  On the 2-core CI VM that is ~0.3 ms per MiB — writing a fresh 128 MiB
 [E, 2F, H] weight gradient cost 38 ms more than writing into reused memory (torch 2.13, fp32).
 The op's large buffers are fresh every call: the training forward's FC1 output, the sorted token
-rows, the chunk workspaces, the large stacked weight gradients (whose GEMMs write through a
-scratch: see cpu_backward._RoleGrad for why).
+rows, the chunk workspaces.  Not the weight gradients: they outlive the call, and finding huge
+pages for hundreds of MiB every step stalled on memory compaction (cpu_backward._RoleGrad).
 ``madvise(MADV_HUGEPAGE)`` on the aligned inside of such a buffer, before anything touches it,
 lets the kernel fault it in 2 MiB at a time (10 ms instead of 40 ms for 128 MiB on that VM) where
 THP is set to ``madvise`` or ``always``; elsewhere (THP ``never``, not Linux, no libc) the advice
