@@ -11,10 +11,11 @@ Plan (one host sync, no per-call weight copies):
      FC2 output into y (``cpu_decode``); otherwise gather the S' valid slots' token rows once
      (``index_select``) -> xs [S', H];
   3. prefill, fp32 inference on weights packed for oneDNN (``cpu_prepack``): ``_packed_experts``,
-     expert by expert from x's rows to y's (gather, SwiGLU, combine on ``cpu_rows``' C loops); large experts on stacked weights without biases that
-     oneDNN does not run (bf16): FC1 and FC2 as one native grouped GEMM each
-     (``torch._grouped_mm``), the activation once over all rows; otherwise consecutive experts a
-     chunk (<= CHUNK_ROWS rows) at a time (GEMMs on oneDNN for fp32, ``expert_linear``):
+     expert by expert from x's rows to y's (gather, SwiGLU, combine on ``cpu_rows``' C loops);
+     large experts on stacked weights without biases that oneDNN does not run (bf16): FC1 and
+     FC2 as one native grouped GEMM each (``torch._grouped_mm``), the activation once over all
+     rows; otherwise consecutive experts a chunk (<= CHUNK_ROWS rows) at a time (GEMMs on
+     oneDNN for fp32, ``expert_linear``):
        FC1   per expert, a GEMM on the expert's own weight (a view of the stacked tensor or the
              model's per-expert tensor) written into the chunk's rows of h [n, F2];
        act   once for the chunk (elementwise work per expert costs more than its arithmetic when
