@@ -22,8 +22,8 @@ import torch.fx as fx
 from moe_compile.passes.graph import Deps, const_int_index, is_grouped_mm, is_matmul, is_view_like, target_name
 
 _ELEMENTWISE = {
-    "mul", "add", "sub", "relu_", "tanh_", "truediv", "div", "silu", "gelu", "relu", "sigmoid", "tanh", "clamp",
-    "clamp_min", "clamp_max", "clip", "chunk", "split", "getitem", "view", "reshape", "to", "float",
+    "mul", "add", "sub", "truediv", "div", "silu", "gelu", "relu", "relu_", "sigmoid", "tanh", "tanh_",
+    "clamp", "clamp_min", "clamp_max", "clip", "chunk", "split", "getitem", "view", "reshape", "to", "float",
     "half", "bfloat16", "contiguous", "neg", "mul_", "add_", "silu_", "unflatten", "flatten",
     "squeeze", "unsqueeze", "type_as", "pow", "minimum", "maximum", "__mul__", "__add__", "__sub__",
     "__getitem__", "sigmoid_", "clamp_", "transpose", "permute", "masked_fill",
@@ -188,15 +188,16 @@ def is_topk(node: fx.Node) -> bool:
 
 
 def is_hash_lookup(node: fx.Node) -> bool:
-    """``table[token_ids]``: [T, K] expert ids read from an integer table the module holds (DeepSeek-V4's
-    hash layers, ``tid2eid[input_ids]``), indexed by an integer tensor."""
+    """``table[token_ids]``: [T, K] expert ids read from an integer table the module holds
+    (DeepSeek-V4's hash layers, ``tid2eid[input_ids]``), indexed by an integer tensor."""
     if node.op != "call_function" or node.target is not operator.getitem or not isinstance(node.args[1], fx.Node):
         return False
-    table, value, index = trace_weight(node.args[0]), node.meta.get("example_value"), node.args[1].meta.get("example_value")
+    table = trace_weight(node.args[0])
+    value, index = node.meta.get("example_value"), node.args[1].meta.get("example_value")
     return (
         table is not None and table.expert is None and table.indexed_by is None
         and isinstance(value, torch.Tensor) and value.dim() == 2 and not value.dtype.is_floating_point
-        and isinstance(index, torch.Tensor) and not index.dtype.is_floating_point and not index.dtype == torch.bool
+        and isinstance(index, torch.Tensor) and not index.dtype.is_floating_point and index.dtype != torch.bool
     )
 
 
