@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from importlib import resources
 from pathlib import Path
 
@@ -59,3 +60,39 @@ def load(stem: str) -> ctypes.CDLL:
     be built or loaded (the caller keeps the reason and falls back to torch ops)."""
     source = resources.files(__package__).joinpath(f"{stem}.c").read_bytes()
     return ctypes.CDLL(str(_build(stem, source)))
+
+
+class Kernel:
+    """One C file of the package, built and loaded on its first use: ``lib()`` is the library, or
+    None with ``error()`` saying why (turned off by ``env``=0, no AVX2, no compiler, build failed).
+
+    ``signatures``: function name -> ctypes argument types (each returns void); ``fallback``: what
+    the caller does without it, for the one warning a failed build gives."""
+
+    def __init__(self, stem: str, env: str, signatures: dict, fallback: str):
+        self.stem, self.env, self.signatures, self.fallback = stem, env, signatures, fallback
+        self._lib: ctypes.CDLL | None = None
+        self._error: str | None = None
+
+    def lib(self) -> ctypes.CDLL | None:
+        if self._lib is not None or self._error is not None:
+            return self._lib
+        if os.environ.get(self.env, "1") == "0":
+            self._error = f"turned off by {self.env}=0"
+        elif lacks_avx2():
+            self._error = lacks_avx2()
+        else:
+            try:
+                lib = load(self.stem)
+                for name, argtypes in self.signatures.items():
+                    getattr(lib, name).argtypes = argtypes
+                    getattr(lib, name).restype = None
+                self._lib = lib
+            except (OSError, RuntimeError) as err:
+                self._error = str(err)
+                warnings.warn(f"moe_compile: {self.stem}.c unavailable, {self.fallback} ({err})", stacklevel=3)
+        return self._lib
+
+    def error(self) -> str | None:
+        self.lib()
+        return self._error

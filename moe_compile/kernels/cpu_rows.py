@@ -15,53 +15,26 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import os
-import warnings
 
 import torch
 
 from moe_compile.kernels import cpu_cc
 
 ENV = "MOE_COMPILE_ROWS"
-_lib: ctypes.CDLL | None = None
-_load_error: str | None = None
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_SIGNATURES = {  # out/y, ld, in, ld, [up, ld,] idx, scale, n, w, threads
+_KERNEL = cpu_cc.Kernel("cpu_rows", ENV, {  # out/y, ld, in, ld, [up, ld,] idx, scale, n, w, threads
     "moe_rows_gather": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64],
     "moe_rows_swiglu": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64],
     "moe_rows_add": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64],
-}
-
-
-def _load() -> ctypes.CDLL | None:
-    """The compiled kernels, built on the first call; None (with the reason kept) when unusable."""
-    global _lib, _load_error
-    if _lib is not None or _load_error is not None:
-        return _lib
-    if os.environ.get(ENV, "1") == "0":
-        _load_error = f"turned off by {ENV}=0"
-    elif cpu_cc.lacks_avx2():
-        _load_error = cpu_cc.lacks_avx2()
-    else:
-        try:
-            lib = cpu_cc.load("cpu_rows")
-            for name, argtypes in _SIGNATURES.items():
-                getattr(lib, name).argtypes = argtypes
-                getattr(lib, name).restype = None
-            _lib = lib
-        except (OSError, RuntimeError) as err:
-            _load_error = str(err)
-            warnings.warn(f"moe_compile: CPU row kernels unavailable, using torch ops ({err})", stacklevel=2)
-    return _lib
+}, "using torch ops")
 
 
 def available() -> bool:
-    return _load() is not None
+    return _KERNEL.lib() is not None
 
 
 def unavailable_reason() -> str | None:
-    _load()
-    return _load_error
+    return _KERNEL.error()
 
 
 def _check_rows(t: torch.Tensor, rows: int, width: int, name: str) -> None:
@@ -93,18 +66,21 @@ class SlotRows:
         # The C loops index x and y by these values: one bad token would write outside y.
         if S and not (0 <= int(self.tokens.min()) and int(self.tokens.max()) < T):
             raise ValueError(f"cpu_rows: tokens must lie in [0, {T}), got {int(self.tokens.min())}..{int(self.tokens.max())}")
-        if _load() is None:
-            raise RuntimeError(f"cpu_rows: kernels unavailable ({_load_error})")
+        if _KERNEL.lib() is None:
+            raise RuntimeError(f"cpu_rows: kernels unavailable ({_KERNEL.error()})")
 
     def _scale_at(self, lo: int, scaled: bool) -> int:
         return self.scale.data_ptr() + 4 * lo if scaled else 0
+
+    def _tokens_at(self, lo: int) -> int:
+        return self.tokens.data_ptr() + 8 * lo
 
     def gather(self, lo: int, hi: int, out: torch.Tensor, scaled: bool = False) -> torch.Tensor:
         """out [hi-lo, H] = x[tokens[lo:hi]] (times scale[lo:hi] per row when ``scaled``)."""
         H = self.x.shape[1]
         _check_rows(out, hi - lo, H, "out")
-        _lib.moe_rows_gather(out.data_ptr(), out.stride(0), self.x.data_ptr(), self.x.stride(0), self.tokens.data_ptr() + 8 * lo,
-                             self._scale_at(lo, scaled), hi - lo, H, self.threads)
+        _KERNEL.lib().moe_rows_gather(out.data_ptr(), out.stride(0), self.x.data_ptr(), self.x.stride(0),
+                                      self._tokens_at(lo), self._scale_at(lo, scaled), hi - lo, H, self.threads)
         return out
 
     def swiglu(self, lo: int, hi: int, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor,
@@ -114,13 +90,13 @@ class SlotRows:
         n, f = out.shape
         for t, name in ((gate, "gate"), (up, "up"), (out, "out")):
             _check_rows(t, hi - lo, f, name)
-        _lib.moe_rows_swiglu(out.data_ptr(), out.stride(0), gate.data_ptr(), gate.stride(0), up.data_ptr(),
-                             up.stride(0), self._scale_at(lo, scaled), n, f, self.threads)
+        _KERNEL.lib().moe_rows_swiglu(out.data_ptr(), out.stride(0), gate.data_ptr(), gate.stride(0),
+                                      up.data_ptr(), up.stride(0), self._scale_at(lo, scaled), n, f, self.threads)
         return out
 
     def add(self, lo: int, hi: int, src: torch.Tensor, scaled: bool = False) -> None:
         """y[tokens[lo:hi]] += src [hi-lo, H] (times scale[lo:hi] per row when ``scaled``)."""
         H = self.y.shape[1]
         _check_rows(src, hi - lo, H, "src")
-        _lib.moe_rows_add(self.y.data_ptr(), self.y.stride(0), src.data_ptr(), src.stride(0), self.tokens.data_ptr() + 8 * lo,
-                          self._scale_at(lo, scaled), hi - lo, H, self.threads)
+        _KERNEL.lib().moe_rows_add(self.y.data_ptr(), self.y.stride(0), src.data_ptr(), src.stride(0),
+                                   self._tokens_at(lo), self._scale_at(lo, scaled), hi - lo, H, self.threads)

@@ -14,8 +14,6 @@ the op keeps its MKL path; ``MOE_COMPILE_SKINNY=0`` turns the kernel off.
 from __future__ import annotations
 
 import ctypes
-import os
-import warnings
 
 import torch
 
@@ -27,38 +25,17 @@ from moe_compile.kernels import cpu_cc
 #   r=1: 26.5/14.0  r=2: 25.8/21.0  r=4: 18.2/12.6  r=8: 11.4/8.3  r=16: 6.5/8.1  r=32: 4.7/6.4
 MAX_ROWS = 8
 _TASK_FIELDS = 14  # the C file's TASK_FIELDS
-_lib: ctypes.CDLL | None = None
-_load_error: str | None = None
-
-
-def _load() -> ctypes.CDLL | None:
-    """The compiled kernel, built on the first call; None (with the reason kept) when unusable."""
-    global _lib, _load_error
-    if _lib is not None or _load_error is not None:
-        return _lib
-    if os.environ.get("MOE_COMPILE_SKINNY", "1") == "0":
-        _load_error = "turned off by MOE_COMPILE_SKINNY=0"
-    elif cpu_cc.lacks_avx2():
-        _load_error = cpu_cc.lacks_avx2()
-    else:
-        try:
-            lib = cpu_cc.load("cpu_skinny")
-            lib.moe_skinny_run_parallel.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-            lib.moe_skinny_run_parallel.restype = None
-            _lib = lib
-        except (OSError, RuntimeError) as err:
-            _load_error = str(err)
-            warnings.warn(f"moe_compile: skinny CPU kernel unavailable, using MKL for decode ({err})", stacklevel=2)
-    return _lib
+_KERNEL = cpu_cc.Kernel("cpu_skinny", "MOE_COMPILE_SKINNY",
+                        {"moe_skinny_run_parallel": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]},
+                        "using MKL for decode")
 
 
 def available() -> bool:
-    return _load() is not None
+    return _KERNEL.lib() is not None
 
 
 def unavailable_reason() -> str | None:
-    _load()
-    return _load_error
+    return _KERNEL.error()
 
 
 def fits(t: torch.Tensor) -> bool:
@@ -113,9 +90,9 @@ def tensor_task(weight: torch.Tensor, x: torch.Tensor, y: torch.Tensor, bias: to
 def run(tasks: list[int], threads: int = 1) -> None:
     """Run the tasks (``task`` fields, concatenated), every task's output columns split over
     ``threads`` OpenMP threads (torch's own).  The caller keeps the tensors alive meanwhile."""
-    lib = _load()
+    lib = _KERNEL.lib()
     if lib is None:
-        raise RuntimeError(f"skinny CPU kernel unavailable: {_load_error}")
+        raise RuntimeError(f"skinny CPU kernel unavailable: {_KERNEL.error()}")
     if tasks:
         packed = (ctypes.c_int64 * len(tasks))(*tasks)
         lib.moe_skinny_run_parallel(packed, len(tasks) // _TASK_FIELDS, max(1, threads))
