@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 import warnings
 from importlib import resources
 from pathlib import Path
@@ -52,7 +53,24 @@ def _build(stem: str, source: bytes) -> Path:
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[:500]}")
         os.replace(out, lib)
+    _prune(stem, keep=lib)
     return lib
+
+
+STALE_AFTER_S = 7 * 24 * 3600
+
+
+def _prune(stem: str, keep: Path) -> None:
+    """Delete ``stem``'s builds of other sources (older package versions) not touched for a week:
+    every change of a C file leaves a new build in the cache.  A process that loaded one keeps its
+    mapping; younger ones stay for versions still in use."""
+    now = time.time()
+    for old in keep.parent.glob(f"{stem}_*.so"):
+        try:
+            if old != keep and now - old.stat().st_mtime > STALE_AFTER_S:
+                old.unlink()
+        except OSError:
+            pass  # another process pruned it first
 
 
 def load(stem: str) -> ctypes.CDLL:

@@ -1,8 +1,10 @@
 """kernels/cpu_rows: the C row loops of the prefill path against torch's ops on the same rows."""
 
 import os
+import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -95,3 +97,20 @@ def test_turned_off_by_env():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, cpu_rows.ENV: "0"})
     assert done.returncode == 0, done.stderr
+
+
+def test_builds_prune_week_old_builds_of_other_sources(tmp_path, monkeypatch):
+    # A new build (a changed C file) removes that kernel's builds untouched for a week, and only those.
+    from moe_compile.kernels import cpu_cc
+
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("MOE_COMPILE_CACHE", str(tmp_path))
+    old, recent, other = tmp_path / "cpu_rows_0ld.so", tmp_path / "cpu_rows_recent.so", tmp_path / "cpu_skinny_0ld.so"
+    for f in (old, recent, other):
+        f.write_bytes(b"")
+    week_ago = time.time() - cpu_cc.STALE_AFTER_S - 60
+    for f in (old, other):
+        os.utime(f, (week_ago, week_ago))
+    built = cpu_cc._build("cpu_rows", b"void moe_rows_nothing(void) {}\n")
+    assert built.exists() and recent.exists() and other.exists() and not old.exists()
