@@ -25,6 +25,11 @@ def configs():
             first_k_dense_replace=0, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
             num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, vocab_size=128, q_lora_rank=None,
             kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8),
+        # PhiMoE: sparsemixer routing, no top-k: the top expert by max(), then the top of the rest,
+        # ids concatenated into [T, 2].
+        "phimoe": transformers.PhimoeConfig(
+            hidden_size=H, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+            num_local_experts=8, num_experts_per_tok=2, vocab_size=128),
         # GPT-OSS: [E, H, 2F] (transposed) interleaved gate/up with biases, clamped (up + 1) * g *
         # sigmoid(alpha g), router top-k on logits then softmax.  A small clamp limit and a
         # non-default alpha, so that the proof must find both.
@@ -43,6 +48,8 @@ def hf_block(name, impl, dtype):
     if name == "deepseek_v3":  # from_config leaves the router at zeros: give it real scores
         torch.nn.init.normal_(block.gate.weight, std=0.2)
         torch.nn.init.normal_(block.gate.e_score_correction_bias, std=0.01)
+    if name == "phimoe":  # a router at from_config's scale sends nearly every token to the same pair
+        torch.nn.init.normal_(block.router.weight, std=0.2)
     if name == "gpt_oss":  # router and biases start at zeros: make routing and every bias matter
         with torch.no_grad():
             for p in (block.router.weight, block.experts.gate_up_proj_bias, block.experts.down_proj_bias):
@@ -60,7 +67,7 @@ FAMILY = {"grouped_mm": "sorted", "batched_mm": "gathered"}
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss", "phimoe"])
 def test_hf_block_matches_eager(name, impl, dtype):
     block = hf_block(name, impl, dtype)
     x = torch.randn(2, 7, H, dtype=dtype)
@@ -132,3 +139,36 @@ def test_report_names_each_layers_experts():
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     report = moe_compile.explain(model, torch.randint(0, 128, (1, 6)))
     assert [r.source for r in report.rewritten] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+
+
+# More HF MoE architectures, each shrunk from its default config by the same overrides; explain()
+# runs the proof (the region against kernels/reference.py on the block's real weights).
+SHRINK = dict(hidden_size=H, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=1,
+              num_attention_heads=4, num_key_value_heads=2, vocab_size=128, head_dim=16, num_experts=8,
+              num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+              first_k_dense_replace=0, shared_expert_intermediate_size=64, max_position_embeddings=64, pad_token_id=0,
+              linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+
+
+@pytest.mark.parametrize("model_type,family", [
+    ("qwen3_moe", "sorted"), ("qwen3_next", "sorted"), ("olmoe", "sorted"), ("flex_olmo", "sorted"),
+    ("granitemoe", "sorted"), ("deepseek_v2", "sorted"), ("glm4_moe", "sorted"), ("hunyuan_v1_moe", "sorted"),
+    ("minimax", "sorted"), ("aria_text", "sorted"), ("llama4_text", "dense")])
+def test_more_hf_architectures_are_found(model_type, family):
+    cfg = transformers.AutoConfig.for_model(model_type)
+    for key, value in SHRINK.items():
+        if hasattr(cfg, key):
+            setattr(cfg, key, value)
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:1]
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    block = next(m for n, m in model.named_modules() if hasattr(m, "experts") and not n.endswith("experts"))
+    with torch.no_grad():
+        for p in block.parameters():  # some routers start at zeros: every token would tie
+            p.normal_(std=0.1)
+    x = torch.randn(1, 7, H)
+    with torch.no_grad():
+        want = first(block(x))
+        got, report = run_compiled(block, x)
+    assert [r.family for r in report.rewritten] == [family], report
+    assert rel_err(first(got), want) <= TOL[torch.float32]

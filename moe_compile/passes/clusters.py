@@ -201,9 +201,39 @@ def is_hash_lookup(node: fx.Node) -> bool:
     )
 
 
+def _picked_indices(node) -> bool:
+    """``scores.max(dim)[1]`` / ``scores.topk(k)[1]`` / ``argmax(dim)``, possibly viewed (unsqueeze)."""
+    for _ in range(4):
+        if not isinstance(node, fx.Node):
+            return False
+        if node.op in ("call_function", "call_method") and target_name(node) == "argmax":
+            return True
+        if node.op == "call_function" and node.target is operator.getitem and node.args[1] == 1:
+            src = node.args[0]
+            return isinstance(src, fx.Node) and target_name(src) in ("max", "topk") and src.op != "placeholder"
+        if not is_view_like(node):
+            return False
+        node = node.args[0]
+    return False
+
+
+def is_concatenated_ids(node: fx.Node) -> bool:
+    """``cat((idx_1, idx_2), -1)`` of picked indices: [T, K] ids chosen one max at a time (PhiMoE's
+    sparsemixer: the top expert, then the top of the rest)."""
+    if node.op != "call_function" or target_name(node) not in ("cat", "concat"):
+        return False
+    parts = node.args[0] if node.args else node.kwargs.get("tensors")
+    value = node.meta.get("example_value")
+    return (
+        isinstance(parts, (list, tuple)) and len(parts) >= 2 and all(_picked_indices(p) for p in parts)
+        and isinstance(value, torch.Tensor) and value.dim() == 2 and not value.dtype.is_floating_point
+    )
+
+
 def is_id_source(node: fx.Node) -> bool:
-    """Where a candidate's expert ids come from: a top-k, or a hash table lookup."""
-    return is_topk(node) or is_hash_lookup(node)
+    """Where a candidate's expert ids come from: a top-k, a hash table lookup, or picked indices
+    concatenated into [T, K]."""
+    return is_topk(node) or is_hash_lookup(node) or is_concatenated_ids(node)
 
 
 def group_by_topk(graph: fx.Graph, deps: Deps, clusters: list[Cluster]) -> tuple[list[Candidate], list[Cluster]]:

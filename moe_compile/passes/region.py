@@ -21,7 +21,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from moe_compile.passes.clusters import is_hash_lookup
+from moe_compile.passes.clusters import is_concatenated_ids, is_hash_lookup
 from moe_compile.passes.graph import Deps, dtype_of, is_inplace, meta, shape_of, source_line
 
 
@@ -65,8 +65,9 @@ def _root_buffer(node: fx.Node) -> fx.Node | None:
 
 
 def topk_indices(topk: fx.Node) -> fx.Node:
-    """The [T, K] ids of a candidate's id source: a top-k's indices, or a hash lookup itself."""
-    if is_hash_lookup(topk):
+    """The [T, K] ids of a candidate's id source: a top-k's indices, or the source itself (a hash
+    lookup, concatenated picked indices)."""
+    if is_hash_lookup(topk) or is_concatenated_ids(topk):
         return topk
     for user in topk.users:
         if user.op == "call_function" and user.args[1:] == (1,):
