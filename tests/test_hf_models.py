@@ -150,17 +150,23 @@ SHRINK = dict(hidden_size=H, intermediate_size=96, moe_intermediate_size=32, num
               linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
 
 
+# Per-architecture names for the same knobs (and Jamba's layer pattern: experts and attention in
+# every layer, no Mamba CUDA kernels).
+EXTRA = {
+    "ernie4_5_moe": dict(moe_num_experts=8, moe_k=2, moe_layer_start_index=0, moe_num_shared_experts=1),
+    "dots1": dict(n_shared_experts=1),
+    "jamba": dict(num_experts=8, expert_layer_period=1, expert_layer_offset=0, attn_layer_period=1,
+                  attn_layer_offset=0, mamba_d_state=4, mamba_dt_rank=8, use_mamba_kernels=False),
+}
+
+
 @pytest.mark.parametrize("model_type,family", [
     ("qwen3_moe", "sorted"), ("qwen3_next", "sorted"), ("olmoe", "sorted"), ("flex_olmo", "sorted"),
     ("granitemoe", "sorted"), ("deepseek_v2", "sorted"), ("glm4_moe", "sorted"), ("hunyuan_v1_moe", "sorted"),
-    ("minimax", "sorted"), ("aria_text", "sorted"), ("llama4_text", "dense")])
+    ("minimax", "sorted"), ("aria_text", "sorted"), ("ernie4_5_moe", "sorted"), ("dots1", "sorted"),
+    ("jamba", "sorted"), ("llama4_text", "dense")])
 def test_more_hf_architectures_are_found(model_type, family):
-    cfg = transformers.AutoConfig.for_model(model_type)
-    for key, value in SHRINK.items():
-        if hasattr(cfg, key):
-            setattr(cfg, key, value)
-    if getattr(cfg, "layer_types", None):
-        cfg.layer_types = cfg.layer_types[:1]
+    cfg = transformers.AutoConfig.for_model(model_type, **{**SHRINK, **EXTRA.get(model_type, {})})
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     block = next(m for n, m in model.named_modules() if hasattr(m, "experts") and not n.endswith("experts"))
     with torch.no_grad():
