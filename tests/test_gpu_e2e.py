@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
-@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "gpt_oss", "phimoe"])
 def test_hf_block_on_cuda(name, impl):
     block = hf_block(name, impl, torch.bfloat16).cuda()
     x = torch.randn(2, 33, H, dtype=torch.bfloat16, device="cuda")
