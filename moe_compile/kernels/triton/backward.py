@@ -51,7 +51,7 @@ from moe_compile.ir import ExpertWeights, FFNAttrs
 from moe_compile.kernels.triton import autotune
 from moe_compile.kernels.triton.align import align_by_expert
 from moe_compile.kernels.triton.fused_moe import _launch_gemm, _weight_operand, combine, unsupported_reason as _fwd_reason
-from moe_compile.kernels.triton.grouped_gemm import ACT_NONE, SCALE_NONE, _expert_base, _sigmoid
+from moe_compile.kernels.triton.grouped_gemm import ACT_NONE, SCALE_NONE, _expert_base, _sigmoid, tile_of_program
 
 ROLES = ("fc1", "fc1_up", "fc2", "fc1_bias", "fc1_up_bias", "fc2_bias")
 
@@ -79,14 +79,7 @@ def _dgrad_fc2_kernel(
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(F, BLOCK_N)
-    num_pid_m = tl.num_programs(0) // num_pid_n
-    group = pid // (GROUP_M * num_pid_n)
-    first_m = group * GROUP_M
-    group_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_m
-    pid_n = (pid % (GROUP_M * num_pid_n)) // group_m
+    pid_m, pid_n = tile_of_program(F, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
         return
 

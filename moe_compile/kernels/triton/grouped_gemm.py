@@ -91,6 +91,21 @@ def _load_bias(ptr, table, e, rows, mask, stride_e, stride_n, USE_TABLE: tl.cons
 
 
 @triton.jit
+def tile_of_program(N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n): this program's output tile of a 1-D grid over [rows, N] tiles, GROUP_M row
+    blocks at a time so that consecutive programs reuse the same weight columns from L2."""
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_m = tl.num_programs(0) // num_pid_n
+    group = pid // (GROUP_M * num_pid_n)
+    first_m = group * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_m
+    pid_n = (pid % (GROUP_M * num_pid_n)) // group_m
+    return pid_m, pid_n
+
+
+@triton.jit
 def grouped_gemm_kernel(
     a_ptr, c_ptr,  # A [rows, D] gathered by slot // A_ROW_DIV; C [S, N] written at the slot
     b_ptr, b_table, u_ptr, u_table,  # B (gate / only) and U (up) weights: stacked or via table
@@ -117,14 +132,7 @@ def grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # -- which output tile: grouped ordering along M (Triton matmul tutorial) --------------------
-    pid = tl.program_id(0)
-    num_pid_m = tl.num_programs(0) // tl.cdiv(N, BLOCK_N)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_pid_n)
-    first_m = group * GROUP_M
-    group_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_m
-    pid_n = (pid % (GROUP_M * num_pid_n)) // group_m
+    pid_m, pid_n = tile_of_program(N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
         return  # past the padded rows actually used this call
 
