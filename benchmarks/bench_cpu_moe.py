@@ -11,8 +11,9 @@ normal(0, 0.02).  Side by side in one process, for each (shape, T):
   inductor  ``torch.compile(hf_gmm block, dynamic=False)`` (default backend)
   moe       ``torch.compile(hf_gmm block, backend="moe", dynamic=False)``
   roof      prefill: one dense fp32 ``torch.mm`` [T*K, H] x [H, 3F] (the expert GEMMs' FLOPs,
-            2*T*K*3*H*F), timed round-robin with the variants;  decode (T < 64): bytes of the experts actually touched (+ router)
-            divided by the measured read bandwidth (``torch.sum`` over 512 MiB fp32).
+            2*T*K*3*H*F), timed round-robin with the variants;  decode (T < 64): bytes of the
+            experts actually touched (+ router) divided by the measured read bandwidth
+            (``torch.sum`` over 512 MiB fp32).
 
 All blocks share the same parameter tensors.  Every output is checked against ``eager``
 (max |y - ref| / max |ref|).  Ratios: ``moe vs best peer`` = best peer time / moe time (> 1: moe
@@ -126,7 +127,7 @@ def run(quick: bool, shapes=None, tokens=None) -> dict:
             }
             flops = 2.0 * T * K * 3 * H * Fw
             if T >= DECODE_MAX_T:
-                fns["roof"], _ = harness.dense_gemm(T * K, H, 3 * Fw)
+                fns["roof"] = harness.dense_gemm(T * K, H, 3 * Fw)
             with torch.no_grad(), moe_compile.api.capture_flags():
                 ref = eager(x)
                 for key in ("inductor", "moe"):  # compile (and first run) outside the timing

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from moe_compile.ir import FFNAttrs
+
 
 @dataclasses.dataclass(frozen=True)
 class Rewritten:
@@ -23,14 +25,15 @@ class Rewritten:
     local_experts: int = 0  # expert parallel: experts held by this rank (0: not expert parallel)
     transposed: bool = False  # weights stored [E, in, out] (x @ W)
     limit: float = 0.0  # clamp of gate/up (0: none)
-    alpha: float = 1.702  # sigmoid slope of activation "gptoss"
+    alpha: float = FFNAttrs.alpha  # sigmoid slope of activation "gptoss"
     biases: tuple[str, ...] = ()  # the roles with a bias: "fc1", "fc1_up", "fc2"
 
     def line(self) -> str:
         where = self.source or "<unknown module>"
         ep = f" world_size={self.world_size} local_experts={self.local_experts}" if self.local_experts else ""
-        act = self.activation + (f"(limit={self.limit:g}" + (f", alpha={self.alpha:g}" if self.activation == "gptoss" else "")
-                                 + ")" if self.limit > 0 else "")
+        act = self.activation
+        if self.limit > 0:
+            act += f"(limit={self.limit:g}" + (f", alpha={self.alpha:g}" if self.activation == "gptoss" else "") + ")"
         extra = (" transposed" if self.transposed else "") + (f" biases={'+'.join(self.biases)}" if self.biases else "")
         return (
             f"  [graph {self.graph}] {where}: family={self.family}{ep} E={self.num_experts} K={self.top_k} "

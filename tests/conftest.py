@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -36,7 +40,14 @@ def _seed():
     torch._dynamo.reset()
 
 
-__all__ = ["TOL", "rel_err", "run_compiled", "moe_compile"]
+def run_python(code: str, **env) -> subprocess.CompletedProcess:
+    """``python -c code`` in a fresh process with these environment variables added (import-time
+    and first-use behaviour: builds, switches read from the environment)."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+
+
+__all__ = ["TOL", "rel_err", "run_compiled", "run_python", "moe_compile"]
 
 
 def routing_ids(mode: str, T: int, K: int, E: int, gen: torch.Generator) -> torch.Tensor:

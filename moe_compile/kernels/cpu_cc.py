@@ -97,8 +97,8 @@ class Kernel:
             return self._lib
         if os.environ.get(self.env, "1") == "0":
             self._error = f"turned off by {self.env}=0"
-        elif lacks_avx2():
-            self._error = lacks_avx2()
+        elif (lacking := lacks_avx2()) is not None:
+            self._error = lacking
         else:
             try:
                 lib = load(self.stem)

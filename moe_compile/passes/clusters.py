@@ -210,7 +210,7 @@ def _picked_indices(node) -> bool:
             return True
         if node.op == "call_function" and node.target is operator.getitem and node.args[1] == 1:
             src = node.args[0]
-            return isinstance(src, fx.Node) and target_name(src) in ("max", "topk") and src.op != "placeholder"
+            return isinstance(src, fx.Node) and target_name(src) in ("max", "topk")
         if not is_view_like(node):
             return False
         node = node.args[0]

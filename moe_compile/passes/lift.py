@@ -100,7 +100,7 @@ def _activation_options(nodes) -> list[str]:
     return found
 
 
-DEFAULT_ALPHA = 1.702  # GPT-OSS's sigmoid slope
+DEFAULT_ALPHA = FFNAttrs.alpha  # GPT-OSS's sigmoid slope, the IR's default
 
 
 def _alpha_options(nodes) -> list[float]:

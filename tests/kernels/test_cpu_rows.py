@@ -2,8 +2,6 @@
 
 import os
 import shutil
-import subprocess
-import sys
 import time
 
 import pytest
@@ -11,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_compile.kernels import cpu_rows
+from tests.conftest import run_python
 
 needs_kernels = pytest.mark.skipif(not cpu_rows.available(), reason=f"no row kernels: {cpu_rows.unavailable_reason()}")
 
@@ -94,8 +93,7 @@ def test_bad_operands_are_refused():
 def test_turned_off_by_env():
     code = ("from moe_compile.kernels import cpu_rows; "
             "assert not cpu_rows.available() and 'MOE_COMPILE_ROWS=0' in cpu_rows.unavailable_reason()")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, cpu_rows.ENV: "0"})
+    done = run_python(code, **{cpu_rows.ENV: "0"})
     assert done.returncode == 0, done.stderr
 
 

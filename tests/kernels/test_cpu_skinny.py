@@ -1,14 +1,12 @@
 """The skinny CPU kernel (kernels/cpu_skinny.c) against torch, on odd shapes, and its build."""
 
 import itertools
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from moe_compile.kernels import cpu_skinny
+from tests.conftest import run_python
 
 needs_kernel = pytest.mark.skipif(not cpu_skinny.available(), reason=f"no skinny kernel: {cpu_skinny.unavailable_reason()}")
 
@@ -82,18 +80,13 @@ def test_bad_task_has_clear_error():
         cpu_skinny.tensor_task(torch.randn(4, 8), torch.randn(3, 8), torch.empty(2, 4), x_index=torch.tensor([0, 3]))
 
 
-def _python(code: str, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **env})
-
-
 @needs_kernel
 def test_builds_into_a_fresh_cache(tmp_path):
     # A new machine: nothing cached, the first use compiles (never the import) and the result loads.
     code = ("import os, pathlib; import moe_compile.kernels.cpu_skinny as s; "
             "d = pathlib.Path(os.environ['MOE_COMPILE_CACHE']); assert not d.exists(); "
             "assert s.available(), s.unavailable_reason(); print(len(list(d.glob('cpu_skinny_*.so'))))")
-    done = _python(code, MOE_COMPILE_CACHE=str(tmp_path / "cache"))
+    done = run_python(code, MOE_COMPILE_CACHE=str(tmp_path / "cache"))
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "1"
 
@@ -107,5 +100,5 @@ def test_turned_off_by_env_and_op_still_correct():
             "ids = torch.tensor([[0, 1], [1, 2], [3, 0]]); g = torch.rand(3, 2); "
             "torch.testing.assert_close(call_fused_moe(x, ids, g, w, FFNAttrs()), "
             "reference.fused_moe_reference(x, ids, g, w, FFNAttrs()), rtol=1e-5, atol=1e-5)")
-    done = _python(code, MOE_COMPILE_SKINNY="0")
+    done = run_python(code, MOE_COMPILE_SKINNY="0")
     assert done.returncode == 0, done.stderr
