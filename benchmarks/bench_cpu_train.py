@@ -19,7 +19,8 @@ them alike; peak memory measured per variant in a subprocess of its own):
 Time: median (and min..max spread) of repeated rounds after warm-up.  Peak memory: the rise of
 VmHWM over VmRSS across one step, in a worker whose VmHWM was reset (``clear_refs`` 5) just
 before; before that step glibc is told to mmap every block >= 64 KiB (``mallopt``) and to trim
-its heap, so freed tensors leave RSS and the baseline is honest (timed steps run without this).
+its heap, so freed tensors leave RSS and the baseline is honest (timed steps run without this);
+the stacked gradients' memory that ``kernels/cpu_grad_cache`` keeps between steps is added to the peak.
 Weights are per-expert tensors (HF v4 ``ModuleList`` of Linears) for op / loop / compiled and stacked
 3-D tensors for hf_gmm / moe.  Gradients (x and weights) are part of the peak.
 
@@ -163,7 +164,10 @@ def _status(field: str) -> int:
 
 
 def _peak_of_one_step(step, leaves) -> int:
-    """VmHWM rise over VmRSS across one step, from an honest baseline (see the module docstring)."""
+    """VmHWM rise over VmRSS across one step, from an honest baseline (see the module docstring),
+    plus the gradient memory moe_compile keeps from the step before (it is in the baseline's RSS)."""
+    from moe_compile.kernels import cpu_grad_cache
+
     for t in leaves:
         t.grad = None
     libc = ctypes.CDLL("libc.so.6")
@@ -172,8 +176,9 @@ def _peak_of_one_step(step, leaves) -> int:
     rss0 = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
+    kept = cpu_grad_cache.held_bytes()
     step()
-    return _status("VmHWM") - rss0
+    return _status("VmHWM") - rss0 + kept
 
 
 def memory_worker(variant, T, H, Fw, E, K) -> dict:

@@ -32,7 +32,7 @@ import dataclasses
 import torch
 
 from moe_compile.ir import ExpertWeights, FFNAttrs, is_stacked
-from moe_compile.kernels import cpu_memory, cpu_onednn
+from moe_compile.kernels import cpu_grad_cache, cpu_memory, cpu_onednn
 from moe_compile.kernels.cpu import (
     activation_into, chunk_workspace, expert_chunks, expert_linear, sort_by_expert,
 )
@@ -84,9 +84,16 @@ class _RoleGrad:
             # alone, but in a process doing other work the kernel compacts memory to find them:
             # fine-grained (E=64) training steps timed round-robin with other steps, 2-core CI VM,
             # T=512: 631 vs 417 ms, T=2048: 1842 vs 1183 ms (Mixtral shape, T=512: 351 vs 262).
-            self.bufs[i] = torch.empty(self.role[i].shape, dtype=self.cdt, device=self.device)
+            self.bufs[i] = self._new_buffer(self.role[i])
         self.written.add(e)
         return self.bufs[0][e] if self.stacked else self.bufs[e]
+
+    def _new_buffer(self, weight: torch.Tensor) -> torch.Tensor:
+        """A stacked gradient returned as it is (compute dtype = the weight's) reuses the last
+        step's memory (``cpu_grad_cache``); anything else is a fresh tensor."""
+        if self.stacked and self.cdt == weight.dtype:
+            return cpu_grad_cache.GRADIENTS.take(weight)
+        return torch.empty(weight.shape, dtype=self.cdt, device=self.device)
 
     def wgrad(self, e: int, dout, inp, transposed: bool) -> None:
         """Expert e's weight gradient, when needed: dout^T inp in the stored layout."""
