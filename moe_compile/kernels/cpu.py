@@ -353,21 +353,39 @@ def fused_moe_cpu(
     packed = cpu_prepack.lookup(x, w) if fc1_out is None else None
     if packed is not None:
         return _packed_experts(x, tokens, gs, w, packed, attrs, bounds)
+    if fc1_out is not None or not grouped_gemm_fits(x, w, segment_rows(bounds)):
+        return _chunked_experts(x, tokens, gs, w, attrs, bounds, fc1_out)
     xs = gather_rows(x, tokens)  # [S', H]
     if attrs.weight_on == "input":
         xs.mul_(gs)
-    rows = segment_rows(bounds)
-    if fc1_out is None and grouped_gemm_fits(x, w, rows):
-        out = _grouped_experts(xs, gs, w, attrs, bounds, base)  # [S', H]
-    else:
-        out = cpu_memory.empty(xs.shape, xs.dtype, xs.device)  # [S', H]
-        chunks = expert_chunks(bounds, base, CHUNK_ROWS)
-        ws = chunk_workspace(chunks, x.dtype, x.device)
-        for lo, hi, rel in chunks:
-            h = fc1_out[lo:hi] if fc1_out is not None else ws.take("h", hi - lo, w.fc1_width())
-            _run_chunk(xs[lo:hi], gs[lo:hi], w, attrs, rel, out[lo:hi], h, ws, fc1_out is not None)
+    out = _grouped_experts(xs, gs, w, attrs, bounds, base)  # [S', H]
     if attrs.weight_on == "output":
         out.mul_(gs)
     y = cpu_memory.empty((T, H), acc_dtype, x.device).zero_()
     y.index_add_(0, tokens, out.to(acc_dtype))  # [T, H]: the K contributions of each token summed
+    return y.to(x.dtype)
+
+
+def _chunked_experts(x, tokens, gs, w: ExpertWeights, attrs: FFNAttrs, bounds: list, fc1_out):
+    """y [T, H] a chunk of sorted rows at a time: gathered from x, through the chunk's experts
+    and added into y, in the call's workspace.  No [S', H] buffer: two of them (the gathered rows
+    and the FFN output) were the training forward's largest temporaries, 128 MiB at the
+    fine-grained shape, T=2048, and they set the step's peak once the stacked gradients'
+    memory is kept between steps (``cpu_grad_cache``)."""
+    T, H = x.shape
+    acc_dtype = compute_dtype(x.dtype)
+    y = torch.zeros(T, H, dtype=acc_dtype, device=x.device)
+    chunks = expert_chunks(bounds, bounds[0], CHUNK_ROWS)
+    ws = chunk_workspace(chunks, x.dtype, x.device)
+    for lo, hi, rel in chunks:
+        n, g = hi - lo, gs[lo:hi]
+        xs = torch.index_select(x, 0, tokens[lo:hi], out=ws.take("xs", n, H))  # [n, H]
+        if attrs.weight_on == "input":
+            xs.mul_(g)
+        h = fc1_out[lo:hi] if fc1_out is not None else ws.take("h", n, w.fc1_width())
+        out = ws.take("out", n, H)
+        _run_chunk(xs, g, w, attrs, rel, out, h, ws, fc1_out is not None)
+        if attrs.weight_on == "output":
+            out.mul_(g)
+        y.index_add_(0, tokens[lo:hi], out.to(acc_dtype))  # the K contributions of each token summed
     return y.to(x.dtype)
