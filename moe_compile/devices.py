@@ -51,7 +51,7 @@ def _skinny_status() -> str:
     from moe_compile.kernels import cpu_cc, cpu_skinny
 
     if cpu_skinny.available():
-        return f"kernels/cpu_skinny.c (fp32, <= {cpu_skinny.MAX_ROWS} rows per expert), built in {cpu_cc.cache_dir()}"
+        return f"kernels/cpu_skinny.c (fp32, <= {cpu_skinny.MAX_ROWS} rows per expert, or small experts), built in {cpu_cc.cache_dir()}"
     return f"torch GEMMs per expert (skinny kernel unavailable: {cpu_skinny.unavailable_reason()})"
 
 

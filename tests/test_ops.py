@@ -116,6 +116,44 @@ def test_paths_with_biases(stacked, transposed, path, weight_on, monkeypatch):
     assert calls
 
 
+@pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("weight_on", ["output", "input"])
+def test_small_experts_run_on_the_skinny_kernel_at_any_row_count(stacked, transposed, weight_on, monkeypatch):
+    # ~40 rows per expert: more than cpu_skinny.MAX_ROWS and than one block of the kernel's rows
+    # (4 in the dot form, 16 in the transposed form), on experts far below SMALL_EXPERT_FLOPS.
+    from moe_compile.kernels import cpu_skinny
+
+    if not cpu_skinny.available():
+        pytest.skip(f"no skinny kernel: {cpu_skinny.unavailable_reason()}")
+    calls = []
+    real = cpu_skinny.run
+    monkeypatch.setattr(cpu_skinny, "run", lambda tasks, threads=1: (calls.append(len(tasks)), real(tasks, threads)))
+    x, ids, g, w = make_case(60, 16, 12, 3, 2, "separate", transposed, stacked)
+    biases = [torch.randn(3, n) for n in (12, 12, 16)]
+    w = ExpertWeights(w.fc1, w.fc1_up, w.fc2, *[(b,) if stacked else tuple(b) for b in biases], transposed=transposed)
+    attrs = FFNAttrs(gate_up="separate", transposed=transposed, weight_on=weight_on)
+    torch.testing.assert_close(call_fused_moe(x, ids, g, w, attrs), fused_moe_reference(x, ids, g, w, attrs),
+                               rtol=1e-5, atol=1e-5)  # fp32, another summation order: ~1e-6
+    assert calls
+
+
+def test_only_small_or_decode_sized_experts_take_the_skinny_kernel():
+    from moe_compile.kernels import cpu, cpu_decode, cpu_skinny
+
+    if not cpu_skinny.available():
+        pytest.skip(f"no skinny kernel: {cpu_skinny.unavailable_reason()}")
+
+    def fits(T, H, F, E, K):
+        x, ids, _, w = make_case(T, H, F, E, K)
+        return cpu_decode.fits(x, w, cpu.sort_by_expert(ids, E)[1])
+
+    assert fits(64, 16, 12, 2, 1)  # 32 rows per expert of 3 kFLOP per row
+    assert fits(2, 256, 512, 4, 2)  # decode: at most 2 rows per expert
+    # 16-32 rows of 1.6 MFLOP per row: 25-50 MFLOP per expert, above SMALL_EXPERT_FLOPS.
+    assert not fits(64, 256, 512, 4, 2)
+
+
 @pytest.mark.parametrize("T,E,K", [(0, 4, 2), (1, 4, 2), (1, 1, 1), (7, 1, 1), (123, 8, 1), (64, 64, 6), (3, 16, 8)])
 def test_odd_shapes(T, E, K):
     x, ids, g, w = make_case(T, 24, 20, E, K)
@@ -233,9 +271,10 @@ def test_segments_longer_than_skinny_rows(gate_up, transposed, weight_on, path, 
     # grouped GEMM (cpu.grouped_gemm_fits, without oneDNN); "serial_mkl" (per-expert weights, MKL):
     # FC1/FC2 write straight into the chunk's rows with out= past cpu.SKINNY_ROWS (a column half of
     # the FC1 buffer for the separate up projection); "serial": the same GEMMs on oneDNN.
-    from moe_compile.kernels import cpu, cpu_onednn
+    from moe_compile.kernels import cpu, cpu_decode, cpu_onednn
 
     monkeypatch.setattr(cpu, "GROUPED_MIN_FC1_ELEMENTS", 0)
+    monkeypatch.setattr(cpu_decode, "fits", lambda *args: False)  # tiny experts: not the small-expert kernel
     if path != "serial":
         monkeypatch.setenv(cpu_onednn.ENV, "0")
     grouped = []

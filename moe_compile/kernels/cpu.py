@@ -6,8 +6,9 @@ Shapes:  T tokens, H hidden, F expert FFN width, E experts, K experts per token,
 Plan (one host sync, no per-call weight copies):
   1. one stable sort of the S flat expert ids -> slots grouped by expert, contiguous segments;
      ``searchsorted`` gives the segment bounds (ids outside [0, E) fall outside every segment);
-  2. decode (fp32, <= cpu_skinny.MAX_ROWS rows per expert): ``_fused_decode``, one call of the
-     skinny C kernel per FC for all experts, reading x by token and adding each slot's weighted
+  2. decode (fp32, <= cpu_skinny.MAX_ROWS rows per expert) and small experts
+     (``cpu_decode.SMALL_EXPERT_FLOPS``): ``_fused_decode``, one call of the skinny C kernel per
+     FC for all experts, reading x by token and adding each slot's weighted
      FC2 output into y (``cpu_decode``); otherwise gather the S' valid slots' token rows once
      (``index_select``) -> xs [S', H];
   3. prefill, fp32 inference on weights packed for oneDNN (``cpu_prepack``): ``_packed_experts``,

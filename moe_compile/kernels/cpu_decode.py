@@ -1,8 +1,9 @@
-"""Decode-sized experts on CPU: every expert's FC as one task of the skinny kernel (``cpu_skinny``).
+"""Decode-sized and small experts on CPU: every expert's FC as one task of the skinny kernel
+(``cpu_skinny``).
 
 Shapes:  x [T, H] read by token index (or xs [n, H] rows already gathered), h [n, F2] FC1's
          output, a [n, F] activations, y [T, H] the combined output; experts = [(e, lo, hi)] row
-         ranges of the chunk's sorted slots, each <= cpu_skinny.MAX_ROWS; tokens [n] int64.
+         ranges of the chunk's sorted slots (``fits``: decode-sized or small experts); tokens [n] int64.
 
 The tasks are built from plain integers (data pointer + row offset), not per-expert tensor views:
 with 64 experts the views (weight, rows in, rows out, bias) cost ~0.3 ms a call, a twentieth of
@@ -30,12 +31,31 @@ def _role_table(role: tuple, stacked_dim: int):
     return lambda e: (role[e].data_ptr(), role[e].stride(0) if stacked_dim == 3 else 0)
 
 
+# Small experts run here at any row count: the GEMM path (cpu_prepack / cpu_onednn) pays ~120 us
+# of fixed cost per expert (three GEMM calls, the row loops, Python), this kernel runs a chunk's
+# experts in one call at ~60-80 GFLOP/s.  Op alone, fp32, 2 threads, 2-core CI VM, separate
+# gate/up, packed GEMMs / this kernel, ms (MFLOP per expert):
+#   E=64 K=6 H=256 F=128: T=64 (1.2) 7.6 / 2.3, T=256 (4.7) 8.9 / 5.2, T=1024 (18.9) 15.5 / 18.0;
+#   E=64 K=6 H=512 F=256 T=256 (18.9) 18.6 / 19.4;  E=8 K=2 H=256 F=512 T=256 (50) 4.1 / 6.2.
+SMALL_EXPERT_FLOPS = 8e6
+
+
+def _small_experts(x, w: ExpertWeights, rows: list) -> bool:
+    """Whether the touched experts average at most SMALL_EXPERT_FLOPS (FC1 and FC2 together)."""
+    flops = 2 * sum(rows) / len(rows) * x.shape[1] * (w.fc1_width() + w.ffn())
+    return flops <= SMALL_EXPERT_FLOPS
+
+
 def fits(x, w: ExpertWeights, bounds: list) -> bool:
-    """Whether these experts run here: at most MAX_ROWS rows each, and x and the weights and
-    biases of the experts with tokens fp32 on CPU with contiguous rows and one shape per role
-    (as the model holds them; only touched experts are checked)."""
+    """Whether these experts run here: decode-sized (at most MAX_ROWS rows each) or small
+    (SMALL_EXPERT_FLOPS), and x and the weights and biases of the experts with tokens fp32 on
+    CPU with contiguous rows and one shape per role (as the model holds them; only touched
+    experts are checked)."""
     touched = [e for e in range(len(bounds) - 1) if bounds[e + 1] > bounds[e]]
-    if not touched or max(bounds[e + 1] - bounds[e] for e in touched) > cpu_skinny.MAX_ROWS:
+    if not touched:
+        return False
+    rows = [bounds[e + 1] - bounds[e] for e in touched]
+    if max(rows) > cpu_skinny.MAX_ROWS and not _small_experts(x, w, rows):
         return False
     if not cpu_skinny.fits(x) or not cpu_skinny.available():
         return False

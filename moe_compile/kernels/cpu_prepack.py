@@ -2,7 +2,7 @@
 
 Shapes:  W [out, in] one expert's weight of one role (a slice of a stacked [E, out, in] tensor,
          [E, in, out] when transposed, or the model's own per-expert tensor); x [n, in] the rows
-         routed to that expert, n > cpu_skinny.MAX_ROWS (decode has its own kernel).
+         routed to that expert (decode and small experts have their own kernel, ``cpu_decode``).
 
 Why: an MoE's expert GEMMs are many small GEMMs (64 experts x ~64 rows at T=512, K=8).  MKL's
 sgemm repacks the weight panel on every call, which at 64 rows costs a quarter of the work; oneDNN

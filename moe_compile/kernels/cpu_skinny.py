@@ -1,8 +1,8 @@
 """Host side of ``cpu_skinny.c``: fp32 expert GEMMs with few rows (decode), at the memory's speed.
 
 Shapes:  a task is one GEMM  y [r, n_out] = x [r, k] @ W^T (+ bias [n_out]),  W as the model holds
-         it: [n_out, k] (``F.linear``) or [k, n_out] (``transposed``, ``x @ W``); any r, fast for
-         r <= MAX_ROWS (the op sends no more).
+         it: [n_out, k] (``F.linear``) or [k, n_out] (``transposed``, ``x @ W``); any r: the op
+         sends r <= MAX_ROWS (decode), or more for small experts (``cpu_decode.fits``).
          Every tensor's last dim is contiguous; rows may be strided (views into shared buffers).
 
 The C file is compiled on first use (never at import, ``cpu_cc``) and loaded with ctypes.  It splits

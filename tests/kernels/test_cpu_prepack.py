@@ -18,11 +18,16 @@ pytestmark = pytest.mark.skipif(not cpu_prepack.available(), reason=f"{cpu_prepa
 # fp32: oneDNN's blocked GEMM sums in another order than the reference's: ~1e-6 relative.
 TOL = dict(rtol=1e-5, atol=1e-5)
 # 48 tokens x K=2 over 4 experts: ~24 rows each, above the decode kernel's 8 (decode never packs).
+# Experts this small would take the skinny kernel too (cpu_decode.SMALL_EXPERT_FLOPS): the fixture
+# leaves it only decode-sized calls.
 T, H, F, E, K = 48, 32, 24, 4, 2
 
 
 @pytest.fixture(autouse=True)
-def _fresh_cache():
+def _fresh_cache(monkeypatch):
+    from moe_compile.kernels import cpu_decode
+
+    monkeypatch.setattr(cpu_decode, "SMALL_EXPERT_FLOPS", 0)
     cpu_prepack.clear()
     yield
     cpu_prepack.clear()
