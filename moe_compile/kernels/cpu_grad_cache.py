@@ -24,6 +24,7 @@ everything back; ``MOE_COMPILE_GRAD_CACHE=0`` turns the cache off.
 from __future__ import annotations
 
 import dataclasses
+import math
 import mmap
 import os
 import threading
@@ -48,10 +49,7 @@ class _Slot:
         return self.handed is None or self.handed.expired()
 
     def tensor(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        numel = 1
-        for n in shape:
-            numel *= n
-        t = torch.frombuffer(self.memory, dtype=dtype, count=numel).view(shape)
+        t = torch.frombuffer(self.memory, dtype=dtype, count=math.prod(shape)).view(shape)
         self.handed = StorageWeakRef(t.untyped_storage())
         return t
 
@@ -72,7 +70,7 @@ class GradCache:
 
     def enabled_for(self, weight: torch.Tensor) -> bool:
         return (os.environ.get(ENV, "1") != "0" and weight.device.type == "cpu"
-                and weight.nbytes >= self.min_bytes)
+                and weight.nbytes >= max(self.min_bytes, 1))
 
     def take(self, weight: torch.Tensor) -> torch.Tensor:
         """An uninitialised tensor of ``weight``'s shape and dtype for its gradient: recycled
