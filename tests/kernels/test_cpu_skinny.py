@@ -19,7 +19,9 @@ def _strided(rows: int, cols: int, pad: int) -> torch.Tensor:
 # fp32 against a float64 product: the kernel sums in blocks of 8/16 lanes, torch in its own order;
 # with unit-scale inputs and k <= 1100 the difference stays ~1e-5 of the output's scale.
 @needs_kernel
-@pytest.mark.parametrize("rows,k,n_out", [(1, 1, 1), (2, 7, 9), (3, 33, 17), (5, 16, 300), (16, 1100, 40)])
+# More rows than decode sends (cpu_skinny.MAX_ROWS) come from small experts (cpu_decode.fits).
+@pytest.mark.parametrize("rows,k,n_out", [(1, 1, 1), (2, 7, 9), (3, 33, 17), (5, 16, 300), (9, 8, 2), (11, 13, 7),
+                                          (16, 1100, 40)])
 @pytest.mark.parametrize("transposed,bias,threads", list(itertools.product([False, True], [False, True], [1, 2, 3])))
 def test_kernel_matches_torch(rows, k, n_out, transposed, bias, threads):
     w = _strided(k, n_out, 3) if transposed else _strided(n_out, k, 3)  # rows padded: ldw != width
@@ -55,7 +57,7 @@ def test_row_indices_scale_and_accumulate(transposed, threads):
     T, k, n_out = 5, 40, 19
     x, y = torch.randn(T, k), torch.randn(T, n_out)
     tasks, keep, want = [], [], y.double().clone()  # tasks hold raw pointers: keep their tensors alive
-    for rows in ([0, 3, 3, 1], [3, 4], [0]):
+    for rows in ([0, 3, 3, 1], [3, 4], [0], [0, 3, 3, 1, 2, 4, 0, 1, 3, 2, 2]):  # the last: a small expert's rows
         w = torch.randn(k, n_out) if transposed else torch.randn(n_out, k)
         b, idx = torch.randn(n_out), torch.tensor(rows)
         scale = torch.rand(len(rows))
