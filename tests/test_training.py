@@ -78,7 +78,15 @@ def test_frozen_experts_get_no_gradient():
     assert all(not n.startswith("experts.") for n in grads) and "gate.weight" in grads
 
 
-def test_thirty_steps_track_eager():
+@pytest.mark.parametrize("grad_cache", [False, True])
+def test_thirty_steps_track_eager(grad_cache, monkeypatch):
+    # grad_cache: every stacked expert weight's gradient on memory kept between steps
+    # (kernels/cpu_grad_cache; by default only >= 32 MiB ones): still equal to eager, and reused.
+    from moe_compile.kernels import cpu_grad_cache
+
+    cpu_grad_cache.clear()
+    if grad_cache:
+        monkeypatch.setattr(cpu_grad_cache.GRADIENTS, "min_bytes", 0)
     cfg = configs()["mixtral"]
     cfg._experts_implementation = "grouped_mm"
     torch.manual_seed(0)
@@ -112,6 +120,11 @@ def test_thirty_steps_track_eager():
     assert want_losses[-1] < want_losses[0] * 0.9  # the run actually trains
     for (name, p), q in zip(got_model.named_parameters(), want_model.parameters()):
         assert rel_err(p.detach(), q.detach()) <= 1e-3, name
+    # zero_grad() frees each step's gradients before the next backward: one buffer per stacked
+    # weight was enough (a second one would mean the first was never found free again).
+    stacked = sum(p.nbytes for n, p in got_model.named_parameters() if "experts" in n and p.dim() == 3)
+    assert cpu_grad_cache.held_bytes() == (stacked if grad_cache else 0)
+    cpu_grad_cache.clear()
 
 
 @pytest.mark.parametrize("inner", ["eager", "inductor"])
