@@ -16,6 +16,19 @@ def capture_flags():
     return torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True)
 
 
+def empty_cache() -> dict:
+    """Give back the CPU memory the fused op keeps between calls: expert weights packed for oneDNN
+    (``kernels/cpu_prepack``) and stacked weight gradients' buffers (``kernels/cpu_grad_cache``).
+    Returns the bytes each held before.  Nothing is lost: packs are rebuilt and buffers made
+    afresh when later calls need them; a gradient still alive keeps its memory until freed."""
+    from moe_compile.kernels import cpu_grad_cache, cpu_prepack
+
+    held = {"packed_weights": cpu_prepack.stats()["bytes"], "gradient_buffers": cpu_grad_cache.held_bytes()}
+    cpu_prepack.clear()
+    cpu_grad_cache.clear()
+    return held
+
+
 def backend(config: MoEConfig | dict | None = None, **options):
     """A backend callable for ``torch.compile(model, backend=moe_compile.backend(...))``."""
     from moe_compile.compiler import compile_graph
