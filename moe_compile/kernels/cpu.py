@@ -8,21 +8,23 @@ Plan (one host sync, no per-call weight copies):
      ``searchsorted`` gives the segment bounds (ids outside [0, E) fall outside every segment);
   2. decode (fp32, <= cpu_skinny.MAX_ROWS rows per expert) and small experts
      (``cpu_decode.SMALL_EXPERT_FLOPS``): ``_fused_decode``, one call of the skinny C kernel per
-     FC for all experts, reading x by token and adding each slot's weighted
-     FC2 output into y (``cpu_decode``); otherwise gather the S' valid slots' token rows once
-     (``index_select``) -> xs [S', H];
+     FC for all experts, reading x by token and adding each slot's weighted FC2 output into y
+     (``cpu_decode``);
   3. prefill, fp32 inference on weights packed for oneDNN (``cpu_prepack``): ``_packed_experts``,
      expert by expert from x's rows to y's (gather, SwiGLU, combine on ``cpu_rows``' C loops);
-     large experts on stacked weights without biases that oneDNN does not run (bf16): FC1 and
-     FC2 as one native grouped GEMM each (``torch._grouped_mm``), the activation once over all
-     rows; otherwise consecutive experts a chunk (<= CHUNK_ROWS rows) at a time (GEMMs on
-     oneDNN for fp32, ``expert_linear``):
+  4. large experts on stacked weights without biases that oneDNN does not run (bf16): the S'
+     valid slots' token rows gathered once -> xs [S', H], FC1 and FC2 as one native grouped GEMM
+     each (``torch._grouped_mm``), the activation once over all rows, the routing weight, one
+     ``index_add_`` into an fp32 [T, H] accumulator;
+  5. otherwise (the training forward among them) ``_chunked_experts``: consecutive experts a
+     chunk (<= CHUNK_ROWS rows) at a time, their rows gathered into the call's workspace (GEMMs
+     on oneDNN for fp32, ``expert_linear``):
        FC1   per expert, a GEMM on the expert's own weight (a view of the stacked tensor or the
              model's per-expert tensor) written into the chunk's rows of h [n, F2];
        act   once for the chunk (elementwise work per expert costs more than its arithmetic when
              64 experts get ~64 rows each);
-       FC2   per expert, written into its rows of one [S', H] output buffer;
-  4. routing weight multiply, then one ``index_add_`` into an fp32 [T, H] accumulator.
+       FC2   per expert, written into its rows of the chunk's output, weighted and added into
+             the fp32 [T, H] accumulator with ``index_add_``.
 """
 
 from __future__ import annotations
