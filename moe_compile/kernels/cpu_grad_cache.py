@@ -75,8 +75,12 @@ class GradCache:
     def take(self, weight: torch.Tensor) -> torch.Tensor:
         """An uninitialised tensor of ``weight``'s shape and dtype for its gradient: recycled
         memory when there is some free, else fresh (and kept for the next step when there is room)."""
-        if not self.enabled_for(weight):
-            return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+        kept = self._from_free_slot(weight) if self.enabled_for(weight) else None
+        return kept if kept is not None else torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+
+    def _from_free_slot(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The gradient over a slot of weight's entry that no gradient uses (a new slot while there
+        is room), or None.  Made under the lock: a slot is marked taken before another thread looks."""
         key = (weight.data_ptr(), tuple(weight.shape), weight.dtype)
         with self._lock:
             self._drop_dead_weights()
@@ -87,9 +91,7 @@ class GradCache:
             if slot is None and len(entry.slots) < SLOTS:
                 slot = _Slot(mmap.mmap(-1, weight.nbytes))
                 entry.slots.append(slot)
-            if slot is None:
-                return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-            return slot.tensor(tuple(weight.shape), weight.dtype)
+            return slot.tensor(tuple(weight.shape), weight.dtype) if slot is not None else None
 
     def _drop_dead_weights(self) -> None:
         """Forget entries whose weight was freed (their buffers go once no gradient uses them)."""

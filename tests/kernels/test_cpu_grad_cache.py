@@ -4,10 +4,9 @@ op's gradients stay equal to the reference's across steps that reuse it."""
 import pytest
 import torch
 
-from moe_compile import ops  # noqa: F401  registers the op and its backward
-from moe_compile.ir import ExpertWeights, FFNAttrs
+from moe_compile.ir import FFNAttrs
 from moe_compile.kernels import cpu_grad_cache
-from moe_compile.kernels.reference import fused_moe_reference
+from tests.test_autograd import call_op, call_reference, make_experts, make_routing
 
 
 def test_memory_is_reused_once_the_gradient_is_freed():
@@ -52,27 +51,8 @@ def test_small_weights_and_the_switch_get_plain_tensors(monkeypatch):
     assert cache.held_bytes() == 0
 
 
-def _stacked_problem(seed=0, T=24, H=16, F=8, E=4, K=2):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g)
-    ids = torch.randint(0, E - 1, (T, K), generator=g)  # expert E-1 gets no token: its rows must be zeros
-    tw = torch.rand(T, K, generator=g)
-    w13 = torch.nn.Parameter(torch.randn(E, 2 * F, H, generator=g) / H**0.5)
-    w2 = torch.nn.Parameter(torch.randn(E, H, F, generator=g) / F**0.5)
-    return x, ids, tw, w13, w2
-
-
-def _op_loss(x, ids, tw, w13, w2):
-    y = torch.ops.moe_compile.fused_moe_train(
-        x, ids, tw, [w13], [], [w2], [], [], [], "concat", False, "silu", 0.0, 1.702, "output")[0]
+def _weighted_sum(y):
     return (y * torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape).cos()).sum()
-
-
-def _reference_grads(x, ids, tw, w13, w2):
-    a, b = w13.detach().clone().requires_grad_(True), w2.detach().clone().requires_grad_(True)
-    y = fused_moe_reference(x, ids, tw, ExpertWeights(fc1=(a,), fc1_up=(), fc2=(b,)), FFNAttrs())
-    (y * torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape).cos()).sum().backward()
-    return a.grad, b.grad
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
@@ -81,18 +61,23 @@ def test_op_gradients_across_steps_that_reuse_memory(monkeypatch, set_to_none):
     (the second and third reuse the first's memory); accumulating (``.grad`` kept) must equal
     three times it, so a buffer still held by ``.grad`` was never written over."""
     monkeypatch.setattr(cpu_grad_cache.GRADIENTS, "min_bytes", 0)
-    x, ids, tw, w13, w2 = _stacked_problem()
-    want13, want2 = _reference_grads(x, ids, tw, w13, w2)
+    attrs = FFNAttrs()
+    roles = make_experts(4, 16, 8, dtype=torch.float32)  # stacked [4, 16, 16] and [4, 16, 8]
+    ids, tw = make_routing(24, 4, 2, dtype=torch.float32, used=3)  # expert 3 gets no token: zeros
+    x = torch.randn(24, 16)
+    ref = {r: [t.detach().clone().requires_grad_(True) for t in ts] for r, ts in roles.items()}
+    _weighted_sum(call_reference(x, ids, tw.detach(), ref, attrs)).backward()
+    w13, w2 = roles["fc1"][0], roles["fc2"][0]
     ptrs = []
     for _ in range(3):
         if set_to_none:
             w13.grad = w2.grad = None
-        _op_loss(x, ids, tw, w13, w2).backward()
+        _weighted_sum(call_op(x, ids, tw.detach(), roles, attrs, train=True)).backward()
         ptrs.append(w13.grad.data_ptr())
     steps = 1 if set_to_none else 3
     # fp32, same GEMMs in a different order than the reference loop: a few ulps of the gradient's scale.
-    torch.testing.assert_close(w13.grad, steps * want13, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(w2.grad, steps * want2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w13.grad, steps * ref["fc1"][0].grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w2.grad, steps * ref["fc2"][0].grad, rtol=1e-5, atol=1e-5)
     if set_to_none:
         assert ptrs[0] == ptrs[1] == ptrs[2]  # the cache's memory was the one reused
     cpu_grad_cache.clear()
