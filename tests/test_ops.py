@@ -30,6 +30,17 @@ def make_case(T, H, F, E, K, gate_up="concat", transposed=False, stacked=True, d
     return x, ids, g, w
 
 
+def record_skinny_calls(monkeypatch) -> list:
+    """The list the skinny kernel's calls append their thread counts to (``run`` and ``run_ffn``)."""
+    from moe_compile.kernels import cpu_skinny
+
+    calls = []
+    real, real_ffn = cpu_skinny.run, cpu_skinny.run_ffn
+    monkeypatch.setattr(cpu_skinny, "run", lambda tasks, threads=1: (calls.append(threads), real(tasks, threads)))
+    monkeypatch.setattr(cpu_skinny, "run_ffn", lambda *args: (calls.append(args[-1]), real_ffn(*args)))
+    return calls
+
+
 def force_cpu_path(monkeypatch, path: str) -> list:
     """"skinny": decode-sized experts on the skinny kernel (cpu_skinny), two threads, chunks of at
     most 4 rows; "chunked": per-expert GEMMs (oneDNN on plain weights for fp32) in chunks of at
@@ -48,9 +59,7 @@ def force_cpu_path(monkeypatch, path: str) -> list:
     if path == "skinny":
         monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
         monkeypatch.setattr(cpu, "DECODE_CHUNK_ROWS", 4)
-        real = cpu_skinny.run
-        monkeypatch.setattr(cpu_skinny, "run", lambda tasks, threads=1: (calls.append(threads), real(tasks, threads)))
-        return calls
+        return record_skinny_calls(monkeypatch)
     monkeypatch.setattr(cpu_decode, "fits", lambda *args: False)
     monkeypatch.setattr(cpu, "CHUNK_ROWS", 4)
     if path.startswith("packed"):
@@ -126,9 +135,7 @@ def test_small_experts_run_on_the_skinny_kernel_at_any_row_count(stacked, transp
 
     if not cpu_skinny.available():
         pytest.skip(f"no skinny kernel: {cpu_skinny.unavailable_reason()}")
-    calls = []
-    real = cpu_skinny.run
-    monkeypatch.setattr(cpu_skinny, "run", lambda tasks, threads=1: (calls.append(len(tasks)), real(tasks, threads)))
+    calls = record_skinny_calls(monkeypatch)
     x, ids, g, w = make_case(60, 16, 12, 3, 2, "separate", transposed, stacked)
     biases = [torch.randn(3, n) for n in (12, 12, 16)]
     w = ExpertWeights(w.fc1, w.fc1_up, w.fc2, *[(b,) if stacked else tuple(b) for b in biases], transposed=transposed)

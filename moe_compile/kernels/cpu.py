@@ -322,12 +322,21 @@ def _fused_decode(x, tokens, gs, w: ExpertWeights, attrs: FFNAttrs, bounds: list
     y = torch.zeros_like(x)  # [T, H]
     chunks = expert_chunks(bounds, bounds[0], DECODE_CHUNK_ROWS)
     ws = chunk_workspace(chunks, x.dtype, x.device)
+    one_call = fc1_out is None and cpu_decode.swiglu_fits(attrs)  # inference: FC1, SwiGLU, FC2 in one call
     for lo, hi, rel in chunks:
         h = fc1_out[lo:hi] if fc1_out is not None else ws.take("h", hi - lo, w.fc1_width())
-        cpu_decode.fc1(xin[lo:hi] if gathered else x, None if gathered else tokens[lo:hi], w, rel, h, threads)
-        a = _chunk_activation(h, gs[lo:hi], attrs, ws if fc1_out is not None else None)
-        a = a if a.stride(-1) == 1 else a.contiguous()  # interleaved gate/up: strided views
-        cpu_decode.fc2_combine(a, w, rel, y, tokens[lo:hi], scale[lo:hi] if scale is not None else None, threads)
+        x_rows, x_index = (xin[lo:hi], None) if gathered else (x, tokens[lo:hi])
+        if one_call:
+            a = ws.take("a", hi - lo, w.ffn())
+            between = gs[lo:hi].reshape(-1) if attrs.weight_on == "between" else None
+            cpu_decode.ffn(x_rows, x_index, w, attrs, rel, h, a, y, tokens[lo:hi],
+                           scale[lo:hi] if scale is not None else None, between, threads)
+        else:
+            cpu_decode.fc1(x_rows, x_index, w, rel, h, threads)
+            a = _chunk_activation(h, gs[lo:hi], attrs, ws if fc1_out is not None else None)
+            a = a if a.stride(-1) == 1 else a.contiguous()  # interleaved gate/up: strided views
+            cpu_decode.fc2_combine(a, w, rel, y, tokens[lo:hi], scale[lo:hi] if scale is not None else None,
+                                   threads)
     return y
 
 

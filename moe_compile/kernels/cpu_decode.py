@@ -12,7 +12,7 @@ a decode step.
 
 from __future__ import annotations
 
-from moe_compile.ir import ExpertWeights, is_stacked
+from moe_compile.ir import ExpertWeights, FFNAttrs, is_stacked
 from moe_compile.kernels import cpu_skinny
 
 _FP32_BYTES = 4
@@ -90,21 +90,46 @@ def _fc_tasks(weights, biases, x, x_index, y, y_col: int, y_index, scale, expert
         )
 
 
-def fc1(x, x_index, w: ExpertWeights, experts, h, threads: int) -> None:
-    """FC1 of every expert of the chunk into h [n, F2] (gate | up halves when up is separate):
-    expert rows are x[x_index[lo:hi]] (x [T, H], x_index the chunk's tokens) or, without an
-    index, x[lo:hi] (x the chunk's gathered rows)."""
+def _fc1_tasks(x, x_index, w: ExpertWeights, experts, h) -> list[int]:
     fields: list[int] = []
     _fc_tasks(w.fc1, w.fc1_bias, x, x_index, h, 0, None, None, experts, w.transposed, fields)
     if w.fc1_up:
         _fc_tasks(w.fc1_up, w.fc1_up_bias, x, x_index, h, h.shape[1] // 2, None, None, experts, w.transposed, fields)
-    cpu_skinny.run(fields, threads)
+    return fields
+
+
+def _fc2_tasks(a, w: ExpertWeights, experts, y, tokens, scale) -> list[int]:
+    fields: list[int] = []
+    _fc_tasks(w.fc2, w.fc2_bias, a, None, y, 0, tokens, scale, experts, w.transposed, fields)
+    return fields
+
+
+def fc1(x, x_index, w: ExpertWeights, experts, h, threads: int) -> None:
+    """FC1 of every expert of the chunk into h [n, F2] (gate | up halves when up is separate):
+    expert rows are x[x_index[lo:hi]] (x [T, H], x_index the chunk's tokens) or, without an
+    index, x[lo:hi] (x the chunk's gathered rows)."""
+    cpu_skinny.run(_fc1_tasks(x, x_index, w, experts, h), threads)
 
 
 def fc2_combine(a, w: ExpertWeights, experts, y, tokens, scale, threads: int) -> None:
     """FC2 of every expert of the chunk, each slot's row added into its token's row of y [T, H]:
     y[tokens[i]] += scale[i] * (W2_e a[i] + b2_e) (scale None: 1).  a [n, F] with contiguous rows;
     tokens [n] int64 and scale [n] fp32 contiguous.  No race: each thread owns a column range."""
-    fields: list[int] = []
-    _fc_tasks(w.fc2, w.fc2_bias, a, None, y, 0, tokens, scale, experts, w.transposed, fields)
-    cpu_skinny.run(fields, threads)
+    cpu_skinny.run(_fc2_tasks(a, w, experts, y, tokens, scale), threads)
+
+
+def swiglu_fits(attrs: FFNAttrs) -> bool:
+    """Whether ``ffn`` computes this activation: SiLU-gated (clamped or not), gate and up in FC1's
+    output (halves or interleaved).  GELU, ReLU, GPT-OSS's and ungated FFNs take fc1 / torch /
+    fc2_combine."""
+    return attrs.activation == "silu" and attrs.gate_up != "none"
+
+
+def ffn(x, x_index, w: ExpertWeights, attrs: FFNAttrs, experts, h, a, y, tokens, scale, between, threads: int) -> None:
+    """``fc1``, the SwiGLU (``swiglu_fits``) and ``fc2_combine`` in one kernel call: h [n, F2] and
+    a [n, F] are the chunk's buffers (contiguous rows), ``between`` [n] fp32 the routing weights
+    multiplying a's rows (weight_on "between") or None; the rest as for fc1 and fc2_combine."""
+    act = cpu_skinny.swiglu(h.data_ptr(), h.stride(0), a.data_ptr(), a.stride(0), h.shape[0], a.shape[1],
+                            attrs.gate_up == "interleaved", _offset(between, 0))
+    cpu_skinny.run_ffn(_fc1_tasks(x, x_index, w, experts, h), act, attrs.limit,
+                       _fc2_tasks(a, w, experts, y, tokens, scale), threads)

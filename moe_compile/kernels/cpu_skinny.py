@@ -25,8 +25,11 @@ from moe_compile.kernels import cpu_cc
 #   r=1: 26.5/14.0  r=2: 25.8/21.0  r=4: 18.2/12.6  r=8: 11.4/8.3  r=16: 6.5/8.1  r=32: 4.7/6.4
 MAX_ROWS = 8
 _TASK_FIELDS = 14  # the C file's TASK_FIELDS
+_ACT_FIELDS = 8  # the C file's ACT_FIELDS
 _KERNEL = cpu_cc.Kernel("cpu_skinny", "MOE_COMPILE_SKINNY",
-                        {"moe_skinny_run_parallel": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]},
+                        {"moe_skinny_run_parallel": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64],
+                         "moe_skinny_ffn_parallel": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float,
+                                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]},
                         "using MKL for decode")
 
 
@@ -87,12 +90,35 @@ def tensor_task(weight: torch.Tensor, x: torch.Tensor, y: torch.Tensor, bias: to
                 _ptr(bias), r, k, n_out, transposed, _ptr(x_index), _ptr(y_index), _ptr(scale))
 
 
-def run(tasks: list[int], threads: int = 1) -> None:
-    """Run the tasks (``task`` fields, concatenated), every task's output columns split over
-    ``threads`` OpenMP threads (torch's own).  The caller keeps the tensors alive meanwhile."""
+def swiglu(h: int, ldh: int, a: int, lda: int, rows: int, ffn: int, interleaved: bool, scale: int = 0) -> list[int]:
+    """The SwiGLU between ``run_ffn``'s two phases as the C side reads it: h [rows, 2*ffn] (gate |
+    up halves, or interleaved) -> a [rows, ffn], row strides ldh / lda in elements, each row times
+    scale[r] (fp32 [rows]; 0: none)."""
+    return [h, ldh, a, lda, rows, ffn, int(interleaved), scale]
+
+
+def _lib() -> ctypes.CDLL:
     lib = _KERNEL.lib()
     if lib is None:
         raise RuntimeError(f"skinny CPU kernel unavailable: {_KERNEL.error()}")
+    return lib
+
+
+def _packed(fields: list[int]):
+    return (ctypes.c_int64 * len(fields))(*fields)
+
+
+def run(tasks: list[int], threads: int = 1) -> None:
+    """Run the tasks (``task`` fields, concatenated), every task's output columns split over
+    ``threads`` OpenMP threads (torch's own).  The caller keeps the tensors alive meanwhile."""
+    lib = _lib()
     if tasks:
-        packed = (ctypes.c_int64 * len(tasks))(*tasks)
-        lib.moe_skinny_run_parallel(packed, len(tasks) // _TASK_FIELDS, max(1, threads))
+        lib.moe_skinny_run_parallel(_packed(tasks), len(tasks) // _TASK_FIELDS, max(1, threads))
+
+
+def run_ffn(fc1_tasks: list[int], act: list[int], limit: float, fc2_tasks: list[int], threads: int = 1) -> None:
+    """FC1 tasks, then the SwiGLU ``act`` (``swiglu`` fields; gate clamped to <= limit and up to
+    [-limit, limit] when limit > 0), then FC2 tasks: one kernel call, the phases in order."""
+    assert len(act) == _ACT_FIELDS
+    _lib().moe_skinny_ffn_parallel(_packed(fc1_tasks), len(fc1_tasks) // _TASK_FIELDS, _packed(act), limit,
+                                   _packed(fc2_tasks), len(fc2_tasks) // _TASK_FIELDS, max(1, threads))

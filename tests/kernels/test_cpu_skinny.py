@@ -1,6 +1,7 @@
 """The skinny CPU kernel (kernels/cpu_skinny.c) against torch, on odd shapes, and its build."""
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -66,6 +67,43 @@ def test_row_indices_scale_and_accumulate(transposed, threads):
         w_out_in = (w.t() if transposed else w).double()
         want.index_add_(0, idx, scale.double()[:, None] * (x.double()[idx] @ w_out_in.t() + b.double()))
     cpu_skinny.run(tasks, threads)
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def _swiglu_reference(h, F, interleaved, limit, scale):
+    gate, up = (h[:, 0::2], h[:, 1::2]) if interleaved else (h[:, :F], h[:, F:])
+    if limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return torch.nn.functional.silu(gate) * up * (scale[:, None] if scale is not None else 1)
+
+
+# FC1 -> SwiGLU -> FC2 + combine in one call, against torch in float64.  FC1's rows are scaled
+# from 0.003 to 40, so the gate spans |g| < 0.1 (where silu's error is exp's) to about 120 (past
+# exp's clamp at -87/88 and the limit of 7); F = 21 is not a multiple of the 8-lane blocks.  fp32
+# rounding of a few products and the kernel's own e^x (< 6e-9 relative truncation): 1e-5 relative
+# per element (a coefficient of e^x off by 1% fails it).
+@needs_kernel
+@pytest.mark.parametrize("interleaved,limit,between,threads", list(itertools.product(
+    [False, True], [0.0, 7.0], [False, True], [1, 2, 3])))
+def test_ffn_in_one_call(interleaved, limit, between, threads):
+    T, H, F, rows = 5, 40, 21, 4
+    g = torch.Generator().manual_seed(0)
+    x, w1, w2 = torch.randn(T, H, generator=g), torch.randn(2 * F, H, generator=g), torch.randn(H, F, generator=g)
+    w1 *= torch.logspace(math.log10(0.003), math.log10(40), 2 * F)[torch.randperm(2 * F, generator=g), None]
+    tokens = torch.tensor([3, 0, 3, 1])  # token 3 twice: two slots add into one row of y
+    scale, mid = torch.rand(rows, generator=g), torch.rand(rows, generator=g) if between else None
+    h, a, y = torch.empty(rows, 2 * F), torch.empty(rows, F), torch.randn(T, H, generator=g)
+    want = y.double().clone()
+    fc1 = cpu_skinny.tensor_task(w1, x, h, x_index=tokens)
+    fc2 = cpu_skinny.tensor_task(w2, a, y, y_index=tokens, scale=scale)
+    act = cpu_skinny.swiglu(h.data_ptr(), h.stride(0), a.data_ptr(), a.stride(0), rows, F, interleaved,
+                            mid.data_ptr() if between else 0)
+    cpu_skinny.run_ffn(fc1, act, limit, fc2, threads)
+    h_want = x.double()[tokens] @ w1.double().t()
+    assert h_want.min() < -88 and h_want.max() > 88 and (h_want.abs() < 0.1).any()  # exp's clamps, silu's middle
+    a_want = _swiglu_reference(h_want, F, interleaved, limit, mid.double() if between else None)
+    want.index_add_(0, tokens, (a_want @ w2.double().t()) * scale.double()[:, None])
+    torch.testing.assert_close(a.double(), a_want, rtol=1e-5, atol=1e-30)
     torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
