@@ -293,3 +293,17 @@ def test_segments_longer_than_skinny_rows(gate_up, transposed, weight_on, path, 
                                rtol=1e-5, atol=1e-5)
     assert bool(grouped) == (path == "grouped")
 
+
+
+@pytest.mark.parametrize("T,K,E", [(1, 1, 1), (4, 2, 8), (5, 8, 64), (300, 6, 16)])
+def test_host_sort_matches_torch_sort(T, K, E, monkeypatch):
+    # Small slot counts sort on the host (cpu.HOST_SORT_MAX_SLOTS): the same stable order and
+    # bounds as torch.sort + searchsorted, ids outside [0, E) (dropped slots) included.
+    from moe_compile.kernels import cpu
+
+    ids = torch.randint(-2, E + 2, (T, K), generator=torch.Generator().manual_seed(T))
+    host_order, host_bounds = cpu._sort_on_host(ids.reshape(-1), E)
+    monkeypatch.setattr(cpu, "HOST_SORT_MAX_SLOTS", -1)
+    order, bounds = cpu.sort_by_expert(ids, E)
+    assert torch.equal(host_order, order) and host_bounds == bounds
+    assert len(bounds) == E + 1 and bounds[0] == int((ids < 0).sum()) and bounds[-1] == int((ids < E).sum())
