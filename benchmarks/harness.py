@@ -58,9 +58,11 @@ def time_fn(fn, *, warmup: int = 2, repeats: int = 7, min_time_s: float = 0.0) -
     return Timing(statistics.median(samples), min(samples), max(samples), len(samples), samples)
 
 
-def time_interleaved(fns: dict, *, warmup: int = 2, repeats: int = 7, min_time_s: float = 0.0) -> dict:
+def time_interleaved(fns: dict, *, warmup: int = 2, repeats: int = 7, min_time_s: float = 0.0,
+                     before=None) -> dict:
     """Like ``time_fn`` for several variants, timed round-robin (one call of each per round, the
     starting variant rotating), so slow drifts and other load on the machine hit every variant alike.
+    ``before()``, when given, runs untimed before every timed call (``cache_flush``).
     """
     names = list(fns)
     samples: dict = {k: [] for k in names}
@@ -72,11 +74,24 @@ def time_interleaved(fns: dict, *, warmup: int = 2, repeats: int = 7, min_time_s
         while r < repeats or (min(sum(v) for v in samples.values()) < min_time_s and r < 200):
             for i in range(len(names)):
                 k = names[(r + i) % len(names)]
+                if before is not None:
+                    before()
                 t0 = time.perf_counter()
                 fns[k]()
                 samples[k].append(time.perf_counter() - t0)
             r += 1
     return {k: Timing(statistics.median(v), min(v), max(v), len(v), v) for k, v in samples.items()}
+
+
+def cache_flush(mib: int = 64):
+    """``fn()`` reading ``mib`` MiB of unrelated memory (``torch.sum``): run before each timed call
+    of a memory-bound cell, every variant then starts with the caches holding none of the weights,
+    as a layer's decode step does in a model whose weights exceed the cache.  Without it a variant
+    gains from the one timed before it: right after moe had streamed 120 MiB of touched experts, a
+    sum over the same weights read them at 44 GB/s against ~30 GB/s from memory (the last-read part
+    still in the 32 MiB L3)."""
+    buf = torch.ones(mib * 1024 * 1024 // 4, dtype=torch.float32)
+    return lambda: buf.sum()
 
 
 def load_average() -> str:
