@@ -35,15 +35,17 @@ def record_skinny_calls(monkeypatch) -> list:
     from moe_compile.kernels import cpu_skinny
 
     calls = []
-    real, real_ffn = cpu_skinny.run, cpu_skinny.run_ffn
+    real, real_ffn, real_decode = cpu_skinny.run, cpu_skinny.run_ffn, cpu_skinny.run_decode
     monkeypatch.setattr(cpu_skinny, "run", lambda tasks, threads=1: (calls.append(threads), real(tasks, threads)))
     monkeypatch.setattr(cpu_skinny, "run_ffn", lambda *args: (calls.append(args[-1]), real_ffn(*args)))
+    monkeypatch.setattr(cpu_skinny, "run_decode", lambda *args: (calls.append(args[-1]), real_decode(*args)))
     return calls
 
 
 def force_cpu_path(monkeypatch, path: str) -> list:
-    """"skinny": decode-sized experts on the skinny kernel (cpu_skinny), two threads, chunks of at
-    most 4 rows; "chunked": per-expert GEMMs (oneDNN on plain weights for fp32) in chunks of at
+    """"skinny": decode-sized experts on the skinny kernel (cpu_skinny), two threads, stacked
+    weights in one call that sorts the slots itself (cpu_decode.decode), per-expert ones sorted in
+    Python, chunks of at most 4 rows; "skinny_sorted": every layout the second way; "chunked": per-expert GEMMs (oneDNN on plain weights for fp32) in chunks of at
     most 4 rows, so that experts share chunks and one expert's rows can exceed a chunk; "mkl": the
     same on MKL (MOE_COMPILE_ONEDNN=0); "packed": oneDNN GEMMs on weights packed at their first
     call (cpu_prepack), the row work between them on the C loops (cpu_rows) where they build;
@@ -52,15 +54,18 @@ def force_cpu_path(monkeypatch, path: str) -> list:
     from moe_compile.kernels import cpu, cpu_decode, cpu_onednn, cpu_prepack, cpu_rows, cpu_skinny
 
     calls = []
-    if path == "skinny" and not cpu_skinny.available():
+    if path.startswith("skinny") and not cpu_skinny.available():
         pytest.skip(f"no skinny kernel: {cpu_skinny.unavailable_reason()}")
     if path.startswith("packed") and not cpu_prepack.available():
         pytest.skip(f"no packed GEMMs: {cpu_prepack.unavailable_reason()}")
-    if path == "skinny":
+    if path.startswith("skinny"):
+        if path == "skinny_sorted":
+            monkeypatch.setattr(cpu_decode, "one_call_fits", lambda *args: False)
         monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
         monkeypatch.setattr(cpu, "DECODE_CHUNK_ROWS", 4)
         return record_skinny_calls(monkeypatch)
     monkeypatch.setattr(cpu_decode, "fits", lambda *args: False)
+    monkeypatch.setattr(cpu_decode, "one_call_fits", lambda *args: False)
     monkeypatch.setattr(cpu, "CHUNK_ROWS", 4)
     if path.startswith("packed"):
         monkeypatch.setattr(cpu_prepack, "UNCHANGED_CALLS_BEFORE_PACKING", 0)
@@ -86,7 +91,7 @@ def force_cpu_path(monkeypatch, path: str) -> list:
     return calls
 
 
-PATHS = ["skinny", "chunked", "mkl", "packed", "packed_torch_rows"]
+PATHS = ["skinny", "skinny_sorted", "chunked", "mkl", "packed", "packed_torch_rows"]
 
 
 # fp32: the CPU path sums experts in a different order than the reference: ~1e-6 relative.
@@ -99,7 +104,7 @@ def test_cpu_matches_reference_all_layouts(gate_up, transposed, weight_on, stack
     attrs = FFNAttrs(gate_up=gate_up, transposed=transposed, weight_on=weight_on)
     torch.testing.assert_close(call_fused_moe(x, ids, g, w, attrs), fused_moe_reference(x, ids, g, w, attrs),
                                rtol=1e-5, atol=1e-5)
-    assert (path in ("skinny", "packed", "packed_torch_rows")) == bool(calls)
+    assert (path in ("skinny", "skinny_sorted", "packed", "packed_torch_rows")) == bool(calls)
     assert ("rows" in calls) == (path == "packed" and cpu_rows.available())
 
 
@@ -186,7 +191,7 @@ def test_activations(activation, limit, path, monkeypatch):
     attrs = FFNAttrs(gate_up="interleaved", activation=activation, limit=limit)
     torch.testing.assert_close(call_fused_moe(x, ids, g, w, attrs), fused_moe_reference(x, ids, g, w, attrs),
                                rtol=1e-5, atol=1e-5)
-    assert (path in ("skinny", "packed", "packed_torch_rows")) == bool(calls)
+    assert (path in ("skinny", "skinny_sorted", "packed", "packed_torch_rows")) == bool(calls)
     assert ("rows" in calls) == (path == "packed" and cpu_rows.available())
 
 
@@ -307,3 +312,30 @@ def test_host_sort_matches_torch_sort(T, K, E, monkeypatch):
     order, bounds = cpu.sort_by_expert(ids, E)
     assert torch.equal(host_order, order) and host_bounds == bounds
     assert len(bounds) == E + 1 and bounds[0] == int((ids < 0).sum()) and bounds[-1] == int((ids < E).sum())
+
+
+# A decode step on stacked weights runs as one kernel call that sorts the slots itself
+# (cpu_decode.decode).  Its sort must drop ids outside [0, E) (-1, the sentinel E), keep a token
+# whose K picks repeat an expert as two rows, read int32 ids, and its tasks must carry every
+# expert's biases and the clamp.  fp32, another summation order than the reference: ~1e-6.
+@pytest.mark.parametrize("gate_up,transposed,weight_on,int32,limit", [
+    ("concat", False, "output", False, 0.0), ("separate", True, "between", True, 0.0),
+    ("interleaved", False, "output", True, 0.5), ("separate", False, "output", False, 0.5)])
+def test_decode_in_one_call(gate_up, transposed, weight_on, int32, limit, monkeypatch):
+    from moe_compile.kernels import cpu_decode, cpu_skinny
+
+    if not cpu_skinny.available():
+        pytest.skip(f"no skinny kernel: {cpu_skinny.unavailable_reason()}")
+    calls = record_skinny_calls(monkeypatch)
+    T, H, F, E, K = 6, 16, 12, 5, 3
+    x, ids, g, w = make_case(T, H, F, E, K, gate_up, transposed)
+    ids[0, 1], ids[2, 0], ids[3, 2] = -1, E, ids[3, 0]  # dropped, dropped, a repeated pick
+    n1 = F if gate_up == "separate" else 2 * F
+    biases = (torch.randn(E, n1), torch.randn(E, F) if gate_up == "separate" else None, torch.randn(E, H))
+    w = ExpertWeights(w.fc1, w.fc1_up, w.fc2, *[(b,) if b is not None else () for b in biases], transposed=transposed)
+    attrs = FFNAttrs(gate_up=gate_up, transposed=transposed, weight_on=weight_on, limit=limit)
+    ids = ids.int() if int32 else ids
+    assert cpu_decode.one_call_fits(x, ids, g, w, attrs)
+    torch.testing.assert_close(call_fused_moe(x, ids, g, w, attrs), fused_moe_reference(x, ids.long(), g, w, attrs),
+                               rtol=1e-5, atol=1e-5)
+    assert calls == [torch.get_num_threads()]  # one call: run_decode

@@ -12,6 +12,8 @@ a decode step.
 
 from __future__ import annotations
 
+import torch
+
 from moe_compile.ir import ExpertWeights, FFNAttrs, is_stacked
 from moe_compile.kernels import cpu_skinny
 
@@ -133,3 +135,50 @@ def ffn(x, x_index, w: ExpertWeights, attrs: FFNAttrs, experts, h, a, y, tokens,
                             attrs.gate_up == "interleaved", _offset(between, 0))
     cpu_skinny.run_ffn(_fc1_tasks(x, x_index, w, experts, h), act, attrs.limit,
                        _fc2_tasks(a, w, experts, y, tokens, scale), threads)
+
+
+_ROLES = (("fc1", 3), ("fc1_up", 3), ("fc2", 3), ("fc1_bias", 2), ("fc1_up_bias", 2), ("fc2_bias", 2))  # the C order
+
+
+def one_call_fits(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs) -> bool:
+    """Whether ``decode`` runs this call: decode-sized (T <= MAX_ROWS), SiLU-gated (``swiglu_fits``)
+    with the routing weight on the output or between, fp32 x and routing weights, contiguous ids,
+    every weight role stacked ([E, out, in] / [E, in, out], biases [E, n]) with contiguous rows.
+    Per-expert tensors and small experts take ``fits`` / ``ffn`` after the sort in Python."""
+    if x.shape[0] > cpu_skinny.MAX_ROWS or not swiglu_fits(attrs) or attrs.weight_on == "input":
+        return False
+    if topk_ids.dtype not in (torch.int32, torch.int64) or not topk_ids.is_contiguous():
+        return False
+    if not (cpu_skinny.fits(x) and cpu_skinny.fits(topk_weights) and topk_weights.is_contiguous()):
+        return False
+    roles = [(getattr(w, name), dim) for name, dim in _ROLES]
+    if not all(not role or (is_stacked(role, dim) and cpu_skinny.fits(role[0])) for role, dim in roles):
+        return False
+    return cpu_skinny.available()
+
+
+def _role_fields(role: tuple) -> list[int]:
+    """(base pointer, bytes between experts, row stride in elements) of a stacked role; zeros if absent."""
+    if not role:
+        return [0, 0, 0]
+    t = role[0]
+    return [t.data_ptr(), t.stride(0) * _FP32_BYTES, t.stride(1) if t.dim() == 3 else 0]
+
+
+def decode(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, threads: int):
+    """y [T, H] of a decode step (``one_call_fits``) in one call of the skinny kernel, which sorts
+    the slots by expert itself: no sort, index tensors or task lists in Python."""
+    T, K = topk_ids.shape
+    F = w.ffn()
+    h, a = x.new_empty(T * K, 2 * F), x.new_empty(T * K, F)  # every slot's FC1 output, activation
+    y = torch.zeros_like(x)
+    plan = [
+        x.data_ptr(), x.stride(0), topk_ids.data_ptr(), int(topk_ids.dtype == torch.int32),
+        topk_weights.data_ptr(), T, K, w.num_experts, y.data_ptr(), y.stride(0), h.data_ptr(), a.data_ptr(),
+        w.hidden(), F, int(bool(w.fc1_up)), int(w.transposed), int(attrs.gate_up == "interleaved"),
+        int(attrs.weight_on == "between"),
+    ]
+    for name, _ in _ROLES:
+        plan += _role_fields(getattr(w, name))
+    cpu_skinny.run_decode(plan, attrs.limit, threads)
+    return y

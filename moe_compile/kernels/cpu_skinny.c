@@ -27,6 +27,7 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 /* One task = TASK_FIELDS int64 values, in this order (see cpu_skinny.py: task). */
 enum {
@@ -264,4 +265,83 @@ void moe_skinny_ffn_parallel(const int64_t *fc1, int64_t n1, const int64_t *act,
 #pragma omp barrier
         moe_skinny_run(fc2, n2, part, parts);
     }
+}
+
+/* A whole decode step on stacked weights in one call: the sort of the T*K slots by expert (a
+ * counting sort, stable), every expert's FC1 / FC2 task and the SwiGLU built here, then
+ * moe_skinny_ffn_parallel.  Python would spend 0.2-0.3 ms a step on the sort, the index tensors
+ * and the task lists with the caches cold after the weights streamed through them.
+ *
+ * Plan fields (int64 each; pointers as integers), then ROLE_FIELDS for each of the six roles
+ * fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias (base 0: role absent); expert e's matrix
+ * (or bias) starts at base + e * estride bytes, ld is its row stride in elements:
+ *   x [T, hidden] (row stride ldx), ids [T, K] int64 (or int32), gates [T, K] fp32, y [T, hidden]
+ *   fp32 zeroed (row stride ldy), h [T*K, 2*ffn] and a [T*K, ffn] scratch (contiguous rows);
+ *   up_separate: fc1_up holds the up projection (h's right half), else fc1 is [2*ffn, hidden]
+ *   gate|up or interleaved; between: the routing weight scales a's rows, else FC2's outputs. */
+enum {
+    P_X, P_LDX, P_IDS, P_IDS_INT32, P_GATES, P_T, P_K, P_E, P_Y, P_LDY, P_H, P_A, P_HIDDEN, P_FFN,
+    P_UP_SEPARATE, P_TRANSPOSED, P_INTERLEAVED, P_BETWEEN, P_ROLES
+};
+enum { R_BASE, R_ESTRIDE, R_LD, ROLE_FIELDS };
+enum { ROLE_FC1, ROLE_FC1_UP, ROLE_FC2, ROLE_FC1_BIAS, ROLE_FC1_UP_BIAS, ROLE_FC2_BIAS };
+
+static int64_t role_at(const int64_t *plan, int role, int64_t e) {
+    const int64_t *r = plan + P_ROLES + role * ROLE_FIELDS;
+    return r[R_BASE] ? r[R_BASE] + e * r[R_ESTRIDE] : 0;
+}
+
+/* One task of expert e's weight role `role` (bias `bias`): rows x[xidx[r]] or x[r] -> y, as task_t. */
+static int64_t *put_task(int64_t *f, const int64_t *plan, int role, int bias, int64_t e, int64_t x, int64_t ldx,
+                         int64_t y, int64_t ldy, int64_t rows, int64_t k, int64_t n_out, int64_t xidx,
+                         int64_t yidx, int64_t scale) {
+    f[T_W] = role_at(plan, role, e);
+    f[T_LDW] = plan[P_ROLES + role * ROLE_FIELDS + R_LD];
+    f[T_X] = x, f[T_LDX] = ldx, f[T_Y] = y, f[T_LDY] = ldy, f[T_BIAS] = role_at(plan, bias, e);
+    f[T_ROWS] = rows, f[T_K] = k, f[T_NOUT] = n_out, f[T_TRANSPOSED] = plan[P_TRANSPOSED];
+    f[T_XIDX] = xidx, f[T_YIDX] = yidx, f[T_SCALE] = scale;
+    return f + TASK_FIELDS;
+}
+
+void moe_skinny_decode(const int64_t *plan, float limit, int64_t nparts) {
+    int64_t T = plan[P_T], K = plan[P_K], E = plan[P_E], S = T * K, H = plan[P_HIDDEN], F = plan[P_FFN];
+    int64_t up_separate = plan[P_UP_SEPARATE], fc1_out = up_separate ? F : 2 * F;
+    int64_t *start = calloc((size_t)E + 2, sizeof(int64_t)), *tok = malloc((size_t)(S + 1) * sizeof(int64_t));
+    float *scale = malloc((size_t)(S + 1) * sizeof(float));
+    int64_t touched = S < E ? S : E;
+    int64_t *fc1 = malloc((size_t)(2 * touched + 1) * TASK_FIELDS * sizeof(int64_t));
+    int64_t *fc2 = malloc((size_t)(touched + 1) * TASK_FIELDS * sizeof(int64_t));
+    if (!start || !tok || !scale || !fc1 || !fc2) goto done;
+    const int64_t *ids64 = (const int64_t *)(intptr_t)plan[P_IDS];
+    const int32_t *ids32 = (const int32_t *)(intptr_t)plan[P_IDS];
+    const float *gates = (const float *)(intptr_t)plan[P_GATES];
+#define ID(s) (plan[P_IDS_INT32] ? (int64_t)ids32[s] : ids64[s])
+    for (int64_t s = 0; s < S; ++s)  /* ids outside [0, E) are dropped slots */
+        if (ID(s) >= 0 && ID(s) < E) ++start[ID(s) + 2];
+    for (int64_t e = 0; e < E; ++e) start[e + 2] += start[e + 1];
+    for (int64_t s = 0; s < S; ++s)  /* start[e + 1]: the next free row of expert e */
+        if (ID(s) >= 0 && ID(s) < E) {
+            int64_t p = start[ID(s) + 1]++;
+            tok[p] = s / K, scale[p] = gates[s];
+        }
+#undef ID
+    /* start[e]..start[e + 1]: expert e's rows in tok / scale / h / a. */
+    int64_t *f1 = fc1, *f2 = fc2, h = plan[P_H], a = plan[P_A], between = plan[P_BETWEEN];
+    for (int64_t e = 0; e < E; ++e) {
+        int64_t lo = start[e], n = start[e + 1] - lo, xidx = (int64_t)(intptr_t)(tok + lo);
+        if (n == 0) continue;
+        int64_t h_rows = h + lo * 2 * F * (int64_t)sizeof(float);
+        f1 = put_task(f1, plan, ROLE_FC1, ROLE_FC1_BIAS, e, plan[P_X], plan[P_LDX], h_rows, 2 * F, n, H, fc1_out,
+                      xidx, 0, 0);
+        if (up_separate)
+            f1 = put_task(f1, plan, ROLE_FC1_UP, ROLE_FC1_UP_BIAS, e, plan[P_X], plan[P_LDX],
+                          h_rows + F * (int64_t)sizeof(float), 2 * F, n, H, F, xidx, 0, 0);
+        f2 = put_task(f2, plan, ROLE_FC2, ROLE_FC2_BIAS, e, a + lo * F * (int64_t)sizeof(float), F, plan[P_Y],
+                      plan[P_LDY], n, F, H, 0, xidx, between ? 0 : (int64_t)(intptr_t)(scale + lo));
+    }
+    int64_t act[ACT_FIELDS] = {h, 2 * F, a, F, start[E], F, plan[P_INTERLEAVED],
+                               between ? (int64_t)(intptr_t)scale : 0};
+    moe_skinny_ffn_parallel(fc1, (f1 - fc1) / TASK_FIELDS, act, limit, fc2, (f2 - fc2) / TASK_FIELDS, nparts);
+done:
+    free(start), free(tok), free(scale), free(fc1), free(fc2);
 }

@@ -29,7 +29,8 @@ _ACT_FIELDS = 8  # the C file's ACT_FIELDS
 _KERNEL = cpu_cc.Kernel("cpu_skinny", "MOE_COMPILE_SKINNY",
                         {"moe_skinny_run_parallel": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64],
                          "moe_skinny_ffn_parallel": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float,
-                                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]},
+                                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64],
+                         "moe_skinny_decode": [ctypes.c_void_p, ctypes.c_float, ctypes.c_int64]},
                         "using MKL for decode")
 
 
@@ -122,3 +123,9 @@ def run_ffn(fc1_tasks: list[int], act: list[int], limit: float, fc2_tasks: list[
     assert len(act) == _ACT_FIELDS
     _lib().moe_skinny_ffn_parallel(_packed(fc1_tasks), len(fc1_tasks) // _TASK_FIELDS, _packed(act), limit,
                                    _packed(fc2_tasks), len(fc2_tasks) // _TASK_FIELDS, max(1, threads))
+
+
+def run_decode(plan: list[int], limit: float, threads: int = 1) -> None:
+    """A whole decode step on stacked weights (the C file's plan fields, ``cpu_decode.decode``):
+    the slots sorted by expert, FC1, the SwiGLU and FC2 + combine, in one call."""
+    _lib().moe_skinny_decode(_packed(plan), limit, max(1, threads))
