@@ -4,12 +4,15 @@ Shapes:  T tokens, H hidden, F expert FFN width, E experts, K experts per token,
          S' the slots whose id lies in [0, E), F2 = FC1 width (2F gated, F for gate_up "none").
 
 Plan (one host sync, no per-call weight copies):
+  0. an inference decode step (T <= cpu_skinny.MAX_ROWS, fp32, SwiGLU, stacked weights) is one
+     call of the skinny C kernel that sorts the slots itself (``cpu_decode.decode``); else
   1. one stable sort of the S flat expert ids -> slots grouped by expert, contiguous segments;
-     ``searchsorted`` gives the segment bounds (ids outside [0, E) fall outside every segment);
+     ``searchsorted`` gives the segment bounds (ids outside [0, E) fall outside every segment;
+     on the host for S <= HOST_SORT_MAX_SLOTS);
   2. decode (fp32, <= cpu_skinny.MAX_ROWS rows per expert) and small experts
-     (``cpu_decode.SMALL_EXPERT_FLOPS``): ``_fused_decode``, one call of the skinny C kernel per
-     FC for all experts, reading x by token and adding each slot's weighted FC2 output into y
-     (``cpu_decode``);
+     (``cpu_decode.SMALL_EXPERT_FLOPS``): ``_fused_decode``, the skinny C kernel for all experts
+     (FC1, SwiGLU, FC2 in one call where the activation allows), reading x by token and adding
+     each slot's weighted FC2 output into y (``cpu_decode``);
   3. prefill, fp32 inference on weights packed for oneDNN (``cpu_prepack``): ``_packed_experts``,
      expert by expert from x's rows to y's (gather, SwiGLU, combine on ``cpu_rows``' C loops);
   4. large experts on stacked weights without biases that oneDNN does not run (bf16): the S'
