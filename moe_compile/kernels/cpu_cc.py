@@ -35,10 +35,12 @@ def lacks_avx2() -> str | None:
     return None if cap in ("AVX2", "AVX512") else f"CPU capability {cap}, the kernel needs AVX2"
 
 
-def _build(stem: str, source: bytes) -> Path:
-    """Compile ``stem``.c into the cache unless it is there.  Written to a temporary name then
-    renamed, so concurrent processes never load half a file."""
-    tag = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+def _build(stem: str, source: bytes, headers: dict[str, bytes] | None = None) -> Path:
+    """Compile ``stem``.c (with ``headers``, name -> text, beside it) into the cache unless it is
+    there.  Written to a temporary name then renamed, so concurrent processes never load half a file."""
+    headers = headers or {}
+    text = source + b"".join(name.encode() + body for name, body in sorted(headers.items()))
+    tag = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:16]
     lib = cache_dir() / f"{stem}_{tag}.so"
     if lib.exists():
         return lib
@@ -49,6 +51,8 @@ def _build(stem: str, source: bytes) -> Path:
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         src, out = Path(tmp) / f"{stem}.c", Path(tmp) / f"{stem}.so"
         src.write_bytes(source)
+        for name, body in headers.items():
+            (Path(tmp) / name).write_bytes(body)
         done = subprocess.run([cc, *FLAGS, str(src), "-o", str(out)], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[:500]}")
@@ -76,8 +80,9 @@ def _prune(stem: str, keep: Path) -> None:
 def load(stem: str) -> ctypes.CDLL:
     """The compiled ``moe_compile/kernels/<stem>.c``; raises OSError / RuntimeError when it cannot
     be built or loaded (the caller keeps the reason and falls back to torch ops)."""
-    source = resources.files(__package__).joinpath(f"{stem}.c").read_bytes()
-    return ctypes.CDLL(str(_build(stem, source)))
+    files = resources.files(__package__)
+    headers = {f.name: f.read_bytes() for f in files.iterdir() if f.name.endswith(".h")}
+    return ctypes.CDLL(str(_build(stem, files.joinpath(f"{stem}.c").read_bytes(), headers)))
 
 
 class Kernel:

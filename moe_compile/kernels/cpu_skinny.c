@@ -29,6 +29,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cpu_simd.h"
+
 /* One task = TASK_FIELDS int64 values, in this order (see cpu_skinny.py: task). */
 enum {
     T_W, T_X, T_Y, T_BIAS, T_ROWS, T_K, T_NOUT, T_LDW, T_LDX, T_LDY, T_TRANSPOSED, T_XIDX, T_YIDX,
@@ -193,28 +195,12 @@ static void moe_skinny_run(const int64_t *tasks, int64_t ntasks, int64_t part, i
  *   times scale[r] when given (routing weight "between" activation and FC2). */
 enum { A_H, A_LDH, A_A, A_LDA, A_ROWS, A_F, A_INTERLEAVED, A_SCALE, ACT_FIELDS };
 
-/* e^x for x in [-87, 88] (clamped there): x = n ln2 + r with |r| <= ln2/2, e^r by its Taylor
- * series to r^7 (truncation error < 6e-9, under fp32's 6e-8 rounding), times 2^n built in the
- * exponent bits. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  /* ln2 in two parts */
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    static const float inv_fact[] = {1.f / 5040, 1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
-    __m256 p = _mm256_set1_ps(inv_fact[0]);
-    for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(inv_fact[i]));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 static inline float silu_mul(float g, float u, float limit) {
     if (limit > 0.f) {
         g = g < limit ? g : limit;
         u = u < -limit ? -limit : (u > limit ? limit : u);
     }
-    return g / (1.f + _mm256_cvtss_f32(exp8(_mm256_set1_ps(-g)))) * u;  /* exp8: no libm needed */
+    return _mm256_cvtss_f32(silu8(_mm256_set1_ps(g))) * u;  /* the vector form: no libm needed */
 }
 
 /* Columns c0..c1 of every row (the halves layout eight at a time). */
@@ -222,7 +208,7 @@ static void run_swiglu(const int64_t *f, float limit, int64_t c0, int64_t c1) {
     const float *h = (const float *)(intptr_t)f[A_H], *scale = (const float *)(intptr_t)f[A_SCALE];
     float *a = (float *)(intptr_t)f[A_A];
     int64_t F = f[A_F], ldh = f[A_LDH], lda = f[A_LDA];
-    const __m256 one = _mm256_set1_ps(1.f), lim = _mm256_set1_ps(limit), nlim = _mm256_set1_ps(-limit);
+    const __m256 lim = _mm256_set1_ps(limit), nlim = _mm256_set1_ps(-limit);
     for (int64_t r = 0; r < f[A_ROWS]; ++r) {
         const float *hr = h + r * ldh;
         float *ar = a + r * lda;
@@ -235,8 +221,7 @@ static void run_swiglu(const int64_t *f, float limit, int64_t c0, int64_t c1) {
                     g = _mm256_min_ps(g, lim);
                     u = _mm256_min_ps(_mm256_max_ps(u, nlim), lim);
                 }
-                __m256 act = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-                _mm256_storeu_ps(ar + c, _mm256_mul_ps(_mm256_mul_ps(act, u), _mm256_set1_ps(s)));
+                _mm256_storeu_ps(ar + c, _mm256_mul_ps(_mm256_mul_ps(silu8(g), u), _mm256_set1_ps(s)));
             }
             for (; c < c1; ++c) ar[c] = silu_mul(hr[c], hr[F + c], limit) * s;
         } else {

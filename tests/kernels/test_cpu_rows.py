@@ -1,5 +1,6 @@
 """kernels/cpu_rows: the C row loops of the prefill path against torch's ops on the same rows."""
 
+import ctypes
 import os
 import shutil
 import time
@@ -112,3 +113,17 @@ def test_builds_prune_week_old_builds_of_other_sources(tmp_path, monkeypatch):
         os.utime(f, (week_ago, week_ago))
     built = cpu_cc._build("cpu_rows", b"void moe_rows_nothing(void) {}\n")
     assert built.exists() and recent.exists() and other.exists() and not old.exists()
+
+
+def test_shared_header_is_built_with_the_source_and_hashed(tmp_path, monkeypatch):
+    # cpu_simd.h sits beside each kernel's source when it is built, and a change to it rebuilds.
+    from moe_compile.kernels import cpu_cc
+
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("MOE_COMPILE_CACHE", str(tmp_path))
+    source = b'#include "h.h"\nint moe_value(void) { return VALUE; }\n'
+    one, two = (cpu_cc._build("probe", source, {"h.h": b"#define VALUE %d\n" % v}) for v in (1, 2))
+    assert one != two
+    for lib, value in ((one, 1), (two, 2)):
+        assert ctypes.CDLL(str(lib)).moe_value() == value
