@@ -22,11 +22,8 @@ from moe_compile.kernels import cpu_cc
 
 ENV = "MOE_COMPILE_ROWS"
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_KERNEL = cpu_cc.Kernel("cpu_rows", ENV, {  # out/y, ld, in, ld, [up, ld,] idx, scale, n, w, threads
-    "moe_rows_gather": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64],
-    "moe_rows_swiglu": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64],
-    "moe_rows_add": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64],
-}, "using torch ops")
+_KERNEL = cpu_cc.Kernel("cpu_rows", ENV, {"moe_rows_step": [_PTR, _PTR, _PTR, _I64]},  # add, swiglu, gather fields
+                        "using torch ops")
 
 
 def available() -> bool:
@@ -75,28 +72,45 @@ class SlotRows:
     def _tokens_at(self, lo: int) -> int:
         return self.tokens.data_ptr() + 8 * lo
 
-    def gather(self, lo: int, hi: int, out: torch.Tensor, scaled: bool = False) -> torch.Tensor:
+    def gather_fields(self, lo: int, hi: int, out: torch.Tensor, scaled: bool = False) -> list[int]:
         """out [hi-lo, H] = x[tokens[lo:hi]] (times scale[lo:hi] per row when ``scaled``)."""
         H = self.x.shape[1]
         _check_rows(out, hi - lo, H, "out")
-        _KERNEL.lib().moe_rows_gather(out.data_ptr(), out.stride(0), self.x.data_ptr(), self.x.stride(0),
-                                      self._tokens_at(lo), self._scale_at(lo, scaled), hi - lo, H, self.threads)
-        return out
+        return [out.data_ptr(), out.stride(0), self.x.data_ptr(), self.x.stride(0), self._tokens_at(lo),
+                self._scale_at(lo, scaled), hi - lo, H]
 
-    def swiglu(self, lo: int, hi: int, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor,
-               scaled: bool = False) -> torch.Tensor:
+    def swiglu_fields(self, lo: int, hi: int, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor,
+                      scaled: bool = False) -> list[int]:
         """out [hi-lo, F] = silu(gate) * up (times scale[lo:hi] per row when ``scaled``); gate, up
         [hi-lo, F] may be views of one FC1 output, out may be gate itself."""
         n, f = out.shape
         for t, name in ((gate, "gate"), (up, "up"), (out, "out")):
             _check_rows(t, hi - lo, f, name)
-        _KERNEL.lib().moe_rows_swiglu(out.data_ptr(), out.stride(0), gate.data_ptr(), gate.stride(0),
-                                      up.data_ptr(), up.stride(0), self._scale_at(lo, scaled), n, f, self.threads)
-        return out
+        return [out.data_ptr(), out.stride(0), gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0),
+                self._scale_at(lo, scaled), n, f]
 
-    def add(self, lo: int, hi: int, src: torch.Tensor, scaled: bool = False) -> None:
+    def add_fields(self, lo: int, hi: int, src: torch.Tensor, scaled: bool = False) -> list[int]:
         """y[tokens[lo:hi]] += src [hi-lo, H] (times scale[lo:hi] per row when ``scaled``)."""
         H = self.y.shape[1]
         _check_rows(src, hi - lo, H, "src")
-        _KERNEL.lib().moe_rows_add(self.y.data_ptr(), self.y.stride(0), src.data_ptr(), src.stride(0),
-                                   self._tokens_at(lo), self._scale_at(lo, scaled), hi - lo, H, self.threads)
+        return [self.y.data_ptr(), self.y.stride(0), src.data_ptr(), src.stride(0), self._tokens_at(lo),
+                self._scale_at(lo, scaled), hi - lo, H]
+
+    def step(self, add: list[int] | None = None, swiglu: list[int] | None = None,
+             gather: list[int] | None = None) -> None:
+        """Any of an add, a SwiGLU and a gather (``*_fields``) in one call of the C loops.  They
+        must touch disjoint memory (y; the SwiGLU's buffers; the gather's output)."""
+        fields = [(ctypes.c_int64 * len(f))(*f) if f else None for f in (add, swiglu, gather)]
+        _KERNEL.lib().moe_rows_step(*fields, self.threads)
+
+    def gather(self, lo: int, hi: int, out: torch.Tensor, scaled: bool = False) -> torch.Tensor:
+        self.step(gather=self.gather_fields(lo, hi, out, scaled))
+        return out
+
+    def swiglu(self, lo: int, hi: int, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor,
+               scaled: bool = False) -> torch.Tensor:
+        self.step(swiglu=self.swiglu_fields(lo, hi, gate, up, out, scaled))
+        return out
+
+    def add(self, lo: int, hi: int, src: torch.Tensor, scaled: bool = False) -> None:
+        self.step(add=self.add_fields(lo, hi, src, scaled))
