@@ -339,3 +339,18 @@ def test_decode_in_one_call(gate_up, transposed, weight_on, int32, limit, monkey
     torch.testing.assert_close(call_fused_moe(x, ids, g, w, attrs), fused_moe_reference(x, ids.long(), g, w, attrs),
                                rtol=1e-5, atol=1e-5)
     assert calls == [torch.get_num_threads()]  # one call: run_decode
+
+
+def test_infer_op_matches_and_refuses_a_backward():
+    # fused_moe_infer (what the passes emit where no backward runs) has no autograd formula: it
+    # must give fused_moe's result, and refuse inputs that want gradients instead of leaving them
+    # silently missing.
+    x, ids, g, w = make_case(5, 16, 8, 4, 2, stacked=False)
+    args = (x, ids, g, list(w.fc1), list(w.fc1_up), list(w.fc2), [], [], [], "concat", False, "silu", 0.0, 0.0, "output")
+    want = fused_moe_reference(x, ids, g, w, FFNAttrs())
+    torch.testing.assert_close(torch.ops.moe_compile.fused_moe_infer(*args), want, rtol=1e-5, atol=1e-5)
+    w.fc2[1].requires_grad_(True)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.ops.moe_compile.fused_moe_infer(*args), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="has no backward; call moe_compile::fused_moe"):
+        torch.ops.moe_compile.fused_moe_infer(*args)

@@ -75,10 +75,13 @@ def will_be_differentiated(args) -> bool:
 
 
 def emit_fused_moe(g: fx.Graph, args, save_fc1: bool = True) -> fx.Node:
-    """A call of ``fused_moe``, or of ``fused_moe_train`` (its y) where the graph will be
-    differentiated and ``save_fc1`` allows, so that the backward reads FC1's saved output instead
-    of recomputing it."""
-    if not (save_fc1 and will_be_differentiated(args)):
+    """A call of ``fused_moe_infer`` where the graph will not be differentiated (no autograd
+    layer to pass through); where it will, of ``fused_moe_train`` (its y) when ``save_fc1``
+    allows, so that the backward reads FC1's saved output instead of recomputing it, else of
+    ``fused_moe``."""
+    if not will_be_differentiated(args):
+        return g.call_function(torch.ops.moe_compile.fused_moe_infer.default, args)
+    if not save_fc1:
         return g.call_function(torch.ops.moe_compile.fused_moe.default, args)
     both = g.call_function(torch.ops.moe_compile.fused_moe_train.default, args)
     return g.call_function(operator.getitem, (both, 0))
