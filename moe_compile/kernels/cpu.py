@@ -300,7 +300,7 @@ class _RowStep:
         if self.rows is None or not _c_swiglu(self.attrs, gate, up):
             if done is not None:
                 _combine_expert(self.rows, self.y, done[2], self.tokens, self.g, done[0], done[1], self.scale_out)
-            a = _expert_activation(self.rows, gate, up, self.g, lo, hi, self.attrs, self.scale_a, self.ws)
+            a = _expert_activation(gate, up, self.g, lo, hi, self.attrs, self.scale_a)
             xe = (_gather_expert(self.rows, self.x, self.tokens, self.g, following[1], following[2], gathered, self.ws)
                   if following is not None else None)
             return a, xe
@@ -333,12 +333,9 @@ def _c_swiglu(attrs: FFNAttrs, gate, up) -> bool:
     return attrs.activation == "silu" and attrs.limit == 0 and up is not None and gate.stride(-1) == 1
 
 
-def _expert_activation(rows, gate, up, g, lo: int, hi: int, attrs: FFNAttrs, scaled: bool, ws=None):
-    """act(gate) * up [n, F] of one expert's FC1 output (times g when ``scaled``): SwiGLU on the C
-    loop (into the workspace's "a" rows); other activations, clamps and interleaved gate/up
-    (strided columns) on torch's ops, in place in the expert's own fresh FC1 output."""
-    if rows is not None and _c_swiglu(attrs, gate, up):
-        return rows.swiglu(lo, hi, gate, up, ws.take("a", hi - lo, gate.shape[1]), scaled)
+def _expert_activation(gate, up, g, lo: int, hi: int, attrs: FFNAttrs, scaled: bool):
+    """act(gate) * up [n, F] of one expert's FC1 output (times g when ``scaled``) on torch's ops, in
+    place in the expert's own fresh FC1 output: what the C loops do not compute (``_c_swiglu``)."""
     a = _activate(gate, up, attrs)
     return a.mul_(g[lo:hi]) if scaled else a
 

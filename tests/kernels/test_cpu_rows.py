@@ -77,6 +77,22 @@ def test_swiglu_in_place_and_nan_passes_through():
 
 
 @needs_kernels
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_step_does_add_swiglu_and_gather_in_one_call(threads):
+    # The prefill loop's step between two GEMMs: one expert's add, the next one's SwiGLU and the
+    # one after's gather, each equal to the call on its own.
+    rows = _rows(threads=threads)
+    y0, src, h = rows.y.clone(), torch.randn(4, 20), torch.randn(5, 2 * 12)
+    a, xe = torch.empty(5, 12), torch.empty(3, 20)
+    rows.step(add=rows.add_fields(0, 4, src, True), swiglu=rows.swiglu_fields(4, 9, h[:, :12], h[:, 12:], a),
+              gather=rows.gather_fields(9, 12, xe, True))
+    torch.testing.assert_close(rows.y, y0.index_add_(0, rows.tokens[:4], src * rows.scale[:4, None]),
+                               rtol=1e-6, atol=1e-6)  # as test_add_with_repeated_tokens
+    torch.testing.assert_close(a, F.silu(h[:, :12]) * h[:, 12:], rtol=2e-6, atol=1e-30)  # as test_swiglu_matches_torch
+    assert torch.equal(xe, rows.x[rows.tokens[9:12]] * rows.scale[9:12, None])
+
+
+@needs_kernels
 def test_bad_operands_are_refused():
     rows = _rows()
     with pytest.raises(ValueError, match=r"out must be an fp32 CPU \[7, 20\]"):
