@@ -89,7 +89,8 @@ class Kernel:
     """One C file of the package, built and loaded on its first use: ``lib()`` is the library, or
     None with ``error()`` saying why (turned off by ``env``=0, no AVX2, no compiler, build failed).
 
-    ``signatures``: function name -> ctypes argument types (each returns void); ``fallback``: what
+    ``signatures``: function name -> ctypes argument types (returns void) or (argument types, return
+    type); ``fallback``: what
     the caller does without it, for the one warning a failed build gives."""
 
     def __init__(self, stem: str, env: str, signatures: dict, fallback: str):
@@ -107,9 +108,10 @@ class Kernel:
         else:
             try:
                 lib = load(self.stem)
-                for name, argtypes in self.signatures.items():
+                for name, signature in self.signatures.items():
+                    argtypes, restype = signature if isinstance(signature, tuple) else (signature, None)
                     getattr(lib, name).argtypes = argtypes
-                    getattr(lib, name).restype = None
+                    getattr(lib, name).restype = restype
                 self._lib = lib
             except (OSError, RuntimeError) as err:
                 self._error = str(err)

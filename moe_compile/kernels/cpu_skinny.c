@@ -298,7 +298,8 @@ static int64_t *put_task(int64_t *f, const int64_t *plan, int role, int bias, in
     return f + TASK_FIELDS;
 }
 
-void moe_skinny_decode(const int64_t *plan, float limit, int64_t nparts) {
+/* Returns 0, or -1 when its few KiB of scratch could not be allocated (nothing computed). */
+int moe_skinny_decode(const int64_t *plan, float limit, int64_t nparts) {
     int64_t T = plan[P_T], K = plan[P_K], E = plan[P_E], S = T * K, H = plan[P_HIDDEN], F = plan[P_FFN];
     int64_t up_separate = plan[P_UP_SEPARATE], fc1_out = up_separate ? F : 2 * F;
     int64_t *start = calloc((size_t)E + 2, sizeof(int64_t)), *tok = malloc((size_t)(S + 1) * sizeof(int64_t));
@@ -306,6 +307,7 @@ void moe_skinny_decode(const int64_t *plan, float limit, int64_t nparts) {
     int64_t touched = S < E ? S : E;
     int64_t *fc1 = malloc((size_t)(2 * touched + 1) * TASK_FIELDS * sizeof(int64_t));
     int64_t *fc2 = malloc((size_t)(touched + 1) * TASK_FIELDS * sizeof(int64_t));
+    int status = -1;
     if (!start || !tok || !scale || !fc1 || !fc2) goto done;
     const int64_t *ids64 = (const int64_t *)(intptr_t)plan[P_IDS];
     const int32_t *ids32 = (const int32_t *)(intptr_t)plan[P_IDS];
@@ -337,6 +339,8 @@ void moe_skinny_decode(const int64_t *plan, float limit, int64_t nparts) {
     int64_t act[ACT_FIELDS] = {h, 2 * F, a, F, start[E], F, plan[P_INTERLEAVED],
                                between ? (int64_t)(intptr_t)scale : 0};
     moe_skinny_ffn_parallel(fc1, (f1 - fc1) / TASK_FIELDS, act, limit, fc2, (f2 - fc2) / TASK_FIELDS, nparts);
+    status = 0;
 done:
     free(start), free(tok), free(scale), free(fc1), free(fc2);
+    return status;
 }

@@ -30,7 +30,7 @@ _KERNEL = cpu_cc.Kernel("cpu_skinny", "MOE_COMPILE_SKINNY",
                         {"moe_skinny_run_parallel": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64],
                          "moe_skinny_ffn_parallel": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float,
                                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64],
-                         "moe_skinny_decode": [ctypes.c_void_p, ctypes.c_float, ctypes.c_int64]},
+                         "moe_skinny_decode": ([ctypes.c_void_p, ctypes.c_float, ctypes.c_int64], ctypes.c_int)},
                         "using MKL for decode")
 
 
@@ -128,4 +128,5 @@ def run_ffn(fc1_tasks: list[int], act: list[int], limit: float, fc2_tasks: list[
 def run_decode(plan: list[int], limit: float, threads: int = 1) -> None:
     """A whole decode step on stacked weights (the C file's plan fields, ``cpu_decode.decode``):
     the slots sorted by expert, FC1, the SwiGLU and FC2 + combine, in one call."""
-    _lib().moe_skinny_decode(_packed(plan), limit, max(1, threads))
+    if _lib().moe_skinny_decode(_packed(plan), limit, max(1, threads)) != 0:
+        raise MemoryError("skinny decode kernel: could not allocate its scratch (a few KiB)")

@@ -142,3 +142,15 @@ def test_turned_off_by_env_and_op_still_correct():
             "reference.fused_moe_reference(x, ids, g, w, FFNAttrs()), rtol=1e-5, atol=1e-5)")
     done = run_python(code, MOE_COMPILE_SKINNY="0")
     assert done.returncode == 0, done.stderr
+
+
+def test_decode_scratch_failure_raises(monkeypatch):
+    # The one-call decode allocates a few KiB of scratch in C; if that fails it computes nothing,
+    # so the host must raise instead of returning the zeroed output.
+    class NoScratch:
+        def moe_skinny_decode(self, *args):
+            return -1
+
+    monkeypatch.setattr(cpu_skinny, "_lib", lambda: NoScratch())
+    with pytest.raises(MemoryError, match="scratch"):
+        cpu_skinny.run_decode([0] * 4, 0.0, 2)
