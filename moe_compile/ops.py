@@ -171,10 +171,6 @@ def _fused_moe_fake(*args):
     return x.new_empty(x.shape)
 
 
-# Under torch.autocast the op behaves like the Linears it replaces: floating inputs (activations,
-# routing weights, expert weights) are cast to the autocast dtype and the op runs with autocast off;
-# the result comes back in x's own dtype, as the replaced regions accumulate into ``zeros_like(x)``
-# (or cast back with ``.to(x.dtype)``).
 _INFER_LIB = torch.library.Library("moe_compile", "FRAGMENT")
 _INFER_LIB.define(INFER_OP_NAME.split("::")[1] + op_args_schema() + " -> Tensor")
 
@@ -195,6 +191,10 @@ for _key in ("CPU", "CUDA"):
     _INFER_LIB.impl("fused_moe_infer", _fused_moe_infer, _key)
 torch.library.register_fake(INFER_OP_NAME, lib=_INFER_LIB)(_fused_moe_fake)
 
+# Under torch.autocast the op behaves like the Linears it replaces: floating inputs (activations,
+# routing weights, expert weights) are cast to the autocast dtype and the op runs with autocast off;
+# the result comes back in x's own dtype, as the replaced regions accumulate into ``zeros_like(x)``
+# (or cast back with ``.to(x.dtype)``).
 _AUTOCAST_LIB = torch.library.Library("moe_compile", "IMPL")
 
 

@@ -89,9 +89,9 @@ class Kernel:
     """One C file of the package, built and loaded on its first use: ``lib()`` is the library, or
     None with ``error()`` saying why (turned off by ``env``=0, no AVX2, no compiler, build failed).
 
-    ``signatures``: function name -> ctypes argument types (returns void) or (argument types, return
-    type); ``fallback``: what
-    the caller does without it, for the one warning a failed build gives."""
+    ``signatures``: function name -> ctypes argument types (returns void) or (argument types,
+    return type); ``fallback``: what the caller does without it, for the one warning a failed
+    build gives."""
 
     def __init__(self, stem: str, env: str, signatures: dict, fallback: str):
         self.stem, self.env, self.signatures, self.fallback = stem, env, signatures, fallback

@@ -25,10 +25,8 @@ def _role_table(role: tuple, stacked_dim: int):
     (0, 0) for every expert when the role is absent."""
     if not role:
         return lambda e: (0, 0)
-    first = role[0]
     if is_stacked(role, stacked_dim):
-        base, step = first.data_ptr(), first.stride(0) * _FP32_BYTES
-        ld = first.stride(1) if stacked_dim == 3 else 0
+        base, step, ld = _role_fields(role)
         return lambda e: (base + e * step, ld)
     return lambda e: (role[e].data_ptr(), role[e].stride(0) if stacked_dim == 3 else 0)
 
@@ -158,7 +156,8 @@ def one_call_fits(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs) 
 
 
 def _role_fields(role: tuple) -> list[int]:
-    """(base pointer, bytes between experts, row stride in elements) of a stacked role; zeros if absent."""
+    """(base pointer, bytes between experts, row stride in elements; 0 for a bias) of a stacked
+    role; zeros if absent."""
     if not role:
         return [0, 0, 0]
     t = role[0]

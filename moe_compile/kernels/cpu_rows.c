@@ -21,7 +21,6 @@
  * Built by moe_compile/kernels/cpu_cc.py with `cc -O3 -mavx2 -mfma -fopenmp` on first use.
  */
 #include <immintrin.h>
-#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 
@@ -56,20 +55,11 @@ static void gather_part(const int64_t *f, int64_t part, int64_t parts) {
 }
 
 static void swiglu_part(const int64_t *f, int64_t part, int64_t parts) {
-    int64_t lo, hi, n = f[S_F];
+    int64_t lo, hi;
     part_range(f[S_N], part, parts, &lo, &hi);
-    for (int64_t r = lo; r < hi; ++r) {
-        const float *g = PTR(const float, f, S_GATE) + r * f[S_LDG], *u = PTR(const float, f, S_UP) + r * f[S_LDU];
-        float *o = PTR(float, f, S_OUT) + r * f[S_LDO];
-        float s = row_scale(PTR(const float, f, S_SCALE), r);
-        __m256 vs = _mm256_set1_ps(s);
-        int64_t j = 0;
-        for (; j + 8 <= n; j += 8) {
-            __m256 silu = silu8(_mm256_loadu_ps(g + j));
-            _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_mul_ps(silu, _mm256_loadu_ps(u + j)), vs));
-        }
-        for (; j < n; ++j) o[j] = g[j] / (1.f + expf(-g[j])) * u[j] * s;
-    }
+    for (int64_t r = lo; r < hi; ++r)
+        swiglu_span(PTR(float, f, S_OUT) + r * f[S_LDO], PTR(const float, f, S_GATE) + r * f[S_LDG],
+                    PTR(const float, f, S_UP) + r * f[S_LDU], 0, f[S_F], 0.f, row_scale(PTR(const float, f, S_SCALE), r));
 }
 
 /* Columns, not rows, per part: repeated indices (one token routed twice to the same expert by a

@@ -4,6 +4,7 @@
 #define MOE_COMPILE_CPU_SIMD_H
 
 #include <immintrin.h>
+#include <stdint.h>
 
 /* e^x on 8 lanes: x = n ln2 + r, |r| <= ln2/2, e^r by a degree-7 polynomial (Cephes' expf
  * coefficients), 2^n built in the exponent bits.  Max relative error ~2e-7 (as torch's Sleef
@@ -30,6 +31,33 @@ static inline __m256 exp8(__m256 x) {
 /* silu(x) = x / (1 + e^-x) on 8 lanes. */
 static inline __m256 silu8(__m256 x) {
     return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
+/* silu(g) * u of one element, clamped first when limit > 0 (g <= limit, |u| <= limit). */
+static inline float swiglu1(float g, float u, float limit) {
+    if (limit > 0.f) {
+        g = g < limit ? g : limit;
+        u = u < -limit ? -limit : (u > limit ? limit : u);
+    }
+    return _mm256_cvtss_f32(silu8(_mm256_set1_ps(g))) * u;  /* the vector form: no libm needed */
+}
+
+/* out[j] = silu(gate[j]) * up[j] * s for j in [j0, j1), gate and up contiguous, clamped as
+ * swiglu1 when limit > 0: the SwiGLU of both kernels (cpu_rows' prefill steps, cpu_skinny's
+ * decode FFN), eight lanes at a time. */
+static inline void swiglu_span(float *out, const float *gate, const float *up, int64_t j0, int64_t j1,
+                               float limit, float s) {
+    const __m256 lim = _mm256_set1_ps(limit), nlim = _mm256_set1_ps(-limit), vs = _mm256_set1_ps(s);
+    int64_t j = j0;
+    for (; j + 8 <= j1; j += 8) {
+        __m256 g = _mm256_loadu_ps(gate + j), u = _mm256_loadu_ps(up + j);
+        if (limit > 0.f) {
+            g = _mm256_min_ps(g, lim);
+            u = _mm256_min_ps(_mm256_max_ps(u, nlim), lim);
+        }
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_mul_ps(silu8(g), u), vs));
+    }
+    for (; j < j1; ++j) out[j] = swiglu1(gate[j], up[j], limit) * s;
 }
 
 #endif

@@ -195,38 +195,19 @@ static void moe_skinny_run(const int64_t *tasks, int64_t ntasks, int64_t part, i
  *   times scale[r] when given (routing weight "between" activation and FC2). */
 enum { A_H, A_LDH, A_A, A_LDA, A_ROWS, A_F, A_INTERLEAVED, A_SCALE, ACT_FIELDS };
 
-static inline float silu_mul(float g, float u, float limit) {
-    if (limit > 0.f) {
-        g = g < limit ? g : limit;
-        u = u < -limit ? -limit : (u > limit ? limit : u);
-    }
-    return _mm256_cvtss_f32(silu8(_mm256_set1_ps(g))) * u;  /* the vector form: no libm needed */
-}
-
 /* Columns c0..c1 of every row (the halves layout eight at a time). */
 static void run_swiglu(const int64_t *f, float limit, int64_t c0, int64_t c1) {
     const float *h = (const float *)(intptr_t)f[A_H], *scale = (const float *)(intptr_t)f[A_SCALE];
     float *a = (float *)(intptr_t)f[A_A];
     int64_t F = f[A_F], ldh = f[A_LDH], lda = f[A_LDA];
-    const __m256 lim = _mm256_set1_ps(limit), nlim = _mm256_set1_ps(-limit);
     for (int64_t r = 0; r < f[A_ROWS]; ++r) {
         const float *hr = h + r * ldh;
         float *ar = a + r * lda;
         float s = scale ? scale[r] : 1.f;
-        int64_t c = c0;
-        if (!f[A_INTERLEAVED]) {
-            for (; c + 8 <= c1; c += 8) {
-                __m256 g = _mm256_loadu_ps(hr + c), u = _mm256_loadu_ps(hr + F + c);
-                if (limit > 0.f) {
-                    g = _mm256_min_ps(g, lim);
-                    u = _mm256_min_ps(_mm256_max_ps(u, nlim), lim);
-                }
-                _mm256_storeu_ps(ar + c, _mm256_mul_ps(_mm256_mul_ps(silu8(g), u), _mm256_set1_ps(s)));
-            }
-            for (; c < c1; ++c) ar[c] = silu_mul(hr[c], hr[F + c], limit) * s;
-        } else {
-            for (; c < c1; ++c) ar[c] = silu_mul(hr[2 * c], hr[2 * c + 1], limit) * s;
-        }
+        if (!f[A_INTERLEAVED])
+            swiglu_span(ar, hr, hr + F, c0, c1, limit, s);
+        else
+            for (int64_t c = c0; c < c1; ++c) ar[c] = swiglu1(hr[2 * c], hr[2 * c + 1], limit) * s;
     }
 }
 
