@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_compile.ir import ExpertWeights, FFNAttrs, is_stacked
-from moe_compile.kernels import cpu_decode, cpu_memory, cpu_onednn, cpu_prepack, cpu_rows
+from moe_compile.kernels import cpu_decode, cpu_experts, cpu_memory, cpu_onednn, cpu_prepack, cpu_rows
 from moe_compile.kernels.reference import compute_dtype, gated_activation
 
 
@@ -432,7 +432,9 @@ def fused_moe_cpu(
     gs = topk_weights.reshape(-1).index_select(0, valid).to(x.dtype)[:, None]  # [S', 1]
     if cpu_decode.fits(x, w, bounds):
         return _fused_decode(x, tokens, gs, w, attrs, bounds, fc1_out)
-    packed = cpu_prepack.lookup(x, w) if fc1_out is None else None
+    packed = cpu_prepack.lookup(x, w, attrs) if fc1_out is None else None
+    if packed is not None and packed.fused:
+        return cpu_experts.run(x, tokens, gs, packed, w, attrs, bounds, torch.get_num_threads())
     if packed is not None:
         return _packed_experts(x, tokens, gs, w, packed, attrs, bounds)
     if fc1_out is not None or not grouped_gemm_fits(x, w, segment_rows(bounds)):

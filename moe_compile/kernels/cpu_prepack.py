@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_compile.ir import ExpertWeights
-from moe_compile.kernels import cpu_onednn
+from moe_compile.ir import ExpertWeights, FFNAttrs
+from moe_compile.kernels import cpu_experts, cpu_onednn
 
 ENV = "MOE_COMPILE_PREPACK"
 # Calls that must see a weight unchanged before the one that packs it (tests set 0: pack at once).
@@ -42,10 +42,13 @@ UNCHANGED_CALLS_BEFORE_PACKING = 1
 
 
 def unavailable_reason() -> str | None:
-    """Why packed GEMMs are not used in this process, or None when they are."""
+    """Why packed GEMMs are not used in this process, or None when they are (on oneDNN, on the
+    fused experts kernel, or both)."""
     if os.environ.get(ENV, "1") == "0":
         return f"{ENV}=0"
-    return cpu_onednn.unavailable_reason()
+    if cpu_onednn.available() or cpu_experts.available():
+        return None
+    return f"{cpu_onednn.unavailable_reason()}; fused experts kernel: {cpu_experts.unavailable_reason()}"
 
 
 def available() -> bool:
@@ -67,6 +70,7 @@ class _Seen:
     data_ptr: int
     version: int
     packs: list | None = None  # one per expert the tensor holds
+    fmt: str | None = None  # what the packs are (``_formats``)
     trained: bool = False
     unchanged_calls: int = 0  # earlier calls that saw it as it is now
 
@@ -129,16 +133,39 @@ def _available_bytes() -> int:
 
 @dataclass(frozen=True)
 class PackedExperts:
-    """Per-expert packed weights of one call's roles (None for an absent role)."""
+    """Per-expert packed weights of one call's roles (None for an absent role).  ``fused``: panels
+    for ``cpu_experts`` (else oneDNN's layout for ``cpu_onednn.linear``)."""
 
     fc1: list
     fc1_up: list | None
     fc2: list
+    fused: bool = False
 
 
-def lookup(x: torch.Tensor, w: ExpertWeights) -> PackedExperts | None:
+FUSED, FUSED_DEINTERLEAVED, ONEDNN = "panels", "panels, gate/up de-interleaved", "onednn"
+
+
+def _formats(x, w: ExpertWeights, attrs: FFNAttrs | None) -> list | None:
+    """The pack format of each tensor of w.fc1, w.fc1_up, w.fc2 (in that order) for this call:
+    panels where the fused experts kernel takes it, oneDNN's otherwise; None when neither runs."""
+    if attrs is not None and cpu_experts.fits(x, w, attrs):
+        fc1 = FUSED_DEINTERLEAVED if attrs.gate_up == "interleaved" else FUSED
+        return [fc1] * len(w.fc1) + [FUSED] * (len(w.fc1_up) + len(w.fc2))
+    if not cpu_onednn.available():
+        return None
+    return [ONEDNN] * (len(w.fc1) + len(w.fc1_up) + len(w.fc2))
+
+
+def _pack_tensor(t: torch.Tensor, fmt: str, transposed: bool) -> list:
+    if fmt == ONEDNN:
+        return [pack(m) for m in _experts_of(t, transposed)]
+    return cpu_experts.pack(t, transposed, deinterleave=fmt == FUSED_DEINTERLEAVED)
+
+
+def lookup(x: torch.Tensor, w: ExpertWeights, attrs: FFNAttrs | None = None) -> PackedExperts | None:
     """The packed weights for this call, packing them now when they have been stable since the
-    last call; None when this call runs on the weights as the model holds them."""
+    last call; None when this call runs on the weights as the model holds them.  With ``attrs``,
+    panels for the fused experts kernel where it takes the call (``cpu_experts.fits``)."""
     roles = [w.fc1, w.fc1_up, w.fc2]
     tensors = [t for role in roles for t in role]
     biases = [t for role in (w.fc1_bias, w.fc1_up_bias, w.fc2_bias) for t in role]
@@ -147,21 +174,25 @@ def lookup(x: torch.Tensor, w: ExpertWeights) -> PackedExperts | None:
         return None
     if x.dtype != torch.float32 or x.device.type != "cpu" or not available():
         return None
+    formats = _formats(x, w, attrs)
+    if formats is None:
+        return None
     seen = [_observe(t) for t in tensors]  # every tensor is observed, so stability is per call
     if any(s is None or s.trained or s.unchanged_calls < UNCHANGED_CALLS_BEFORE_PACKING for s in seen):
         return None
-    missing = [(t, s) for t, s in zip(tensors, seen) if s.packs is None]
-    if missing and sum(t.nbytes for t, _ in missing) * 2 > _available_bytes():
+    missing = [(t, s, f) for t, s, f in zip(tensors, seen, formats) if s.packs is None or s.fmt != f]
+    if missing and sum(t.nbytes for t, _, _ in missing) * 2 > _available_bytes():
         _REFUSED["memory"] += 1
         return None
-    for t, s in missing:
-        s.packs = [pack(m) for m in _experts_of(t, w.transposed)]
+    for t, s, fmt in missing:
+        s.packs, s.fmt = None, None  # a pack in another format goes before the new one is made
+        s.packs, s.fmt = _pack_tensor(t, fmt, w.transposed), fmt
     by_role = iter(seen)
 
     def packs_of(role):
         return [p for _ in role for p in next(by_role).packs] if role else None
 
-    return PackedExperts(packs_of(w.fc1), packs_of(w.fc1_up), packs_of(w.fc2))
+    return PackedExperts(packs_of(w.fc1), packs_of(w.fc1_up), packs_of(w.fc2), fused=formats[0] != ONEDNN)
 
 
 def _forget(tensors) -> None:

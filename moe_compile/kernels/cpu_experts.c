@@ -1,0 +1,261 @@
+/* Every expert's SwiGLU FFN of a CPU prefill call in one kernel call: FC1 with the SwiGLU in its
+ * epilogue, FC2 with the weighted combine into y in its epilogue (kernels/cpu.py, _fused_experts).
+ *
+ * Why: the per-expert loop on oneDNN pays, for each of 64 experts, two oneDNN calls (~14 us of
+ * fixed cost each), the Python between them and a C call for the rows' gather / SwiGLU /
+ * combine (~8 ms of a ~75 ms fine-grained T=512 call, 2-core CI VM).  Here the tokens' rows are
+ * read from x where they lie (no gather), FC1's output never leaves the tile (no [n, 2F] buffer)
+ * and FC2's output goes straight into y.  The GEMM tiles run at oneDNN's speed on this VM (all 64
+ * experts' FC1 + FC2 at 64 rows each, fp32, 2 threads: 67 vs 70 ms, AVX-512 tile).
+ *
+ * Shapes:   T tokens, H hidden, F expert FFN width; slots sorted by expert, expert e owning rows
+ *           [bounds[e], bounds[e+1]) of tok [S'] (each slot's token) and scale [S'] (its routing
+ *           weight, NULL: 1).
+ * Weights:  packed in panels of 16 output rows: W [out, in] -> panel p = [in][16], element (k, j)
+ *           = W[16 p + j, k], panels one after another (moe_experts_pack).  Per expert: gate and
+ *           up [F, H] (K = H), down [H, F] (K = F), each a pointer to its first panel.
+ * Per expert, n rows:
+ *   FC1  a[r, f]     = swiglu(x[tok[r]] . gate[f], x[tok[r]] . up[f])       a: [n, F] scratch
+ *   FC2  y[tok[r], c] += scale[r] * (a[r] . down[c])
+ * Tiles:    MR rows x two V-column blocks: AVX-512 8 x (16 + 16), AVX2 6 x (8 + 8) (accumulators in
+ *           registers over the whole K).  FC1's two blocks are gate and up of the same V features;
+ *           FC2's are 2V consecutive columns of y.
+ * Threads:  each GEMM splits its column blocks ("units") into equal ranges over the OpenMP threads:
+ *           each weight is read once whatever the thread count, and each column of y has one writer
+ *           (a token routed twice to one expert never races).  One barrier per expert, between
+ *           FC1 and FC2; a is double-buffered, so the next expert's FC1 needs none.
+ *
+ * Built by moe_compile/kernels/cpu_cc.py with `cc -O3 -mavx2 -mfma -fopenmp` on first use; the
+ * AVX-512 tile is compiled for that target alone and run only where the CPU has it.
+ */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+
+#include "cpu_simd.h"
+
+#define PANEL 16
+#define MR_MAX 8
+#define V_MAX 16
+
+enum { ISA_AVX2 = 2, ISA_AVX512 = 512 };
+
+/* ---- tiles: c [mr][2V] = A rows . [b0 | b1], b0 / b1 stepping PANEL floats per k ---- */
+
+#define AVX512 __attribute__((target("avx512f,avx2,fma"), always_inline)) static inline
+#define ROW512(R)                                                                    \
+    if (mr > R) {                                                                    \
+        __m512 av = _mm512_set1_ps(a##R[k]);                                         \
+        c##R##0 = _mm512_fmadd_ps(av, v0, c##R##0);                                  \
+        c##R##1 = _mm512_fmadd_ps(av, v1, c##R##1);                                  \
+    }
+#define STORE512(R)                                                                  \
+    if (mr > R) {                                                                    \
+        _mm512_storeu_ps(c + R * 32, c##R##0);                                       \
+        _mm512_storeu_ps(c + R * 32 + 16, c##R##1);                                  \
+    }
+
+AVX512 void tile512(const int mr, const float *const *a, const float *b0, const float *b1, int64_t K, float *c) {
+    const float *a0 = a[0], *a1 = a[mr > 1], *a2 = a[mr > 2 ? 2 : 0], *a3 = a[mr > 3 ? 3 : 0],
+                *a4 = a[mr > 4 ? 4 : 0], *a5 = a[mr > 5 ? 5 : 0], *a6 = a[mr > 6 ? 6 : 0], *a7 = a[mr > 7 ? 7 : 0];
+    __m512 z = _mm512_setzero_ps();
+    __m512 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z;
+    __m512 c40 = z, c41 = z, c50 = z, c51 = z, c60 = z, c61 = z, c70 = z, c71 = z;
+    for (int64_t k = 0; k < K; ++k) {
+        __m512 v0 = _mm512_loadu_ps(b0 + k * PANEL), v1 = _mm512_loadu_ps(b1 + k * PANEL);
+        ROW512(0) ROW512(1) ROW512(2) ROW512(3) ROW512(4) ROW512(5) ROW512(6) ROW512(7)
+    }
+    STORE512(0) STORE512(1) STORE512(2) STORE512(3) STORE512(4) STORE512(5) STORE512(6) STORE512(7)
+}
+
+__attribute__((target("avx512f,avx2,fma"))) static void tile512_any(int mr, const float *const *a, const float *b0,
+                                                                    const float *b1, int64_t K, float *c) {
+    switch (mr) {
+    case 8: tile512(8, a, b0, b1, K, c); break;
+    case 7: tile512(7, a, b0, b1, K, c); break;
+    case 6: tile512(6, a, b0, b1, K, c); break;
+    case 5: tile512(5, a, b0, b1, K, c); break;
+    case 4: tile512(4, a, b0, b1, K, c); break;
+    case 3: tile512(3, a, b0, b1, K, c); break;
+    case 2: tile512(2, a, b0, b1, K, c); break;
+    default: tile512(1, a, b0, b1, K, c); break;
+    }
+}
+
+#define AVX2 __attribute__((always_inline)) static inline
+#define ROW256(R)                                                                    \
+    if (mr > R) {                                                                    \
+        __m256 av = _mm256_broadcast_ss(a##R + k);                                   \
+        c##R##0 = _mm256_fmadd_ps(av, v0, c##R##0);                                  \
+        c##R##1 = _mm256_fmadd_ps(av, v1, c##R##1);                                  \
+    }
+#define STORE256(R)                                                                  \
+    if (mr > R) {                                                                    \
+        _mm256_storeu_ps(c + R * 16, c##R##0);                                       \
+        _mm256_storeu_ps(c + R * 16 + 8, c##R##1);                                   \
+    }
+
+AVX2 void tile256(const int mr, const float *const *a, const float *b0, const float *b1, int64_t K, float *c) {
+    const float *a0 = a[0], *a1 = a[mr > 1], *a2 = a[mr > 2 ? 2 : 0], *a3 = a[mr > 3 ? 3 : 0],
+                *a4 = a[mr > 4 ? 4 : 0], *a5 = a[mr > 5 ? 5 : 0];
+    __m256 z = _mm256_setzero_ps();
+    __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z, c40 = z, c41 = z, c50 = z, c51 = z;
+    for (int64_t k = 0; k < K; ++k) {
+        __m256 v0 = _mm256_loadu_ps(b0 + k * PANEL), v1 = _mm256_loadu_ps(b1 + k * PANEL);
+        ROW256(0) ROW256(1) ROW256(2) ROW256(3) ROW256(4) ROW256(5)
+    }
+    STORE256(0) STORE256(1) STORE256(2) STORE256(3) STORE256(4) STORE256(5)
+}
+
+static void tile256_any(int mr, const float *const *a, const float *b0, const float *b1, int64_t K, float *c) {
+    switch (mr) {
+    case 6: tile256(6, a, b0, b1, K, c); break;
+    case 5: tile256(5, a, b0, b1, K, c); break;
+    case 4: tile256(4, a, b0, b1, K, c); break;
+    case 3: tile256(3, a, b0, b1, K, c); break;
+    case 2: tile256(2, a, b0, b1, K, c); break;
+    default: tile256(1, a, b0, b1, K, c); break;
+    }
+}
+
+/* The ISA's tile shape: rows MR, block width V. */
+typedef struct {
+    int isa, mr, v;
+} Shape;
+
+static Shape shape_of(int64_t isa) {
+    Shape s = {ISA_AVX2, 6, 8};
+    if (isa == ISA_AVX512) s.isa = ISA_AVX512, s.mr = 8, s.v = 16;
+    return s;
+}
+
+static void tile(Shape s, int mr, const float *const *a, const float *b0, const float *b1, int64_t K, float *c) {
+    if (s.isa == ISA_AVX512)
+        tile512_any(mr, a, b0, b1, K, c);
+    else
+        tile256_any(mr, a, b0, b1, K, c);
+}
+
+/* Column `col` (a multiple of 8) of a packed weight with K inputs: its panel, then its lane. */
+static const float *column(const float *packed, int64_t col, int64_t K) {
+    return packed + (col / PANEL) * K * PANEL + col % PANEL;
+}
+
+/* Units [u0, u1) of `units` split evenly over the team. */
+static void my_units(int64_t units, int64_t *u0, int64_t *u1) {
+    int64_t t = omp_get_thread_num(), parts = omp_get_num_threads();
+    *u0 = units * t / parts, *u1 = units * (t + 1) / parts;
+}
+
+/* ---- one expert ---- */
+
+typedef struct {
+    const float *x;
+    int64_t ldx;
+    float *y;
+    int64_t ldy;
+    const int64_t *tok;
+    const float *scale;
+    int64_t H, F;
+    float limit;
+} Call;
+
+/* FC1 + SwiGLU of rows [lo, lo + n): this thread's features of a [n, F]. */
+static void fc1_swiglu(const Call *cl, Shape s, int64_t lo, int64_t n, const float *gate, const float *up, float *a) {
+    float c[MR_MAX * 2 * V_MAX];
+    const float *rows[MR_MAX];
+    int64_t u0, u1;
+    my_units(cl->F / s.v, &u0, &u1);
+    for (int64_t u = u0; u < u1; ++u) {
+        int64_t f0 = u * s.v;
+        const float *b0 = column(gate, f0, cl->H), *b1 = column(up, f0, cl->H);
+        for (int64_t r0 = 0; r0 < n; r0 += s.mr) {
+            int mr = n - r0 < s.mr ? (int)(n - r0) : s.mr;
+            for (int i = 0; i < mr; ++i) rows[i] = cl->x + cl->tok[lo + r0 + i] * cl->ldx;
+            tile(s, mr, rows, b0, b1, cl->H, c);
+            for (int i = 0; i < mr; ++i)
+                swiglu_span(a + (r0 + i) * cl->F + f0, c + i * 2 * s.v, c + i * 2 * s.v + s.v, 0, s.v, cl->limit, 1.f);
+        }
+    }
+}
+
+/* FC2 + weighted combine of rows [lo, lo + n): this thread's columns of y. */
+static void fc2_combine(const Call *cl, Shape s, int64_t lo, int64_t n, const float *down, const float *a) {
+    float c[MR_MAX * 2 * V_MAX];
+    const float *rows[MR_MAX];
+    int64_t u0, u1, w = 2 * s.v;
+    my_units(cl->H / w, &u0, &u1);
+    for (int64_t u = u0; u < u1; ++u) {
+        int64_t c0 = u * w;
+        const float *b0 = column(down, c0, cl->F), *b1 = column(down, c0 + s.v, cl->F);
+        for (int64_t r0 = 0; r0 < n; r0 += s.mr) {
+            int mr = n - r0 < s.mr ? (int)(n - r0) : s.mr;
+            for (int i = 0; i < mr; ++i) rows[i] = a + (r0 + i) * cl->F;
+            tile(s, mr, rows, b0, b1, cl->F, c);
+            for (int i = 0; i < mr; ++i) {
+                int64_t slot = lo + r0 + i;
+                float k = cl->scale ? cl->scale[slot] : 1.f, *dst = cl->y + cl->tok[slot] * cl->ldy + c0;
+                for (int64_t j = 0; j < w; ++j) dst[j] += k * c[i * w + j];
+            }
+        }
+    }
+}
+
+/* ---- entry points ---- */
+
+/* The widest tile this CPU runs: ISA_AVX512 or ISA_AVX2. */
+int64_t moe_experts_best_isa(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") ? ISA_AVX512 : ISA_AVX2;
+}
+
+/* Call fields, int64 each (pointers as integers):
+ *   x, ldx, y, ldy, tok, scale (0: none), H, F, scratch (2 * max_rows * F floats), isa
+ * experts: E rows of (gate, up, down) packed-weight pointers; bounds: E + 1 slot offsets (rows of
+ * tok / scale).  Returns 0, or -1 for an ISA this CPU lacks or sizes the tiles do not divide. */
+enum { C_X, C_LDX, C_Y, C_LDY, C_TOK, C_SCALE, C_H, C_F, C_SCRATCH, C_ISA };
+#define PTR(type, f, i) ((type *)(intptr_t)(f)[i])
+
+int64_t moe_experts_run(const int64_t *f, const int64_t *experts, const int64_t *bounds, int64_t num_experts,
+                        float limit, int64_t nthreads) {
+    Shape s = shape_of(f[C_ISA]);
+    if (f[C_ISA] != s.isa || (s.isa == ISA_AVX512 && moe_experts_best_isa() != ISA_AVX512))
+        return -1;
+    if (f[C_F] % PANEL || f[C_H] % PANEL || f[C_H] % (2 * s.v)) return -1;
+    Call cl = {PTR(const float, f, C_X), f[C_LDX], PTR(float, f, C_Y), f[C_LDY], PTR(const int64_t, f, C_TOK),
+               PTR(const float, f, C_SCALE), f[C_H], f[C_F], limit};
+    int64_t max_rows = 0;
+    for (int64_t e = 0; e < num_experts; ++e)
+        if (bounds[e + 1] - bounds[e] > max_rows) max_rows = bounds[e + 1] - bounds[e];
+    float *scratch[2] = {PTR(float, f, C_SCRATCH), PTR(float, f, C_SCRATCH) + max_rows * f[C_F]};
+#pragma omp parallel num_threads(nthreads)
+    {
+        int64_t done = 0;
+        for (int64_t e = 0; e < num_experts; ++e) {
+            int64_t lo = bounds[e], n = bounds[e + 1] - lo;
+            if (n <= 0) continue;
+            const int64_t *w = experts + 3 * e;
+            float *a = scratch[done++ & 1];
+            fc1_swiglu(&cl, s, lo, n, PTR(const float, w, 0), PTR(const float, w, 1), a);
+#pragma omp barrier
+            fc2_combine(&cl, s, lo, n, PTR(const float, w, 2), a);
+        }
+    }
+    return 0;
+}
+
+/* Pack `count` weights W [out, in] (element (o, k) at w + i * ld_w + o * ld_out + k * ld_in for
+ * weight i; any strides, so transposed and interleaved views need no copy) into panels at
+ * dst + i * out * in; out a multiple of PANEL. */
+void moe_experts_pack(const float *w, int64_t count, int64_t ld_w, int64_t ld_out, int64_t ld_in, int64_t out,
+                      int64_t in, float *dst, int64_t nthreads) {
+    int64_t panels = out / PANEL;
+#pragma omp parallel for collapse(2) num_threads(nthreads)
+    for (int64_t i = 0; i < count; ++i)
+        for (int64_t p = 0; p < panels; ++p) {
+            const float *src = w + i * ld_w + p * PANEL * ld_out;
+            float *d = dst + i * out * in + p * in * PANEL;
+            for (int64_t k = 0; k < in; ++k)
+                for (int64_t j = 0; j < PANEL; ++j) d[k * PANEL + j] = src[j * ld_out + k * ld_in];
+        }
+}
