@@ -56,18 +56,20 @@ def _skinny_status() -> str:
 
 
 def _prefill_status() -> str:
-    """Which GEMMs fp32 prefill runs on (cpu_onednn, cpu_prepack), the row work between them
-    (cpu_rows), and why."""
-    from moe_compile.kernels import cpu_onednn, cpu_prepack, cpu_rows
+    """What fp32 prefill runs on (cpu_experts, cpu_onednn, cpu_prepack, cpu_rows), and why."""
+    from moe_compile.kernels import cpu_experts, cpu_onednn, cpu_prepack, cpu_rows
 
-    if not cpu_onednn.available():
-        return f"torch (MKL) GEMMs per expert (oneDNN unavailable: {cpu_onednn.unavailable_reason()})"
     if not cpu_prepack.available():
-        return f"oneDNN GEMMs on the weights as held (packed weights unavailable: {cpu_prepack.unavailable_reason()})"
+        return f"per-expert GEMMs (oneDNN, or MKL without it) on the weights as held (packed weights unavailable: {cpu_prepack.unavailable_reason()})"
+    packs = f"inference packs expert weights at the second call that sees them unchanged ({cpu_prepack.ENV}=0: off)"
+    fused = (f"kernels/cpu_experts.c ({'AVX-512' if cpu_experts.best_isa() == cpu_experts.ISA_AVX512 else 'AVX2'} "
+             f"tiles) for SwiGLU experts without biases" if cpu_experts.available()
+             else f"no fused experts kernel ({cpu_experts.unavailable_reason()})")
+    if not cpu_onednn.available():
+        return f"{packs}; {fused}; others per-expert MKL GEMMs (oneDNN unavailable: {cpu_onednn.unavailable_reason()})"
     rows = ("kernels/cpu_rows.c" if cpu_rows.available()
             else f"torch ops (row kernels unavailable: {cpu_rows.unavailable_reason()})")
-    return (f"oneDNN GEMMs; inference packs expert weights at the second call that sees them unchanged "
-            f"({cpu_prepack.ENV}=0 or {cpu_onednn.ENV}=0 turn that off); gather, SwiGLU and combine on {rows}")
+    return f"{packs}; {fused}; others oneDNN GEMMs per expert with gather, SwiGLU and combine on {rows}"
 
 
 def describe() -> str:

@@ -1,7 +1,7 @@
 """``moe-compile devices``: what this machine runs, including which CPU decode path and why."""
 
 from moe_compile import devices
-from moe_compile.kernels import cpu_cc, cpu_onednn, cpu_prepack, cpu_rows, cpu_skinny
+from moe_compile.kernels import cpu_cc, cpu_experts, cpu_onednn, cpu_prepack, cpu_rows, cpu_skinny
 
 
 def test_describe_names_the_cpu_decode_path():
@@ -17,9 +17,10 @@ def test_describe_names_the_cpu_prefill_path(monkeypatch):
         return next(ln for ln in devices.describe().splitlines() if ln.startswith("cpu prefill:"))
 
     if cpu_prepack.available():
-        assert "oneDNN" in line() and "packs" in line()
+        assert "packs" in line() and "oneDNN" in line()
+        assert ("cpu_experts.c" if cpu_experts.available() else cpu_experts.unavailable_reason()) in line()
         assert ("cpu_rows.c" if cpu_rows.available() else cpu_rows.unavailable_reason()) in line()
-    monkeypatch.setenv(cpu_prepack.ENV, "0")
-    assert f"{cpu_prepack.ENV}=0" in line() and "unavailable" in line()
     monkeypatch.setenv(cpu_onednn.ENV, "0")
     assert f"{cpu_onednn.ENV}=0" in line() and "MKL" in line()
+    monkeypatch.setenv(cpu_prepack.ENV, "0")
+    assert f"{cpu_prepack.ENV}=0" in line() and "unavailable" in line()

@@ -13,8 +13,10 @@ Plan (one host sync, no per-call weight copies):
      (``cpu_decode.SMALL_EXPERT_FLOPS``): ``_fused_decode``, the skinny C kernel for all experts
      (FC1, SwiGLU, FC2 in one call where the activation allows), reading x by token and adding
      each slot's weighted FC2 output into y (``cpu_decode``);
-  3. prefill, fp32 inference on weights packed for oneDNN (``cpu_prepack``): ``_packed_experts``,
-     expert by expert from x's rows to y's (gather, SwiGLU, combine on ``cpu_rows``' C loops);
+  3. prefill, fp32 inference on packed weights (``cpu_prepack``): SwiGLU experts without biases
+     (``cpu_experts.fits``) in one call of the fused experts kernel, FC1 + SwiGLU + FC2 + combine
+     (``cpu_experts``); the others ``_packed_experts``: oneDNN GEMMs expert by expert from x's
+     rows to y's (gather, SwiGLU, combine on ``cpu_rows``' C loops);
   4. large experts on stacked weights without biases that oneDNN does not run (bf16): the S'
      valid slots' token rows gathered once -> xs [S', H], FC1 and FC2 as one native grouped GEMM
      each (``torch._grouped_mm``), the activation once over all rows, the routing weight, one

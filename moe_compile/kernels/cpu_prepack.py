@@ -1,4 +1,5 @@
-"""Expert weights prepacked for oneDNN: CPU prefill GEMMs at the dense GEMM's speed.
+"""Expert weights prepacked once for CPU prefill: in 16-row panels for the fused experts kernel
+(``cpu_experts``) where it takes the call, else in oneDNN's blocked layout for per-expert GEMMs.
 
 Shapes:  W [out, in] one expert's weight of one role (a slice of a stacked [E, out, in] tensor,
          [E, in, out] when transposed, or the model's own per-expert tensor); x [n, in] the rows
@@ -17,9 +18,9 @@ The price is a second copy of the experts' weights, so packing is automatic only
   read from the model again; the stale pack is dropped;
 * never for a weight the backward computed a gradient for (``mark_trained``): training repacks
   would cost more than they save;
-* only fp32 on CPU with oneDNN built in, only when the packs fit in half of the available memory,
-  and not with ``MOE_COMPILE_PREPACK=0`` (nor ``MOE_COMPILE_ONEDNN=0``).  The GEMMs themselves
-  are ``cpu_onednn.linear``.
+* only fp32 on CPU with oneDNN built in or the fused kernel built, only when the packs fit in half
+  of the available memory, and not with ``MOE_COMPILE_PREPACK=0``.  A tensor holds packs of one
+  format: a call wanting the other (``cpu_experts.fits`` changed its answer) repacks it.
 
 Writes that bypass the version counter (``weight.data.copy_(...)``) are not seen: call
 ``moe_compile.kernels.cpu_prepack.clear()`` after them, or turn packing off.
