@@ -56,7 +56,7 @@ enum { ISA_AVX2 = 2, ISA_AVX512 = 512 };
     }
 
 AVX512 void tile512(const int mr, const float *const *a, const float *b0, const float *b1, int64_t K, float *c) {
-    const float *a0 = a[0], *a1 = a[mr > 1], *a2 = a[mr > 2 ? 2 : 0], *a3 = a[mr > 3 ? 3 : 0],
+    const float *a0 = a[0], *a1 = a[mr > 1 ? 1 : 0], *a2 = a[mr > 2 ? 2 : 0], *a3 = a[mr > 3 ? 3 : 0],
                 *a4 = a[mr > 4 ? 4 : 0], *a5 = a[mr > 5 ? 5 : 0], *a6 = a[mr > 6 ? 6 : 0], *a7 = a[mr > 7 ? 7 : 0];
     __m512 z = _mm512_setzero_ps();
     __m512 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z;
@@ -96,7 +96,7 @@ __attribute__((target("avx512f,avx2,fma"))) static void tile512_any(int mr, cons
     }
 
 AVX2 void tile256(const int mr, const float *const *a, const float *b0, const float *b1, int64_t K, float *c) {
-    const float *a0 = a[0], *a1 = a[mr > 1], *a2 = a[mr > 2 ? 2 : 0], *a3 = a[mr > 3 ? 3 : 0],
+    const float *a0 = a[0], *a1 = a[mr > 1 ? 1 : 0], *a2 = a[mr > 2 ? 2 : 0], *a3 = a[mr > 3 ? 3 : 0],
                 *a4 = a[mr > 4 ? 4 : 0], *a5 = a[mr > 5 ? 5 : 0];
     __m256 z = _mm256_setzero_ps();
     __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z, c40 = z, c41 = z, c50 = z, c51 = z;

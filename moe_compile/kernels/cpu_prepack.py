@@ -146,10 +146,10 @@ class PackedExperts:
 FUSED, FUSED_DEINTERLEAVED, ONEDNN = "panels", "panels, gate/up de-interleaved", "onednn"
 
 
-def _formats(x, w: ExpertWeights, attrs: FFNAttrs | None) -> list | None:
+def _formats(x, w: ExpertWeights, attrs: FFNAttrs) -> list | None:
     """The pack format of each tensor of w.fc1, w.fc1_up, w.fc2 (in that order) for this call:
     panels where the fused experts kernel takes it, oneDNN's otherwise; None when neither runs."""
-    if attrs is not None and cpu_experts.fits(x, w, attrs):
+    if cpu_experts.fits(x, w, attrs):
         fc1 = FUSED_DEINTERLEAVED if attrs.gate_up == "interleaved" else FUSED
         return [fc1] * len(w.fc1) + [FUSED] * (len(w.fc1_up) + len(w.fc2))
     if not cpu_onednn.available():
@@ -163,10 +163,10 @@ def _pack_tensor(t: torch.Tensor, fmt: str, transposed: bool) -> list:
     return cpu_experts.pack(t, transposed, deinterleave=fmt == FUSED_DEINTERLEAVED)
 
 
-def lookup(x: torch.Tensor, w: ExpertWeights, attrs: FFNAttrs | None = None) -> PackedExperts | None:
+def lookup(x: torch.Tensor, w: ExpertWeights, attrs: FFNAttrs) -> PackedExperts | None:
     """The packed weights for this call, packing them now when they have been stable since the
-    last call; None when this call runs on the weights as the model holds them.  With ``attrs``,
-    panels for the fused experts kernel where it takes the call (``cpu_experts.fits``)."""
+    last call; None when this call runs on the weights as the model holds them.  Panels for the
+    fused experts kernel where it takes the call (``cpu_experts.fits``), oneDNN's layout else."""
     roles = [w.fc1, w.fc1_up, w.fc2]
     tensors = [t for role in roles for t in role]
     biases = [t for role in (w.fc1_bias, w.fc1_up_bias, w.fc2_bias) for t in role]

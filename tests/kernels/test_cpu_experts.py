@@ -130,3 +130,19 @@ def test_unaligned_call_raises_instead_of_computing(monkeypatch):
     monkeypatch.setattr(cpu_experts, "fits", lambda *args: True)
     with pytest.raises(RuntimeError, match="refused H=64, F=8"):
         call_fused_moe(x, ids, g, w, FFNAttrs())
+
+
+def test_a_tensor_holds_packs_of_one_format(monkeypatch):
+    # The same weights called with the routing weight on the input (oneDNN's packs) and then on
+    # the output (panels): each call matches the reference, and the second replaces the first's
+    # packs instead of adding a second copy of the weights.
+    from moe_compile.kernels import cpu_onednn
+
+    if not cpu_onednn.available():
+        pytest.skip(f"no oneDNN: {cpu_onednn.unavailable_reason()}")
+    x, ids, g, w = make_case(T, H, F, E, K)
+    for weight_on in ("input", "output", "input"):
+        attrs = FFNAttrs(weight_on=weight_on)
+        torch.testing.assert_close(call_fused_moe(x, ids, g, w, attrs), fused_moe_reference(x, ids, g, w, attrs), **TOL)
+        stats = cpu_prepack.stats()
+        assert stats["tensors"] == 2 and stats["bytes"] == sum(t.nbytes for t in (*w.fc1, *w.fc2))
