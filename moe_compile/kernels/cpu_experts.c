@@ -22,8 +22,8 @@
  *           FC2's are 2V consecutive columns of y.
  * Threads:  each GEMM splits its column blocks ("units") into equal ranges over the OpenMP threads:
  *           each weight is read once whatever the thread count, and each column of y has one writer
- *           (a token routed twice to one expert never races).  One barrier per expert, between
- *           FC1 and FC2; a is double-buffered, so the next expert's FC1 needs none.
+ *           (a token routed twice to one expert never races).  One barrier per expert (per chunk of
+ *           its rows), between FC1 and FC2; a is double-buffered, so the next FC1 needs none.
  *
  * Built by moe_compile/kernels/cpu_cc.py with `cc -O3 -mavx2 -mfma -fopenmp` on first use; the
  * AVX-512 tile is compiled for that target alone and run only where the CPU has it.
@@ -210,10 +210,12 @@ int64_t moe_experts_best_isa(void) {
 }
 
 /* Call fields, int64 each (pointers as integers):
- *   x, ldx, y, ldy, tok, scale (0: none), H, F, scratch (2 * max_rows * F floats), isa
+ *   x, ldx, y, ldy, tok, scale (0: none), H, F, chunk, scratch (2 * chunk * F floats), isa
  * experts: E rows of (gate, up, down) packed-weight pointers; bounds: E + 1 slot offsets (rows of
- * tok / scale).  Returns 0, or -1 for an ISA this CPU lacks or sizes the tiles do not divide. */
-enum { C_X, C_LDX, C_Y, C_LDY, C_TOK, C_SCALE, C_H, C_F, C_SCRATCH, C_ISA };
+ * tok / scale).  An expert's rows run `chunk` at a time (FC1 then FC2), so the scratch stays
+ * small whatever T is.  Returns 0, or -1 for an ISA this CPU lacks or sizes the tiles do not
+ * divide. */
+enum { C_X, C_LDX, C_Y, C_LDY, C_TOK, C_SCALE, C_H, C_F, C_CHUNK, C_SCRATCH, C_ISA };
 #define PTR(type, f, i) ((type *)(intptr_t)(f)[i])
 
 int64_t moe_experts_run(const int64_t *f, const int64_t *experts, const int64_t *bounds, int64_t num_experts,
@@ -221,24 +223,23 @@ int64_t moe_experts_run(const int64_t *f, const int64_t *experts, const int64_t 
     Shape s = shape_of(f[C_ISA]);
     if (f[C_ISA] != s.isa || (s.isa == ISA_AVX512 && moe_experts_best_isa() != ISA_AVX512))
         return -1;
-    if (f[C_F] % PANEL || f[C_H] % PANEL || f[C_H] % (2 * s.v)) return -1;
+    if (f[C_F] % PANEL || f[C_H] % PANEL || f[C_H] % (2 * s.v) || f[C_CHUNK] < 1) return -1;
     Call cl = {PTR(const float, f, C_X), f[C_LDX], PTR(float, f, C_Y), f[C_LDY], PTR(const int64_t, f, C_TOK),
                PTR(const float, f, C_SCALE), f[C_H], f[C_F], limit};
-    int64_t max_rows = 0;
-    for (int64_t e = 0; e < num_experts; ++e)
-        if (bounds[e + 1] - bounds[e] > max_rows) max_rows = bounds[e + 1] - bounds[e];
-    float *scratch[2] = {PTR(float, f, C_SCRATCH), PTR(float, f, C_SCRATCH) + max_rows * f[C_F]};
+    int64_t chunk = f[C_CHUNK];
+    float *scratch[2] = {PTR(float, f, C_SCRATCH), PTR(float, f, C_SCRATCH) + chunk * f[C_F]};
 #pragma omp parallel num_threads(nthreads)
     {
-        int64_t done = 0;
+        int64_t step = 0;
         for (int64_t e = 0; e < num_experts; ++e) {
-            int64_t lo = bounds[e], n = bounds[e + 1] - lo;
-            if (n <= 0) continue;
             const int64_t *w = experts + 3 * e;
-            float *a = scratch[done++ & 1];
-            fc1_swiglu(&cl, s, lo, n, PTR(const float, w, 0), PTR(const float, w, 1), a);
+            for (int64_t lo = bounds[e]; lo < bounds[e + 1]; lo += chunk) {
+                int64_t n = bounds[e + 1] - lo < chunk ? bounds[e + 1] - lo : chunk;
+                float *a = scratch[step++ & 1];
+                fc1_swiglu(&cl, s, lo, n, PTR(const float, w, 0), PTR(const float, w, 1), a);
 #pragma omp barrier
-            fc2_combine(&cl, s, lo, n, PTR(const float, w, 2), a);
+                fc2_combine(&cl, s, lo, n, PTR(const float, w, 2), a);
+            }
         }
     }
     return 0;

@@ -41,6 +41,10 @@ ISA_AVX2, ISA_AVX512 = 2, 512
 PANEL = 16  # output rows per packed panel (the C file's PANEL)
 H_MULTIPLE, F_MULTIPLE = 32, 16  # FC2's widest tile spans 32 columns of y; FC1's 16 features
 _GATE_UPS = ("concat", "interleaved", "separate")
+# Rows of one expert per FC1 -> FC2 step: the scratch for FC1's output is 2 x CHUNK_ROWS x F
+# whatever T is (4 MiB at F=1024; an expert's whole [n, F] would be ~1 GiB for a real Mixtral,
+# F=14336, at T=32k), and the weights re-read per extra chunk cost ~3% of its arithmetic.
+CHUNK_ROWS = 512
 
 
 def available() -> bool:
@@ -107,13 +111,17 @@ def run(x, tokens, scale, packed, w: ExpertWeights, attrs: FFNAttrs, bounds: lis
     the E+1 host segment bounds of the sort.  ``isa``: force a tile (tests); default the best."""
     T, H = x.shape
     F = w.ffn()
+    scale = scale.reshape(-1)
+    if tokens.dtype != torch.int64 or not tokens.is_contiguous() or scale.dtype != torch.float32 \
+            or not scale.is_contiguous() or scale.shape != tokens.shape:
+        raise ValueError(f"cpu_experts.run: tokens must be contiguous int64 [S'] and scale contiguous fp32 [S'], got "
+                         f"{tokens.dtype} {tuple(tokens.shape)} and {scale.dtype} {tuple(scale.shape)}")
     y = torch.zeros(T, H, dtype=torch.float32)
     rel = [b - bounds[0] for b in bounds]
-    max_rows = max((b - a for a, b in zip(rel, rel[1:])), default=0)
-    scratch = cpu_memory.empty((2 * max_rows * F,), torch.float32, x.device)  # FC1's output, two experts
-    scale = scale.reshape(-1)
-    fields = (ctypes.c_int64 * 10)(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), tokens.data_ptr(),
-                                   scale.data_ptr(), H, F, scratch.data_ptr(), isa or best_isa())
+    chunk = min(CHUNK_ROWS, max(max((b - a for a, b in zip(rel, rel[1:])), default=1), 1))
+    scratch = cpu_memory.empty((2 * chunk * F,), torch.float32, x.device)  # FC1's output, two chunks
+    fields = (ctypes.c_int64 * 11)(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), tokens.data_ptr(),
+                                   scale.data_ptr(), H, F, chunk, scratch.data_ptr(), isa or best_isa())
     status = _KERNEL.lib().moe_experts_run(fields, _expert_table(packed, w, H, F), (ctypes.c_int64 * len(rel))(*rel),
                                            len(rel) - 1, attrs.limit, threads)
     if status != 0:

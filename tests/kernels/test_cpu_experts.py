@@ -86,6 +86,17 @@ def test_row_counts_around_the_tiles(isa, tokens, monkeypatch):
                                fused_moe_reference(x, ids, g, w, attrs), **TOL)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_experts_in_chunks_of_rows(isa, monkeypatch):
+    # Rows of one expert run CHUNK_ROWS at a time (5 here, ~18 rows per expert): each chunk's FC2
+    # adds into y on its own, and the chunks alternate between the two scratch halves.
+    monkeypatch.setattr(cpu_experts, "CHUNK_ROWS", 5)
+    x, ids, g, w = make_case(T, H, F, E, K)
+    attrs = FFNAttrs()
+    torch.testing.assert_close(run_fused(monkeypatch, isa, x, ids, g, w, attrs),
+                               fused_moe_reference(x, ids, g, w, attrs), **TOL)
+
+
 def test_pack_layout():
     # Panel p of an [out, in] weight is [in][16]: element (k, j) is W[16 p + j, k]; transposed
     # weights and de-interleaved gate/up rows pack to the same panels as their [out, in] form.
