@@ -79,6 +79,29 @@ def test_hf_block_matches_eager(name, impl, dtype):
     assert rel_err(first(got), want) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3"])
+def test_hf_prefill_runs_on_the_fused_experts_kernel(name, monkeypatch):
+    # From the call that packs the weights on, an fp32 prefill of these SwiGLU blocks runs in one
+    # call of cpu_experts.c; every call matches the block's own eager output.
+    from moe_compile.kernels import cpu_decode, cpu_experts, cpu_prepack
+
+    if not cpu_experts.available():
+        pytest.skip(f"no fused experts kernel: {cpu_experts.unavailable_reason()}")
+    monkeypatch.setattr(cpu_decode, "SMALL_EXPERT_FLOPS", 0)  # experts this tiny would take the skinny kernel
+    runs, real = [], cpu_experts.run
+    monkeypatch.setattr(cpu_experts, "run", lambda *args, **kw: (runs.append(1), real(*args, **kw))[1])
+    cpu_prepack.clear()
+    block = hf_block(name, "grouped_mm", torch.float32)
+    compiled = torch.compile(block, backend="moe")
+    x = torch.randn(2, 40, H)
+    with torch.no_grad():
+        want = first(block(x))
+        for call in range(3):
+            assert rel_err(first(compiled(x)), want) <= TOL[torch.float32], f"call {call}"
+    cpu_prepack.clear()
+    assert len(runs) == 3 - cpu_prepack.UNCHANGED_CALLS_BEFORE_PACKING
+
+
 def test_gpt_oss_lifted_with_its_biases_clamp_and_alpha():
     report = moe_compile.explain(hf_block("gpt_oss", "grouped_mm", torch.float32), torch.randn(1, 9, H))
     (r,) = report.rewritten

@@ -57,7 +57,7 @@ def unavailable_reason() -> str | None:
 
 @functools.cache
 def best_isa() -> int:
-    """ISA_AVX512 where the CPU has it, else ISA_AVX2 (asked once: ``fits`` runs every call)."""
+    """ISA_AVX512 where the CPU has it, else ISA_AVX2 (asked once: ``run`` reads it every call)."""
     return int(_KERNEL.lib().moe_experts_best_isa())
 
 
