@@ -94,7 +94,7 @@ def pack(t: torch.Tensor, transposed: bool, deinterleave: bool = False) -> list[
     return list(packed)
 
 
-def _expert_table(packed, w: ExpertWeights, hidden: int, ffn: int):
+def _expert_table(packed, hidden: int, ffn: int):
     """(gate, up, down) pointers of every expert as an int64 ctypes array [E * 3]."""
     up_offset = 4 * ffn * hidden  # concatenated: up's panels follow gate's F / 16
     ups = ([p.data_ptr() for p in packed.fc1_up] if packed.fc1_up is not None
@@ -122,7 +122,7 @@ def run(x, tokens, scale, packed, w: ExpertWeights, attrs: FFNAttrs, bounds: lis
     scratch = cpu_memory.empty((2 * chunk * F,), torch.float32, x.device)  # FC1's output, two chunks
     fields = (ctypes.c_int64 * 11)(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), tokens.data_ptr(),
                                    scale.data_ptr(), H, F, chunk, scratch.data_ptr(), isa or best_isa())
-    status = _KERNEL.lib().moe_experts_run(fields, _expert_table(packed, w, H, F), (ctypes.c_int64 * len(rel))(*rel),
+    status = _KERNEL.lib().moe_experts_run(fields, _expert_table(packed, H, F), (ctypes.c_int64 * len(rel))(*rel),
                                            len(rel) - 1, attrs.limit, threads)
     if status != 0:
         raise RuntimeError(f"cpu_experts: the kernel refused H={H}, F={F}, isa={isa or best_isa()} (status {status})")
