@@ -16,13 +16,15 @@ VM, fp32, 2 threads, medians of 10; ``benchmarks/bench_cpu_moe.py`` has the mode
   Mixtral T=2048, oneDNN held to AVX2:                     AVX2 263, oneDNN loop 286
 
 Built on first use (``cpu_cc``); where it cannot be, or ``MOE_COMPILE_FUSED=0``, ``fits`` is False
-and prefill keeps the oneDNN loop.
+and prefill keeps the oneDNN loop.  ``MOE_COMPILE_FUSED_ISA=avx2`` runs the AVX2 tile on a CPU with
+AVX-512 (to measure what a CPU without it gets).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import torch
 
@@ -55,10 +57,23 @@ def unavailable_reason() -> str | None:
     return _KERNEL.error()
 
 
+ISA_ENV = "MOE_COMPILE_FUSED_ISA"  # "avx2": the AVX2 tile even where AVX-512 is there (as on CI's CPUs)
+_ISA_NAMES = {"avx2": ISA_AVX2, "avx512": ISA_AVX512}
+
+
 @functools.cache
 def best_isa() -> int:
-    """ISA_AVX512 where the CPU has it, else ISA_AVX2 (asked once: ``run`` reads it every call)."""
-    return int(_KERNEL.lib().moe_experts_best_isa())
+    """ISA_AVX512 where the CPU has it, else ISA_AVX2, or what ``MOE_COMPILE_FUSED_ISA`` asks for
+    (asked once: ``run`` reads it every call)."""
+    best = int(_KERNEL.lib().moe_experts_best_isa())
+    asked = os.environ.get(ISA_ENV, "").lower()
+    if not asked:
+        return best
+    if asked not in _ISA_NAMES:
+        raise ValueError(f"{ISA_ENV}={asked!r}: use one of {sorted(_ISA_NAMES)} (or leave it unset)")
+    if _ISA_NAMES[asked] > best:
+        raise ValueError(f"{ISA_ENV}={asked}: this CPU has no AVX-512 (use avx2 or leave it unset)")
+    return _ISA_NAMES[asked]
 
 
 def fits(x: torch.Tensor, w: ExpertWeights, attrs: FFNAttrs) -> bool:

@@ -157,3 +157,28 @@ def test_a_tensor_holds_packs_of_one_format(monkeypatch):
         torch.testing.assert_close(call_fused_moe(x, ids, g, w, attrs), fused_moe_reference(x, ids, g, w, attrs), **TOL)
         stats = cpu_prepack.stats()
         assert stats["tensors"] == 2 and stats["bytes"] == sum(t.nbytes for t in (*w.fc1, *w.fc2))
+
+
+def test_isa_switch(monkeypatch):
+    # MOE_COMPILE_FUSED_ISA picks the tile; a name it does not know, or AVX-512 on a CPU without
+    # it, is an error that says what to set.
+    best = cpu_experts.best_isa()
+    try:
+        monkeypatch.setenv(cpu_experts.ISA_ENV, "avx2")
+        cpu_experts.best_isa.cache_clear()
+        assert cpu_experts.best_isa() == cpu_experts.ISA_AVX2
+        monkeypatch.setenv(cpu_experts.ISA_ENV, "sse")
+        cpu_experts.best_isa.cache_clear()
+        with pytest.raises(ValueError, match="use one of"):
+            cpu_experts.best_isa()
+        monkeypatch.setenv(cpu_experts.ISA_ENV, "avx512")
+        cpu_experts.best_isa.cache_clear()
+        if best == cpu_experts.ISA_AVX512:
+            assert cpu_experts.best_isa() == cpu_experts.ISA_AVX512
+        else:
+            with pytest.raises(ValueError, match="no AVX-512"):
+                cpu_experts.best_isa()
+    finally:
+        monkeypatch.delenv(cpu_experts.ISA_ENV)
+        cpu_experts.best_isa.cache_clear()
+    assert cpu_experts.best_isa() == best
