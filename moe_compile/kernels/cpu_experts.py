@@ -11,9 +11,10 @@ between activation and FC2, no biases, H a multiple of 32 and F of 16.  The tile
 the CPU has it, AVX2 otherwise: both beat the per-expert oneDNN loop with its row steps (2-core CI
 VM, fp32, 2 threads, medians of 10; ``benchmarks/bench_cpu_moe.py`` has the model-level figures):
 
-  fine-grained T=512       AVX-512 65 ms, AVX2 74, oneDNN loop 82 (dense-GEMM roof 69)
+  fine-grained T=512       AVX-512 65 ms, AVX2 71, oneDNN loop 82 (dense-GEMM roof 69)
   same, oneDNN held to AVX2 (as on a CPU without AVX-512): AVX2 80, oneDNN loop 94
   Mixtral T=2048, oneDNN held to AVX2:                     AVX2 263, oneDNN loop 286
+  (the last two with the AVX2 tile before it read A tile-packed: it is 3-6% faster now)
 
 Built on first use (``cpu_cc``); where it cannot be, or ``MOE_COMPILE_FUSED=0``, ``fits`` is False
 and prefill keeps the oneDNN loop.  ``MOE_COMPILE_FUSED_ISA=avx2`` runs the AVX2 tile on a CPU with
@@ -41,6 +42,7 @@ _KERNEL = cpu_cc.Kernel(
     "prefill keeps oneDNN GEMMs per expert")
 ISA_AVX2, ISA_AVX512 = 2, 512
 PANEL = 16  # output rows per packed panel (the C file's PANEL)
+MAX_TILE_ROWS = 8  # the C file's MR_MAX
 H_MULTIPLE, F_MULTIPLE = 32, 16  # FC2's widest tile spans 32 columns of y; FC1's 16 features
 _GATE_UPS = ("concat", "interleaved", "separate")
 # Rows of one expert per FC1 -> FC2 step: the scratch for FC1's output is 2 x CHUNK_ROWS x F
@@ -134,11 +136,14 @@ def run(x, tokens, scale, packed, w: ExpertWeights, attrs: FFNAttrs, bounds: lis
     y = torch.zeros(T, H, dtype=torch.float32)
     rel = [b - bounds[0] for b in bounds]
     chunk = min(CHUNK_ROWS, max(max((b - a for a, b in zip(rel, rel[1:])), default=1), 1))
-    scratch = cpu_memory.empty((2 * chunk * F,), torch.float32, x.device)  # FC1's output, two chunks
+    # FC1's output of two chunks (the C side's layout: its tiles' rows rounded up).
+    scratch = cpu_memory.empty((2 * (chunk + MAX_TILE_ROWS) * F,), torch.float32, x.device)
     fields = (ctypes.c_int64 * 11)(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), tokens.data_ptr(),
                                    scale.data_ptr(), H, F, chunk, scratch.data_ptr(), isa or best_isa())
     status = _KERNEL.lib().moe_experts_run(fields, _expert_table(packed, H, F), (ctypes.c_int64 * len(rel))(*rel),
                                            len(rel) - 1, attrs.limit, threads)
+    if status == -2:
+        raise MemoryError(f"cpu_experts: no memory for {4 * (chunk + MAX_TILE_ROWS) * H} B of packed rows")
     if status != 0:
         raise RuntimeError(f"cpu_experts: the kernel refused H={H}, F={F}, isa={isa or best_isa()} (status {status})")
     return y
