@@ -1,12 +1,13 @@
 /* Every expert's SwiGLU FFN of a CPU prefill call in one kernel call: FC1 with the SwiGLU in its
- * epilogue, FC2 with the weighted combine into y in its epilogue (kernels/cpu.py, _fused_experts).
+ * epilogue, FC2 with the weighted combine into y in its epilogue (called by kernels/cpu.py's
+ * fused_moe_cpu through cpu_experts.run).
  *
  * Why: the per-expert loop on oneDNN pays, for each of 64 experts, two oneDNN calls (~14 us of
  * fixed cost each), the Python between them and a C call for the rows' gather / SwiGLU /
- * combine (~8 ms of a ~75 ms fine-grained T=512 call, 2-core CI VM).  Here the tokens' rows are
- * read from x where they lie (no gather), FC1's output never leaves the tile (no [n, 2F] buffer)
- * and FC2's output goes straight into y.  The GEMM tiles run at oneDNN's speed on this VM (all 64
- * experts' FC1 + FC2 at 64 rows each, fp32, 2 threads: 67 vs 70 ms, AVX-512 tile).
+ * combine (~8 ms of a ~75 ms fine-grained T=512 call, 2-core CI VM).  Here FC1's output never
+ * leaves the tiles for more than the scratch a (no [n, 2F] buffer) and FC2's output goes
+ * straight into y.  The GEMM tiles run at oneDNN's speed on this VM (all 64 experts' FC1 + FC2
+ * at 64 rows each, fp32, 2 threads: 67 vs 70 ms, AVX-512 tile).
  *
  * Shapes:   T tokens, H hidden, F expert FFN width; slots sorted by expert, expert e owning rows
  *           [bounds[e], bounds[e+1]) of tok [S'] (each slot's token) and scale [S'] (its routing
@@ -14,16 +15,19 @@
  * Weights:  packed in panels of 16 output rows: W [out, in] -> panel p = [in][16], element (k, j)
  *           = W[16 p + j, k], panels one after another (moe_experts_pack).  Per expert: gate and
  *           up [F, H] (K = H), down [H, F] (K = F), each a pointer to its first panel.
- * Per expert, n rows:
+ * Per expert, n rows (a chunk of at most `chunk` of them at a time):
  *   FC1  a[r, f]     = swiglu(x[tok[r]] . gate[f], x[tok[r]] . up[f])       a: [n, F] scratch
  *   FC2  y[tok[r], c] += scale[r] * (a[r] . down[c])
  * Tiles:    MR rows x two V-column blocks: AVX-512 8 x (16 + 16), AVX2 6 x (8 + 8) (accumulators in
  *           registers over the whole K).  FC1's two blocks are gate and up of the same V features;
- *           FC2's are 2V consecutive columns of y.
+ *           FC2's are 2V consecutive columns of y.  The AVX-512 tile reads x's rows where they lie
+ *           (no gather); the AVX2 tile reads its A operands tile-packed (Shape.packed): the team
+ *           packs x's rows per chunk, and FC1 writes a packed.
  * Threads:  each GEMM splits its column blocks ("units") into equal ranges over the OpenMP threads:
  *           each weight is read once whatever the thread count, and each column of y has one writer
- *           (a token routed twice to one expert never races).  One barrier per expert (per chunk of
- *           its rows), between FC1 and FC2; a is double-buffered, so the next FC1 needs none.
+ *           (a token routed twice to one expert never races).  Per chunk, one barrier between FC1
+ *           and FC2 (and one after packing x, AVX2); a is double-buffered, so the next FC1 needs
+ *           none.
  *
  * Built by moe_compile/kernels/cpu_cc.py with `cc -O3 -mavx2 -mfma -fopenmp` on first use; the
  * AVX-512 tile is compiled for that target alone and run only where the CPU has it.
