@@ -40,14 +40,16 @@
 #include "cpu_simd.h"
 
 #define PANEL 16
-#define MR_MAX 8
+#define MR_AVX512 8 /* rows per tile */
+#define MR_AVX2 6
+#define MR_MAX MR_AVX512
 #define V_MAX 16
 
 enum { ISA_AVX2 = 2, ISA_AVX512 = 512 };
 
 /* ---- tiles: c [mr][2V] = A rows . [b0 | b1], b0 / b1 stepping PANEL floats per k ----
  * The AVX-512 tile reads A's rows where they lie (a[r][k]); the AVX2 tile reads A tile-packed
- * (a[r] = the tile's base + r, element k at a[r][k * 6]: one memory stream for all its rows,
+ * (a[r] = the tile's base + r, element k at a[r][k * MR_AVX2]: one memory stream for all rows,
  * 3-5% faster for it, 0-5% slower for the AVX-512 tile, in-process A/B, BENCHMARKS.md). */
 
 #define AVX512 __attribute__((target("avx512f,avx2,fma"), always_inline)) static inline
@@ -93,7 +95,7 @@ __attribute__((target("avx512f,avx2,fma"))) static void tile512_any(int mr, cons
 #define AVX2 __attribute__((always_inline)) static inline
 #define ROW256(R)                                                                    \
     if (mr > R) {                                                                    \
-        __m256 av = _mm256_broadcast_ss(a##R + k * 6);                               \
+        __m256 av = _mm256_broadcast_ss(a##R + k * MR_AVX2);                         \
         c##R##0 = _mm256_fmadd_ps(av, v0, c##R##0);                                  \
         c##R##1 = _mm256_fmadd_ps(av, v1, c##R##1);                                  \
     }
@@ -133,10 +135,13 @@ typedef struct {
 } Shape;
 
 static Shape shape_of(int64_t isa) {
-    Shape s = {ISA_AVX2, 6, 8, 1};
-    if (isa == ISA_AVX512) s.isa = ISA_AVX512, s.mr = 8, s.v = 16, s.packed = 0;
+    Shape s = {ISA_AVX2, MR_AVX2, 8, 1};
+    if (isa == ISA_AVX512) s.isa = ISA_AVX512, s.mr = MR_AVX512, s.v = 16, s.packed = 0;
     return s;
 }
+
+/* Rows in the tile starting at row r0 of n: MR, fewer in the last tile. */
+static int rows_at(Shape s, int64_t n, int64_t r0) { return n - r0 < s.mr ? (int)(n - r0) : s.mr; }
 
 /* Row pointers of the tile of rows r0 .. r0 + mr - 1 of an A operand [n, K] in the ISA's layout. */
 static void tile_rows(Shape s, const float *base, int64_t r0, int mr, int64_t K, const float **rows) {
@@ -179,6 +184,11 @@ typedef struct {
     float limit;
 } Call;
 
+/* x's rows of slots lo + r0 .. lo + r0 + mr - 1, where they lie. */
+static void token_rows(const Call *cl, int64_t lo, int64_t r0, int mr, const float **rows) {
+    for (int i = 0; i < mr; ++i) rows[i] = cl->x + cl->tok[lo + r0 + i] * cl->ldx;
+}
+
 /* Tile-packed x rows of slots [lo, lo + n) into xp, this thread's share of the tiles (the ISAs
  * whose tiles read A packed; the caller then waits for the team). */
 static void pack_x(const Call *cl, Shape s, int64_t lo, int64_t n, float *xp) {
@@ -186,9 +196,9 @@ static void pack_x(const Call *cl, Shape s, int64_t lo, int64_t n, float *xp) {
     int64_t t0, t1;
     my_units((n + s.mr - 1) / s.mr, &t0, &t1);
     for (int64_t r0 = t0 * s.mr; r0 < n && r0 < t1 * s.mr; r0 += s.mr) {
-        int mr = n - r0 < s.mr ? (int)(n - r0) : s.mr;
+        int mr = rows_at(s, n, r0);
         float *dst = xp + r0 * cl->H;
-        for (int i = 0; i < mr; ++i) src[i] = cl->x + cl->tok[lo + r0 + i] * cl->ldx;
+        token_rows(cl, lo, r0, mr, src);
         for (int64_t k = 0; k < cl->H; ++k)  /* written in order, mr read streams */
             for (int i = 0; i < mr; ++i) dst[k * s.mr + i] = src[i][k];
     }
@@ -206,16 +216,20 @@ static void fc1_swiglu(const Call *cl, Shape s, int64_t lo, int64_t n, const flo
         int64_t f0 = u * s.v;
         const float *b0 = column(gate, f0, cl->H), *b1 = column(up, f0, cl->H);
         for (int64_t r0 = 0; r0 < n; r0 += s.mr) {
-            int mr = n - r0 < s.mr ? (int)(n - r0) : s.mr;
+            int mr = rows_at(s, n, r0);
             if (s.packed)
                 tile_rows(s, xp, r0, mr, cl->H, rows);
             else
-                for (int i = 0; i < mr; ++i) rows[i] = cl->x + cl->tok[lo + r0 + i] * cl->ldx;
+                token_rows(cl, lo, r0, mr, rows);
             tile(s, mr, rows, b0, b1, cl->H, c);
             for (int i = 0; i < mr; ++i) {
-                float *out = s.packed ? act : a + element_at(s, r0 + i, f0, cl->F);
-                swiglu_span(out, c + i * 2 * s.v, c + i * 2 * s.v + s.v, 0, s.v, cl->limit, 1.f);
-                for (int j = 0; s.packed && j < s.v; ++j) a[element_at(s, r0 + i, f0 + j, cl->F)] = act[j];
+                const float *gate_out = c + i * 2 * s.v, *up_out = gate_out + s.v;
+                if (!s.packed) {  /* the row's V features are contiguous in a */
+                    swiglu_span(a + element_at(s, r0 + i, f0, cl->F), gate_out, up_out, 0, s.v, cl->limit, 1.f);
+                    continue;
+                }
+                swiglu_span(act, gate_out, up_out, 0, s.v, cl->limit, 1.f);
+                for (int j = 0; j < s.v; ++j) a[element_at(s, r0 + i, f0 + j, cl->F)] = act[j];
             }
         }
     }
@@ -231,7 +245,7 @@ static void fc2_combine(const Call *cl, Shape s, int64_t lo, int64_t n, const fl
         int64_t c0 = u * w;
         const float *b0 = column(down, c0, cl->F), *b1 = column(down, c0 + s.v, cl->F);
         for (int64_t r0 = 0; r0 < n; r0 += s.mr) {
-            int mr = n - r0 < s.mr ? (int)(n - r0) : s.mr;
+            int mr = rows_at(s, n, r0);
             tile_rows(s, a, r0, mr, cl->F, rows);
             tile(s, mr, rows, b0, b1, cl->F, c);
             for (int i = 0; i < mr; ++i) {
@@ -296,7 +310,7 @@ int64_t moe_experts_run(const int64_t *f, const int64_t *experts, const int64_t 
 }
 
 /* Pack `count` weights W [out, in] (element (o, k) at w + i * ld_w + o * ld_out + k * ld_in for
- * weight i; any strides, so transposed and interleaved views need no copy) into panels at
+ * weight i; any strides, so transposed views need no copy) into panels at
  * dst + i * out * in; out a multiple of PANEL. */
 void moe_experts_pack(const float *w, int64_t count, int64_t ld_w, int64_t ld_out, int64_t ld_in, int64_t out,
                       int64_t in, float *dst, int64_t nthreads) {
