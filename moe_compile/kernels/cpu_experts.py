@@ -128,6 +128,7 @@ def run(x, tokens, scale, packed, w: ExpertWeights, attrs: FFNAttrs, bounds: lis
     the E+1 host segment bounds of the sort.  ``isa``: force a tile (tests); default the best."""
     T, H = x.shape
     F = w.ffn()
+    isa = isa or best_isa()
     scale = scale.reshape(-1)
     if tokens.dtype != torch.int64 or not tokens.is_contiguous() or scale.dtype != torch.float32 \
             or not scale.is_contiguous() or scale.shape != tokens.shape:
@@ -135,15 +136,15 @@ def run(x, tokens, scale, packed, w: ExpertWeights, attrs: FFNAttrs, bounds: lis
                          f"{tokens.dtype} {tuple(tokens.shape)} and {scale.dtype} {tuple(scale.shape)}")
     y = torch.zeros(T, H, dtype=torch.float32)
     rel = [b - bounds[0] for b in bounds]
-    chunk = min(CHUNK_ROWS, max(max((b - a for a, b in zip(rel, rel[1:])), default=1), 1))
+    chunk = max(1, min(CHUNK_ROWS, max((b - a for a, b in zip(rel, rel[1:])), default=0)))
     # FC1's output of two chunks (the C side's layout: its tiles' rows rounded up).
     scratch = cpu_memory.empty((2 * (chunk + MAX_TILE_ROWS) * F,), torch.float32, x.device)
     fields = (ctypes.c_int64 * 11)(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), tokens.data_ptr(),
-                                   scale.data_ptr(), H, F, chunk, scratch.data_ptr(), isa or best_isa())
+                                   scale.data_ptr(), H, F, chunk, scratch.data_ptr(), isa)
     status = _KERNEL.lib().moe_experts_run(fields, _expert_table(packed, H, F), (ctypes.c_int64 * len(rel))(*rel),
                                            len(rel) - 1, attrs.limit, threads)
     if status == -2:
         raise MemoryError(f"cpu_experts: no memory for {4 * (chunk + MAX_TILE_ROWS) * H} B of packed rows")
     if status != 0:
-        raise RuntimeError(f"cpu_experts: the kernel refused H={H}, F={F}, isa={isa or best_isa()} (status {status})")
+        raise RuntimeError(f"cpu_experts: the kernel refused H={H}, F={F}, isa={isa} (status {status})")
     return y
