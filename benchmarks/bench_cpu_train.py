@@ -166,7 +166,7 @@ def _status(field: str) -> int:
 def _peak_of_one_step(step, leaves) -> int:
     """VmHWM rise over VmRSS across one step, from an honest baseline (see the module docstring),
     plus the gradient memory moe_compile keeps from the step before (it is in the baseline's RSS)."""
-    from moe_compile.kernels import cpu_grad_cache
+    from moe_compile.kernels.cpu import grad_cache as cpu_grad_cache
 
     for t in leaves:
         t.grad = None

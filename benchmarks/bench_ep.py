@@ -72,7 +72,7 @@ def _run_shapes(rank, world, cfg):
     from moe_compile.ep.plan import make_plan
     from moe_compile.ep.reference import eager_ep_layer
     from moe_compile.ir import ExpertWeights, FFNAttrs
-    from moe_compile.kernels.ep_cpu import experts_on_rows
+    from moe_compile.kernels.cpu.ep import experts_on_rows
 
     results = {}
     g = dist.group.WORLD

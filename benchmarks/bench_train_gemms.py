@@ -32,7 +32,7 @@ import harness  # noqa: E402
 
 def passes(E: int, n: int, H: int, F: int) -> dict:
     """name -> fn() running one pass of that GEMM kind over every expert."""
-    from moe_compile.kernels import cpu_onednn, cpu_prepack
+    from moe_compile.kernels.cpu import onednn as cpu_onednn, prepack as cpu_prepack
 
     g = torch.Generator().manual_seed(0)
     w1, w2 = torch.randn(E, 2 * F, H, generator=g), torch.randn(E, H, F, generator=g)

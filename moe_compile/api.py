@@ -21,7 +21,7 @@ def empty_cache() -> dict:
     (``kernels/cpu_prepack``) and stacked weight gradients' buffers (``kernels/cpu_grad_cache``).
     Returns the bytes each held before.  Nothing is lost: packs are rebuilt and buffers made
     afresh when later calls need them; a gradient still alive keeps its memory until freed."""
-    from moe_compile.kernels import cpu_grad_cache, cpu_prepack
+    from moe_compile.kernels.cpu import grad_cache as cpu_grad_cache, prepack as cpu_prepack
 
     held = {"packed_weights": cpu_prepack.stats()["bytes"], "gradient_buffers": cpu_grad_cache.held_bytes()}
     cpu_prepack.clear()

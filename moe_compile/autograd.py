@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from moe_compile.kernels import cpu_prepack, triton_dispatch
-from moe_compile.kernels.cpu_backward import ROLES, Needs
+from moe_compile.kernels import triton_dispatch
+from moe_compile.kernels.cpu import prepack as cpu_prepack
+from moe_compile.kernels.cpu.backward import ROLES, Needs
 from moe_compile.ops import OP_NAME, TRAIN_OP_NAME, op_args_schema, parse_op_args
 
 BACKWARD_OP_NAME = "moe_compile::fused_moe_backward"

@@ -15,9 +15,9 @@ class DeviceKind:
 
 
 CPU_KINDS = (
-    DeviceKind("cpu-avx2", ("a16w16",), "kernels/cpu.py (torch GEMMs per expert segment)"),
-    DeviceKind("cpu-avx512-vnni", ("a16w16",), "kernels/cpu.py; int8 VNNI kernels not built yet"),
-    DeviceKind("cpu-amx", ("a16w16",), "kernels/cpu.py; AMX bf16/int8 kernels not built yet"),
+    DeviceKind("cpu-avx2", ("a16w16",), "kernels/cpu/forward.py (torch GEMMs per expert segment)"),
+    DeviceKind("cpu-avx512-vnni", ("a16w16",), "kernels/cpu/forward.py; int8 VNNI kernels not built yet"),
+    DeviceKind("cpu-amx", ("a16w16",), "kernels/cpu/forward.py; AMX bf16/int8 kernels not built yet"),
 )
 CUDA_KINDS = {
     (8, 0): DeviceKind("sm80", ("a16w16",), "kernels/triton (bf16/fp16)"),
@@ -48,26 +48,26 @@ def cpu_kind() -> DeviceKind:
 
 def _skinny_status() -> str:
     """Whether fp32 decode runs on the skinny kernel (built here on first use) or on MKL, and why."""
-    from moe_compile.kernels import cpu_cc, cpu_skinny
+    from moe_compile.kernels.cpu import cc as cpu_cc, skinny as cpu_skinny
 
     if cpu_skinny.available():
-        return f"kernels/cpu_skinny.c (fp32, <= {cpu_skinny.MAX_ROWS} rows per expert, or small experts), built in {cpu_cc.cache_dir()}"
+        return f"kernels/cpu/skinny.c (fp32, <= {cpu_skinny.MAX_ROWS} rows per expert, or small experts), built in {cpu_cc.cache_dir()}"
     return f"torch GEMMs per expert (skinny kernel unavailable: {cpu_skinny.unavailable_reason()})"
 
 
 def _prefill_status() -> str:
     """What fp32 prefill runs on (cpu_experts, cpu_onednn, cpu_prepack, cpu_rows), and why."""
-    from moe_compile.kernels import cpu_experts, cpu_onednn, cpu_prepack, cpu_rows
+    from moe_compile.kernels.cpu import experts as cpu_experts, onednn as cpu_onednn, prepack as cpu_prepack, rows as cpu_rows
 
     if not cpu_prepack.available():
         return f"per-expert GEMMs (oneDNN, or MKL without it) on the weights as held (packed weights unavailable: {cpu_prepack.unavailable_reason()})"
     packs = f"inference packs expert weights at the second call that sees them unchanged ({cpu_prepack.ENV}=0: off)"
-    fused = (f"kernels/cpu_experts.c ({'AVX-512' if cpu_experts.best_isa() == cpu_experts.ISA_AVX512 else 'AVX2'} "
+    fused = (f"kernels/cpu/experts.c ({'AVX-512' if cpu_experts.best_isa() == cpu_experts.ISA_AVX512 else 'AVX2'} "
              f"tiles) for SwiGLU experts without biases" if cpu_experts.available()
              else f"no fused experts kernel ({cpu_experts.unavailable_reason()})")
     if not cpu_onednn.available():
         return f"{packs}; {fused}; others per-expert MKL GEMMs (oneDNN unavailable: {cpu_onednn.unavailable_reason()})"
-    rows = ("kernels/cpu_rows.c" if cpu_rows.available()
+    rows = ("kernels/cpu/rows.c" if cpu_rows.available()
             else f"torch ops (row kernels unavailable: {cpu_rows.unavailable_reason()})")
     return f"{packs}; {fused}; others oneDNN GEMMs per expert with gather, SwiGLU and combine on {rows}"
 

@@ -127,7 +127,7 @@ def fused_moe_train(*args) -> tuple[torch.Tensor, torch.Tensor]:
     fc1_out = _fc1_buffer(x, topk_ids, w)
     if x.device.type != "cpu":
         return run_experts(x, topk_ids, topk_weights, w, attrs), fc1_out
-    from moe_compile.kernels.cpu import fused_moe_cpu
+    from moe_compile.kernels.cpu.forward import fused_moe_cpu
 
     return fused_moe_cpu(x, topk_ids, topk_weights, w, attrs, fc1_out), fc1_out
 
@@ -136,7 +136,7 @@ def _fc1_buffer(x, topk_ids, w: ExpertWeights) -> torch.Tensor:
     """[T*K, F2] in x's dtype on CPU (rows of invalid ids stay unwritten); [0] elsewhere."""
     if x.device.type != "cpu":
         return x.new_empty(0)
-    from moe_compile.kernels import cpu_memory  # huge pages for a real (not fake) buffer
+    from moe_compile.kernels.cpu import memory as cpu_memory  # huge pages for a real (not fake) buffer
 
     if isinstance(x, torch._subclasses.FakeTensor):
         return x.new_empty(topk_ids.numel(), w.fc1_width())
@@ -160,7 +160,7 @@ def run_experts(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs) ->
         from moe_compile.kernels.reference import fused_moe_reference
 
         return fused_moe_reference(x, topk_ids, topk_weights, w, attrs)
-    from moe_compile.kernels.cpu import fused_moe_cpu
+    from moe_compile.kernels.cpu.forward import fused_moe_cpu
 
     return fused_moe_cpu(x, topk_ids, topk_weights, w, attrs)
 

@@ -1,4 +1,4 @@
-"""Gradients of torch.ops.moe_compile.fused_moe (moe_compile/autograd.py, kernels/cpu_backward.py).
+"""Gradients of torch.ops.moe_compile.fused_moe (moe_compile/autograd.py, kernels/cpu/backward.py).
 
 Shapes:  T tokens, H hidden, F expert FFN width, E experts, K experts per token.
 """
@@ -298,7 +298,7 @@ def test_compiled_training_step_inductor():
 def test_gradcheck_across_chunks(monkeypatch, train, weight_on):
     # Chunks of at most 3 rows: experts are grouped several to a chunk, and an expert with more
     # rows than that is a chunk of its own — every boundary case of cpu.expert_chunks.
-    from moe_compile.kernels import cpu, cpu_backward
+    from moe_compile.kernels.cpu import forward as cpu, backward as cpu_backward
 
     monkeypatch.setattr(cpu_backward, "CHUNK_ROWS", 3)
     monkeypatch.setattr(cpu, "CHUNK_ROWS", 3)

@@ -82,8 +82,8 @@ def test_hf_block_matches_eager(name, impl, dtype):
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3"])
 def test_hf_prefill_runs_on_the_fused_experts_kernel(name, monkeypatch):
     # From the call that packs the weights on, an fp32 prefill of these SwiGLU blocks runs in one
-    # call of cpu_experts.c; every call matches the block's own eager output.
-    from moe_compile.kernels import cpu_decode, cpu_experts, cpu_prepack
+    # call of kernels/cpu/experts.c; every call matches the block's own eager output.
+    from moe_compile.kernels.cpu import decode as cpu_decode, experts as cpu_experts, prepack as cpu_prepack
 
     if not cpu_experts.available():
         pytest.skip(f"no fused experts kernel: {cpu_experts.unavailable_reason()}")

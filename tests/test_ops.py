@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moe_compile.ir import ExpertWeights, FFNAttrs
-from moe_compile.kernels import cpu_rows
+from moe_compile.kernels.cpu import rows as cpu_rows
 from moe_compile.kernels.reference import fused_moe_reference
 from moe_compile.ops import call_fused_moe
 
@@ -32,7 +32,7 @@ def make_case(T, H, F, E, K, gate_up="concat", transposed=False, stacked=True, d
 
 def record_skinny_calls(monkeypatch) -> list:
     """The list the skinny kernel's calls append their thread counts to (``run`` and ``run_ffn``)."""
-    from moe_compile.kernels import cpu_skinny
+    from moe_compile.kernels.cpu import skinny as cpu_skinny
 
     calls = []
     real, real_ffn, real_decode = cpu_skinny.run, cpu_skinny.run_ffn, cpu_skinny.run_decode
@@ -51,7 +51,7 @@ def force_cpu_path(monkeypatch, path: str) -> list:
     call (cpu_prepack), the row work between them on the C loops (cpu_rows) where they build;
     "packed_torch_rows": the same with that row work on torch's ops.  Returns the list the skinny
     kernel's calls or the packed GEMMs (and C combines) are recorded into (checked by the caller)."""
-    from moe_compile.kernels import cpu, cpu_decode, cpu_onednn, cpu_prepack, cpu_rows, cpu_skinny
+    from moe_compile.kernels.cpu import forward as cpu, decode as cpu_decode, onednn as cpu_onednn, prepack as cpu_prepack, rows as cpu_rows, skinny as cpu_skinny
 
     calls = []
     if path.startswith("skinny") and not cpu_skinny.available():
@@ -136,7 +136,7 @@ def test_paths_with_biases(stacked, transposed, path, weight_on, monkeypatch):
 def test_small_experts_run_on_the_skinny_kernel_at_any_row_count(stacked, transposed, weight_on, monkeypatch):
     # ~40 rows per expert: more than cpu_skinny.MAX_ROWS and than one block of the kernel's rows
     # (4 in the dot form, 16 in the transposed form), on experts far below SMALL_EXPERT_FLOPS.
-    from moe_compile.kernels import cpu_skinny
+    from moe_compile.kernels.cpu import skinny as cpu_skinny
 
     if not cpu_skinny.available():
         pytest.skip(f"no skinny kernel: {cpu_skinny.unavailable_reason()}")
@@ -151,7 +151,7 @@ def test_small_experts_run_on_the_skinny_kernel_at_any_row_count(stacked, transp
 
 
 def test_only_small_or_decode_sized_experts_take_the_skinny_kernel():
-    from moe_compile.kernels import cpu, cpu_decode, cpu_skinny
+    from moe_compile.kernels.cpu import forward as cpu, decode as cpu_decode, skinny as cpu_skinny
 
     if not cpu_skinny.available():
         pytest.skip(f"no skinny kernel: {cpu_skinny.unavailable_reason()}")
@@ -283,7 +283,7 @@ def test_segments_longer_than_skinny_rows(gate_up, transposed, weight_on, path, 
     # grouped GEMM (cpu.grouped_gemm_fits, without oneDNN); "serial_mkl" (per-expert weights, MKL):
     # FC1/FC2 write straight into the chunk's rows with out= past cpu.SKINNY_ROWS (a column half of
     # the FC1 buffer for the separate up projection); "serial": the same GEMMs on oneDNN.
-    from moe_compile.kernels import cpu, cpu_decode, cpu_onednn
+    from moe_compile.kernels.cpu import forward as cpu, decode as cpu_decode, onednn as cpu_onednn
 
     monkeypatch.setattr(cpu, "GROUPED_MIN_FC1_ELEMENTS", 0)
     monkeypatch.setattr(cpu_decode, "fits", lambda *args: False)  # tiny experts: not the small-expert kernel
@@ -304,7 +304,7 @@ def test_segments_longer_than_skinny_rows(gate_up, transposed, weight_on, path, 
 def test_host_sort_matches_torch_sort(T, K, E, monkeypatch):
     # Small slot counts sort on the host (cpu.HOST_SORT_MAX_SLOTS): the same stable order and
     # bounds as torch.sort + searchsorted, ids outside [0, E) (dropped slots) included.
-    from moe_compile.kernels import cpu
+    from moe_compile.kernels.cpu import forward as cpu
 
     ids = torch.randint(-2, E + 2, (T, K), generator=torch.Generator().manual_seed(T))
     host_order, host_bounds = cpu._sort_on_host(ids.reshape(-1), E)
@@ -322,7 +322,7 @@ def test_host_sort_matches_torch_sort(T, K, E, monkeypatch):
     ("concat", False, "output", False, 0.0), ("separate", True, "between", True, 0.0),
     ("interleaved", False, "output", True, 0.5), ("separate", False, "output", False, 0.5)])
 def test_decode_in_one_call(gate_up, transposed, weight_on, int32, limit, monkeypatch):
-    from moe_compile.kernels import cpu_decode, cpu_skinny
+    from moe_compile.kernels.cpu import decode as cpu_decode, skinny as cpu_skinny
 
     if not cpu_skinny.available():
         pytest.skip(f"no skinny kernel: {cpu_skinny.unavailable_reason()}")

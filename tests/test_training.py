@@ -82,7 +82,7 @@ def test_frozen_experts_get_no_gradient():
 def test_thirty_steps_track_eager(grad_cache, monkeypatch):
     # grad_cache: every stacked expert weight's gradient on memory kept between steps
     # (kernels/cpu_grad_cache; by default only >= 32 MiB ones): still equal to eager, and reused.
-    from moe_compile.kernels import cpu_grad_cache
+    from moe_compile.kernels.cpu import grad_cache as cpu_grad_cache
 
     cpu_grad_cache.clear()
     if grad_cache:

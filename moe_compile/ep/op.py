@@ -23,7 +23,7 @@ Contract (the graph matcher rewrites expert-parallel regions into exactly this c
   (``dispatch.auto_chunks``).  ``timeout_s``: a missing peer raises ``TimeoutError`` naming it.
 * Backward (``register_autograd``): dispatch and combine are each other's transpose — the backward
   sends [x | dy] rows to the experts' ranks, runs the single-device backward
-  (``kernels/cpu_backward.py``) on them, and returns [dx | dg] rows; local weight gradients stay
+  (``kernels/cpu/backward.py``) on them, and returns [dx | dg] rows; local weight gradients stay
   on their rank.
 """
 
@@ -34,8 +34,8 @@ import torch
 from moe_compile.ep.context import config_tuple, get_context
 from moe_compile.ep.plan import make_plan
 from moe_compile.ir import ExpertWeights, FFNAttrs
-from moe_compile.kernels.cpu_backward import ROLES
-from moe_compile.kernels.ep_cpu import experts_backward_on_rows, experts_on_rows
+from moe_compile.kernels.cpu.backward import ROLES
+from moe_compile.kernels.cpu.ep import experts_backward_on_rows, experts_on_rows
 from moe_compile.kernels.reference import compute_dtype
 from moe_compile.ops import attrs_from_args, check_inputs, weights_from_args
 from moe_compile.autograd import flat_grads, flat_inputs, needs_by_role, pack_grads, save_inputs, unpack_saved

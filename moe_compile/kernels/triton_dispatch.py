@@ -52,7 +52,7 @@ def backward(grad_y, x, topk_ids, topk_weights, w, attrs, needs, fc1_out=None):
     """Gradients of the fused op (``cpu_backward.fused_moe_backward_cpu``'s contract): the Triton
     backward for CUDA tensors it supports (``triton.backward.unsupported_reason``: gated silu without
     clamp, weight_on output/between, no biases), the plain-torch segment backward otherwise."""
-    from moe_compile.kernels.cpu_backward import fused_moe_backward_cpu
+    from moe_compile.kernels.cpu.backward import fused_moe_backward_cpu
 
     if x.is_cuda and os.environ.get("MOE_COMPILE_TRITON", "1") != "0":
         try:

@@ -30,7 +30,7 @@ if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"  # read when kernels are defined: set before importing them
 
 from moe_compile.ir import ExpertWeights, FFNAttrs  # noqa: E402
-from moe_compile.kernels.cpu_backward import ROLES, Needs  # noqa: E402
+from moe_compile.kernels.cpu.backward import ROLES, Needs  # noqa: E402
 from moe_compile.kernels.reference import fused_moe_reference  # noqa: E402
 from moe_compile.kernels.triton.autotune import TileConfig  # noqa: E402
 from moe_compile.kernels.triton.backward import fused_moe_backward_triton, unsupported_reason  # noqa: E402
@@ -198,7 +198,7 @@ def test_gpu_op_backward_uses_triton(monkeypatch, tmp_path):
     """The op's autograd on CUDA runs the Triton backward (no fallback warning) and matches."""
     import warnings
 
-    from moe_compile.kernels import cpu_backward
+    from moe_compile.kernels.cpu import backward as cpu_backward
     from moe_compile.ops import call_fused_moe
 
     def no_torch_backward(*args, **kwargs):

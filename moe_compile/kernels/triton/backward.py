@@ -6,7 +6,7 @@ Shapes:  T tokens, H hidden, F expert FFN width, E experts, K experts per token,
 Supported: gate_up concat / interleaved / separate, activation silu without clamp, weight_on
 "output" or "between", no biases, stacked or per-expert (pointer table) weights, [out, in] or
 transposed storage, fp16 / bf16 / fp32.  Everything else (``unsupported_reason``) goes to the
-plain-torch segment backward (kernels/cpu_backward.py), which also runs on CUDA tensors.
+plain-torch segment backward (kernels/cpu/backward.py), which also runs on CUDA tensors.
 
 For both supported weight placements the formulas coincide (a = silu(gate) * up, g the routing
 weight of the slot, dy the gradient of y at the slot's token):

@@ -32,7 +32,7 @@ import threading
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from moe_compile.kernels import cpu_memory
+from moe_compile.kernels.cpu import memory as cpu_memory
 
 ENV = "MOE_COMPILE_GRAD_CACHE"
 # Two: with gradient accumulation (``zero_grad(set_to_none=False)``) the first buffer stays in

@@ -1,4 +1,4 @@
-/* AVX2 helpers shared by the package's C kernels (cpu_rows.c, cpu_skinny.c); kernels/cpu_cc.py
+/* AVX2 helpers shared by the package's C kernels (rows.c, skinny.c, experts.c); kernels/cpu/cc.py
  * puts this header next to each kernel's source when it builds one, and hashes it with them. */
 #ifndef MOE_COMPILE_CPU_SIMD_H
 #define MOE_COMPILE_CPU_SIMD_H

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_compile.kernels import cpu_rows
+from moe_compile.kernels.cpu import rows as cpu_rows
 from tests.conftest import run_python
 
 needs_kernels = pytest.mark.skipif(not cpu_rows.available(), reason=f"no row kernels: {cpu_rows.unavailable_reason()}")
@@ -108,7 +108,7 @@ def test_bad_operands_are_refused():
 
 
 def test_turned_off_by_env():
-    code = ("from moe_compile.kernels import cpu_rows; "
+    code = ("from moe_compile.kernels.cpu import rows as cpu_rows; "
             "assert not cpu_rows.available() and 'MOE_COMPILE_ROWS=0' in cpu_rows.unavailable_reason()")
     done = run_python(code, **{cpu_rows.ENV: "0"})
     assert done.returncode == 0, done.stderr
@@ -116,24 +116,24 @@ def test_turned_off_by_env():
 
 def test_builds_prune_week_old_builds_of_other_sources(tmp_path, monkeypatch):
     # A new build (a changed C file) removes that kernel's builds untouched for a week, and only those.
-    from moe_compile.kernels import cpu_cc
+    from moe_compile.kernels.cpu import cc as cpu_cc
 
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler")
     monkeypatch.setenv("MOE_COMPILE_CACHE", str(tmp_path))
-    old, recent, other = tmp_path / "cpu_rows_0ld.so", tmp_path / "cpu_rows_recent.so", tmp_path / "cpu_skinny_0ld.so"
+    old, recent, other = tmp_path / "rows_0ld.so", tmp_path / "rows_recent.so", tmp_path / "skinny_0ld.so"
     for f in (old, recent, other):
         f.write_bytes(b"")
     week_ago = time.time() - cpu_cc.STALE_AFTER_S - 60
     for f in (old, other):
         os.utime(f, (week_ago, week_ago))
-    built = cpu_cc._build("cpu_rows", b"void moe_rows_nothing(void) {}\n")
+    built = cpu_cc._build("rows", b"void moe_rows_nothing(void) {}\n")
     assert built.exists() and recent.exists() and other.exists() and not old.exists()
 
 
 def test_shared_header_is_built_with_the_source_and_hashed(tmp_path, monkeypatch):
-    # cpu_simd.h sits beside each kernel's source when it is built, and a change to it rebuilds.
-    from moe_compile.kernels import cpu_cc
+    # simd.h sits beside each kernel's source when it is built, and a change to it rebuilds.
+    from moe_compile.kernels.cpu import cc as cpu_cc
 
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler")

@@ -1,4 +1,4 @@
-/* Row work between the expert GEMMs of the CPU prefill loop (kernels/cpu.py, _packed_experts).
+/* Row work between the expert GEMMs of the CPU prefill loop (kernels/cpu/forward.py, _packed_experts).
  *
  * Why: per expert, prefill runs gather -> FC1 -> SwiGLU -> FC2 -> combine.  With 64 experts of
  * ~64 rows each, torch's index_select / chunk + silu_ + mul_ / index_add_ (which expands its index
@@ -18,13 +18,13 @@
  *           writer); add splits columns, so repeated indices (one token routed twice to the same
  *           expert by a custom router) never race.
  *
- * Built by moe_compile/kernels/cpu_cc.py with `cc -O3 -mavx2 -mfma -fopenmp` on first use.
+ * Built by moe_compile/kernels/cpu/cc.py with `cc -O3 -mavx2 -mfma -fopenmp` on first use.
  */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 
-#include "cpu_simd.h"
+#include "simd.h"
 
 static inline float row_scale(const float *scale, int64_t r) { return scale ? scale[r] : 1.f; }
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moe_compile.ir import ExpertWeights, FFNAttrs
-from moe_compile.kernels import cpu_prepack, cpu_skinny
+from moe_compile.kernels.cpu import prepack as cpu_prepack, skinny as cpu_skinny
 from moe_compile.kernels.reference import fused_moe_reference
 from moe_compile.ops import call_fused_moe
 from tests.test_ops import make_case
@@ -25,7 +25,7 @@ T, H, F, E, K = 48, 32, 24, 4, 2
 
 @pytest.fixture(autouse=True)
 def _fresh_cache(monkeypatch):
-    from moe_compile.kernels import cpu_decode
+    from moe_compile.kernels.cpu import decode as cpu_decode
 
     monkeypatch.setattr(cpu_decode, "SMALL_EXPERT_FLOPS", 0)
     cpu_prepack.clear()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moe_compile.kernels import cpu_onednn
+from moe_compile.kernels.cpu import onednn as cpu_onednn
 
 pytestmark = pytest.mark.skipif(not cpu_onednn.available(), reason=f"{cpu_onednn.unavailable_reason()}")
 

@@ -4,7 +4,7 @@ Shapes:  T tokens, H hidden, F expert FFN width, E experts, K experts per token,
          S' the slots whose id lies in [0, E), n the rows of one expert's segment, F2 = FC1 width
          (2F for gated layouts, F for gate_up="none").
 
-Plan (mirrors ``kernels/cpu.py``; one host sync):
+Plan (mirrors ``kernels/cpu/forward.py``; one host sync):
   1. the same stable sort by expert (``cpu.sort_by_expert``) -> contiguous segments;
   2. consecutive experts are taken a chunk (<= CHUNK_ROWS rows) at a time: their x and grad_y rows
      are gathered once, in the compute dtype;
@@ -32,8 +32,8 @@ import dataclasses
 import torch
 
 from moe_compile.ir import ExpertWeights, FFNAttrs, is_stacked
-from moe_compile.kernels import cpu_grad_cache, cpu_memory, cpu_onednn
-from moe_compile.kernels.cpu import (
+from moe_compile.kernels.cpu import grad_cache as cpu_grad_cache, memory as cpu_memory, onednn as cpu_onednn
+from moe_compile.kernels.cpu.forward import (
     activation_into, chunk_workspace, expert_chunks, expert_linear, sort_by_expert,
 )
 from moe_compile.kernels.reference import compute_dtype, gated_activation

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moe_compile.ir import FFNAttrs
-from moe_compile.kernels import cpu_grad_cache
+from moe_compile.kernels.cpu import grad_cache as cpu_grad_cache
 from tests.test_autograd import call_op, call_reference, make_experts, make_routing
 
 

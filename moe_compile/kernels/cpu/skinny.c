@@ -22,14 +22,14 @@
  *           calls of the activation and a second kernel launch cost 0.1-0.3 ms with the caches cold
  *           after the weights streamed through them, 3-6% of a step.
  *
- * Built by moe_compile/kernels/cpu_skinny.py with `cc -O3 -mavx2 -mfma` on first use.
+ * Built by moe_compile/kernels/cpu/skinny.py with `cc -O3 -mavx2 -mfma` on first use.
  */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "cpu_simd.h"
+#include "simd.h"
 
 /* One task = TASK_FIELDS int64 values, in this order (see cpu_skinny.py: task). */
 enum {

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_compile.ir import ExpertWeights, FFNAttrs, is_stacked
-from moe_compile.kernels import cpu_decode, cpu_experts, cpu_memory, cpu_onednn, cpu_prepack, cpu_rows
+from moe_compile.kernels.cpu import decode as cpu_decode, experts as cpu_experts, memory as cpu_memory, onednn as cpu_onednn, prepack as cpu_prepack, rows as cpu_rows
 from moe_compile.kernels.reference import compute_dtype, gated_activation
 
 

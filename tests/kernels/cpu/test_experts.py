@@ -1,4 +1,4 @@
-"""The fused experts kernel (cpu_experts.c) against kernels/reference.py: every layout it takes,
+"""The fused experts kernel (experts.c) against kernels/reference.py: every layout it takes,
 both tiles (AVX2 always, AVX-512 where the CPU has it), odd row counts, thread counts, the panel
 layout, and the calls it must refuse."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moe_compile.ir import ExpertWeights, FFNAttrs
-from moe_compile.kernels import cpu_decode, cpu_experts, cpu_prepack
+from moe_compile.kernels.cpu import decode as cpu_decode, experts as cpu_experts, prepack as cpu_prepack
 from moe_compile.kernels.reference import fused_moe_reference
 from moe_compile.ops import call_fused_moe
 from tests.test_ops import make_case
@@ -147,7 +147,7 @@ def test_a_tensor_holds_packs_of_one_format(monkeypatch):
     # The same weights called with the routing weight on the input (oneDNN's packs) and then on
     # the output (panels): each call matches the reference, and the second replaces the first's
     # packs instead of adding a second copy of the weights.
-    from moe_compile.kernels import cpu_onednn
+    from moe_compile.kernels.cpu import onednn as cpu_onednn
 
     if not cpu_onednn.available():
         pytest.skip(f"no oneDNN: {cpu_onednn.unavailable_reason()}")

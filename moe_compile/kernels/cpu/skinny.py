@@ -1,4 +1,4 @@
-"""Host side of ``cpu_skinny.c``: fp32 expert GEMMs with few rows (decode), at the memory's speed.
+"""Host side of ``skinny.c``: fp32 expert GEMMs with few rows (decode), at the memory's speed.
 
 Shapes:  a task is one GEMM  y [r, n_out] = x [r, k] @ W^T (+ bias [n_out]),  W as the model holds
          it: [n_out, k] (``F.linear``) or [k, n_out] (``transposed``, ``x @ W``); any r: the op
@@ -17,7 +17,7 @@ import ctypes
 
 import torch
 
-from moe_compile.kernels import cpu_cc
+from moe_compile.kernels.cpu import cc as cpu_cc
 
 # Rows of x per expert up to which the kernel beats the MKL path (cpu.expert_linear).  Sweep on the
 # 2-core CI VM (fp32, 2 threads, five experts' [4096, 1024] + [1024, 2048] weights not in cache),
@@ -26,7 +26,7 @@ from moe_compile.kernels import cpu_cc
 MAX_ROWS = 8
 _TASK_FIELDS = 14  # the C file's TASK_FIELDS
 _ACT_FIELDS = 8  # the C file's ACT_FIELDS
-_KERNEL = cpu_cc.Kernel("cpu_skinny", "MOE_COMPILE_SKINNY",
+_KERNEL = cpu_cc.Kernel("skinny", "MOE_COMPILE_SKINNY",
                         {"moe_skinny_run_parallel": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64],
                          "moe_skinny_ffn_parallel": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float,
                                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64],

@@ -1,4 +1,4 @@
-"""Host side of ``cpu_experts.c``: every expert's SwiGLU FFN of a CPU prefill call in one C call.
+"""Host side of ``experts.c``: every expert's SwiGLU FFN of a CPU prefill call in one C call.
 
 Shapes:  T tokens, H hidden, F expert FFN width, E experts; S' valid slots sorted by expert,
          expert e owning rows [bounds[e], bounds[e+1]) (relative to bounds[0]) of ``tokens`` [S']
@@ -30,12 +30,12 @@ import os
 import torch
 
 from moe_compile.ir import ExpertWeights, FFNAttrs
-from moe_compile.kernels import cpu_cc, cpu_memory
+from moe_compile.kernels.cpu import cc as cpu_cc, memory as cpu_memory
 
 ENV = "MOE_COMPILE_FUSED"
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _KERNEL = cpu_cc.Kernel(
-    "cpu_experts", ENV,
+    "experts", ENV,
     {"moe_experts_run": ([_PTR, _PTR, _PTR, _I64, ctypes.c_float, _I64], _I64),
      "moe_experts_pack": [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _I64],
      "moe_experts_best_isa": ([], _I64)},

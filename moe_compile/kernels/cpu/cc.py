@@ -1,4 +1,4 @@
-"""Builds the package's C kernels (``cpu_skinny.c``, ``cpu_rows.c``, ``cpu_experts.c``) on first use.
+"""Builds the package's C kernels (``skinny.c``, ``rows.c``, ``experts.c``) on first use.
 
 A kernel is compiled with the system C compiler into a cache directory (``$MOE_COMPILE_CACHE`` or
 ``~/.cache/moe_compile``), under a name hashed from its source and flags, and loaded with ctypes.

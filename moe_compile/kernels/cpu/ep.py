@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from moe_compile.ir import ExpertWeights, FFNAttrs
-from moe_compile.kernels.cpu import fused_moe_cpu
-from moe_compile.kernels.cpu_backward import ROLES, Needs, fused_moe_backward_cpu
+from moe_compile.kernels.cpu.forward import fused_moe_cpu
+from moe_compile.kernels.cpu.backward import ROLES, Needs, fused_moe_backward_cpu
 
 
 def _local_ids(counts, n_rows: int, device) -> torch.Tensor:

@@ -1,5 +1,5 @@
 /* Every expert's SwiGLU FFN of a CPU prefill call in one kernel call: FC1 with the SwiGLU in its
- * epilogue, FC2 with the weighted combine into y in its epilogue (called by kernels/cpu.py's
+ * epilogue, FC2 with the weighted combine into y in its epilogue (called by kernels/cpu/forward.py's
  * fused_moe_cpu through cpu_experts.run).
  *
  * Why: the per-expert loop on oneDNN pays, for each of 64 experts, two oneDNN calls (~14 us of
@@ -29,7 +29,7 @@
  *           and FC2 (and one after packing x, AVX2); a is double-buffered, so the next FC1 needs
  *           none.
  *
- * Built by moe_compile/kernels/cpu_cc.py with `cc -O3 -mavx2 -mfma -fopenmp` on first use; the
+ * Built by moe_compile/kernels/cpu/cc.py with `cc -O3 -mavx2 -mfma -fopenmp` on first use; the
  * AVX-512 tile is compiled for that target alone and run only where the CPU has it.
  */
 #include <immintrin.h>
@@ -37,7 +37,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "cpu_simd.h"
+#include "simd.h"
 
 #define PANEL 16
 #define MR_AVX512 8 /* rows per tile */

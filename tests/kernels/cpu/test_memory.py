@@ -1,9 +1,9 @@
-"""Huge-page advice on the CPU op's large buffers (moe_compile/kernels/cpu_memory.py)."""
+"""Huge-page advice on the CPU op's large buffers (moe_compile/kernels/cpu/memory.py)."""
 
 import pytest
 import torch
 
-from moe_compile.kernels import cpu_memory
+from moe_compile.kernels.cpu import memory as cpu_memory
 
 
 def _thp_mode() -> str:

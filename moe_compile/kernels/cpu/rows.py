@@ -1,4 +1,4 @@
-"""Host side of ``cpu_rows.c``: gather, SwiGLU and combine rows between the prefill loop's GEMMs.
+"""Host side of ``rows.c``: gather, SwiGLU and combine rows between the prefill loop's GEMMs.
 
 Shapes:  T tokens, H hidden, F expert FFN width, S' valid slots sorted by expert; an expert's
          slots are rows [lo, hi) of ``tokens`` [S'] (their token) and ``scale`` [S'] (their
@@ -18,11 +18,11 @@ import dataclasses
 
 import torch
 
-from moe_compile.kernels import cpu_cc
+from moe_compile.kernels.cpu import cc as cpu_cc
 
 ENV = "MOE_COMPILE_ROWS"
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_KERNEL = cpu_cc.Kernel("cpu_rows", ENV, {"moe_rows_step": [_PTR, _PTR, _PTR, _I64]},  # add, swiglu, gather fields
+_KERNEL = cpu_cc.Kernel("rows", ENV, {"moe_rows_step": [_PTR, _PTR, _PTR, _I64]},  # add, swiglu, gather fields
                         "using torch ops")
 
 

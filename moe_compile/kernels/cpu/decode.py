@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from moe_compile.ir import ExpertWeights, FFNAttrs, is_stacked
-from moe_compile.kernels import cpu_skinny
+from moe_compile.kernels.cpu import skinny as cpu_skinny
 
 _FP32_BYTES = 4
 

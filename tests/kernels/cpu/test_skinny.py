@@ -1,4 +1,4 @@
-"""The skinny CPU kernel (kernels/cpu_skinny.c) against torch, on odd shapes, and its build."""
+"""The skinny CPU kernel (kernels/cpu/skinny.c) against torch, on odd shapes, and its build."""
 
 import itertools
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from moe_compile.kernels import cpu_skinny
+from moe_compile.kernels.cpu import skinny as cpu_skinny
 from tests.conftest import run_python
 
 needs_kernel = pytest.mark.skipif(not cpu_skinny.available(), reason=f"no skinny kernel: {cpu_skinny.unavailable_reason()}")
@@ -80,7 +80,7 @@ def _swiglu_reference(h, F, interleaved, limit, scale):
 # FC1 -> SwiGLU -> FC2 + combine in one call, against torch in float64.  FC1's rows are scaled
 # from 0.003 to 40, so the gate spans |g| < 0.1 (where silu's error is exp's) to about 120 (past
 # exp8's clamp at -87.3/88.7 and the limit of 7); F = 21 is not a multiple of the 8-lane blocks.  fp32
-# rounding of a few products and the kernels' e^x (cpu_simd.h, ~2e-7 relative): 1e-5 relative per
+# rounding of a few products and the kernels' e^x (simd.h, ~2e-7 relative): 1e-5 relative per
 # element (a coefficient of e^x off by 1% fails it).
 @needs_kernel
 @pytest.mark.parametrize("interleaved,limit,between,threads", list(itertools.product(
@@ -123,9 +123,9 @@ def test_bad_task_has_clear_error():
 @needs_kernel
 def test_builds_into_a_fresh_cache(tmp_path):
     # A new machine: nothing cached, the first use compiles (never the import) and the result loads.
-    code = ("import os, pathlib; import moe_compile.kernels.cpu_skinny as s; "
+    code = ("import os, pathlib; import moe_compile.kernels.cpu.skinny as s; "
             "d = pathlib.Path(os.environ['MOE_COMPILE_CACHE']); assert not d.exists(); "
-            "assert s.available(), s.unavailable_reason(); print(len(list(d.glob('cpu_skinny_*.so'))))")
+            "assert s.available(), s.unavailable_reason(); print(len(list(d.glob('skinny_*.so'))))")
     done = run_python(code, MOE_COMPILE_CACHE=str(tmp_path / "cache"))
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "1"
@@ -133,7 +133,7 @@ def test_builds_into_a_fresh_cache(tmp_path):
 
 def test_turned_off_by_env_and_op_still_correct():
     # MOE_COMPILE_SKINNY=0: the kernel is unavailable and decode falls back to the MKL path.
-    code = ("import torch; from moe_compile.kernels import cpu_skinny, reference; from moe_compile.ops import call_fused_moe; "
+    code = ("import torch; from moe_compile.kernels import reference; from moe_compile.kernels.cpu import skinny as cpu_skinny; from moe_compile.ops import call_fused_moe; "
             "from moe_compile.ir import ExpertWeights, FFNAttrs; "
             "assert not cpu_skinny.available() and 'MOE_COMPILE_SKINNY' in cpu_skinny.unavailable_reason(); "
             "w = ExpertWeights((torch.randn(4, 16, 8),), (), (torch.randn(4, 8, 8),)); x = torch.randn(3, 8); "

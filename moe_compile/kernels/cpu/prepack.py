@@ -23,7 +23,7 @@ The price is a second copy of the experts' weights, so packing is automatic only
   format: a call wanting the other (``cpu_experts.fits`` changed its answer) repacks it.
 
 Writes that bypass the version counter (``weight.data.copy_(...)``) are not seen: call
-``moe_compile.kernels.cpu_prepack.clear()`` after them, or turn packing off.
+``moe_compile.kernels.cpu.prepack.clear()`` after them, or turn packing off.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_compile.ir import ExpertWeights, FFNAttrs
-from moe_compile.kernels import cpu_experts, cpu_onednn
+from moe_compile.kernels.cpu import experts as cpu_experts, onednn as cpu_onednn
 
 ENV = "MOE_COMPILE_PREPACK"
 # Calls that must see a weight unchanged before the one that packs it (tests set 0: pack at once).
