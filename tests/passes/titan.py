@@ -93,11 +93,16 @@ class GptOssGroupedExperts(nn.Module):
 
     def forward(self, x, counts):  # x [N, D], counts [E]
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        # rows past the last expert's (padding) get a zero bias row: counts + [slack], bias + [0]
+        slack = (x.shape[0] - offsets[-1]).unsqueeze(0).to(counts.dtype)
+        counts_long = torch.cat([counts, slack]).long()  # [E + 1]
         h = torch._grouped_mm(x.bfloat16(), self.mlp1_weight.transpose(-2, -1).bfloat16(), offs=offsets)
-        b1 = self.mlp1_bias.repeat_interleave(counts, dim=0, output_size=x.shape[0])  # [N, 2F]
+        b1 = torch.cat([self.mlp1_bias, self.mlp1_bias.new_zeros(1, self.mlp1_bias.shape[-1])])
+        b1 = b1.repeat_interleave(counts_long, dim=0, output_size=x.shape[0])  # [N, 2F]
         h = swiglu_addcmul(h + b1.to(h.dtype), limit=self.limit)
         h = torch._grouped_mm(h, self.mlp2_weight.transpose(-2, -1).bfloat16(), offs=offsets)
-        b2 = self.mlp2_bias.repeat_interleave(counts, dim=0, output_size=x.shape[0])  # [N, D]
+        b2 = torch.cat([self.mlp2_bias, self.mlp2_bias.new_zeros(1, self.mlp2_bias.shape[-1])])
+        b2 = b2.repeat_interleave(counts_long, dim=0, output_size=x.shape[0])  # [N, D]
         return (h + b2.to(h.dtype)).type_as(x)  # torchtitan returns bf16 (its GPT-OSS runs in bf16)
 
 
