@@ -19,14 +19,15 @@ import operator
 import torch
 import torch.fx as fx
 
-from moe_compile.passes.graph import Deps, const_int_index, is_grouped_mm, is_matmul, is_view_like, target_name
+from moe_compile.passes.graph import (Deps, const_int_index, is_grouped_mm, is_matmul, is_view_like, rows_gathered_from,
+                                     target_name)
 
 _ELEMENTWISE = {
     "mul", "add", "sub", "truediv", "div", "silu", "gelu", "relu", "relu_", "sigmoid", "tanh", "tanh_",
     "clamp", "clamp_min", "clamp_max", "clip", "chunk", "split", "getitem", "view", "reshape", "to", "float",
     "half", "bfloat16", "contiguous", "neg", "mul_", "add_", "silu_", "unflatten", "flatten",
     "squeeze", "unsqueeze", "type_as", "pow", "minimum", "maximum", "__mul__", "__add__", "__sub__",
-    "__getitem__", "sigmoid_", "clamp_", "transpose", "permute", "masked_fill",
+    "__getitem__", "sigmoid_", "clamp_", "transpose", "permute", "masked_fill", "addcmul",
 }
 
 
@@ -125,7 +126,7 @@ def gemm_bias(node: fx.Node) -> WeightRef | None:
             if is_view_like(user) and user.args[0] is out and len(outputs) < 4:
                 outputs.append(user)
             elif target_name(user) in _ADDS and len(user.args) == 2 and user.args[0] is out:
-                ref = trace_weight(user.args[1])
+                ref = trace_weight(rows_gathered_from(user.args[1]))
                 if ref is not None:
                     return ref
     return None
