@@ -160,6 +160,31 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([lo, hi], dim=-1).flatten(-2)
 
 
+# Divisors tried per group by ``search_scales``: s = amax / d.  d = QMAX keeps every element in range;
+# larger d clip the few largest elements to buy a finer step for the rest.  0.25 steps up to
+# 1.7 * QMAX: on Gaussian rows of 1024 (per channel) int4 the search gains 2.4 dB over d = 7, on
+# groups of 32 about 1 dB (the optimum there is d ~ 7.5-8).
+SEARCH_STEPS = 21
+
+
+def search_scales(wg: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
+    """wg [..., G] fp32 groups -> fp32 scales [..., 1]: per group, the s = amax / d (d in
+    QMAX .. 1.7 QMAX) whose q = clamp(round(w / s), qmin, qmax) has the least squared error —
+    the search llama.cpp runs for its k-quants.  All-zero groups get s = 1."""
+    amax = wg.abs().amax(dim=-1, keepdim=True)  # [..., 1]
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+    best_s, best_err = safe / qmax, None
+    for d in torch.linspace(qmax, 1.7 * qmax, SEARCH_STEPS).tolist():
+        s = safe / d
+        err = (wg - torch.round(wg / s).clamp_(qmin, qmax) * s).pow_(2).sum(dim=-1, keepdim=True)
+        if best_err is None:
+            best_err = err
+            continue
+        better = err < best_err
+        best_s, best_err = torch.where(better, s, best_s), torch.where(better, err, best_err)
+    return torch.where(amax > 0, best_s, torch.ones_like(amax))
+
+
 def group_view(w: torch.Tensor, group: int) -> torch.Tensor:
     """[..., K] -> [..., K/group, group] (the caller has checked the group divides K)."""
     return w.reshape(*w.shape[:-1], w.shape[-1] // group, group)
