@@ -244,13 +244,25 @@ def group_by_topk(graph: fx.Graph, deps: Deps, clusters: list[Cluster]) -> tuple
     unrouted = []
     reach = {t: deps.descendants([t]) for t in topks}  # one walk per top-k, not per cluster
     for cluster in clusters:
-        near = [t for t in topks if cluster.down in reach[t]]
+        near = [t for t in topks if cluster.down in reach[t] or _masked_after(cluster, reach[t])]
         if not near:
             unrouted.append(cluster)
             continue
         nearest = max(near, key=lambda t: deps.order[t])
         groups.setdefault(nearest, []).append(cluster)
     return [Candidate(t, cs) for t, cs in groups.items()], unrouted
+
+
+def _masked_after(cluster: Cluster, reach: set) -> bool:
+    """Experts run on every token before any routing, their [E, T, H] output weighted by a dense
+    mask that depends on the top-k (``einsum("eth,te->th", out, mask)``): routed by that top-k."""
+    frontier = [cluster.down]
+    for _ in range(3):
+        frontier = [u for n in frontier for u in n.users]
+        if any(u in reach for u in frontier):
+            return True
+        frontier = [u for u in frontier if is_view_like(u)]
+    return False
 
 
 def unrecognised_experts(graph: fx.Graph, deps: Deps, candidates: list[Candidate]) -> list[fx.Node]:
