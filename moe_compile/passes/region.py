@@ -157,7 +157,11 @@ def find_weights(deps: Deps, output, params, ids, T, K, E) -> tuple[fx.Node, boo
     / [E, T] matrix.  Neither depends on a permutation of the ids (a ``weights.view(-1)[order]``
     copy is the region's work).  With K == E the two shapes agree: a matrix scattered from the ids
     is dense, anything else (``scores.gather(1, ids)``, top-k values) per-slot weights."""
-    excluded = deps.descendants(params) | _permutations(deps, ids)
+    from_params = deps.descendants(params)
+    # Not routing either: buffers the experts accumulate into (``out = zeros_like(x)``: [T, H] looks
+    # like a dense [T, E] matrix when H == E) — whatever a param-dependent in-place op writes.
+    accumulators = {n for n in deps.ancestors([output]) if any(m in from_params for m in deps.mutations_of(n))}
+    excluded = from_params | accumulators | _permutations(deps, ids)
     scattered = _scattered_from(deps, ids) if _same(K, E) else set()
     best = None
     for node in deps.ancestors([output]):

@@ -41,7 +41,7 @@ FAMILIES = ("loop_list", "loop_stacked", "split", "sort_scatter", "gathered", "d
 ROUTERS = ("softmax_renorm", "softmax", "sigmoid_group", "softplus_sqrt", "logits_softmax")
 ACTIVATIONS = ("silu_mul", "torch_mul", "sigmoid_spelled", "gptoss_addcmul", "gptoss_add")
 EXPERT_COUNTS = (1, 2, 3, 8, 16, 64)
-HIDDEN, FFN = 32, 16
+FFN = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,20 +55,31 @@ class Case:
     layers: int
     activation: str
     tokens: int
+    hidden: int = 32  # 8 and 16 make H == E for some E: an [T, H] buffer then looks like a [T, E] mask
 
     def __str__(self) -> str:
         dt = str(self.dtype).replace("torch.", "")
         return (f"{self.family}-{self.router}-E{self.experts}-K{self.top_k}-{'sh' if self.shared else 'nosh'}-"
-                f"{dt}-L{self.layers}-{self.activation}-T{self.tokens}")
+                f"{dt}-L{self.layers}-{self.activation}-T{self.tokens}-H{self.hidden}")
 
 
-def covered(case: Case) -> str | None:
-    """None when the op's semantics cover the block, else why they do not."""
+def covered(case: Case) -> bool | str | None:
+    """True when the op's semantics cover the block (it must be rewritten), a reason when they do
+    not (it must be refused), None when both are right: a capacity that never binds at this token
+    count (the static graph holds exactly the op's computation), experts that choose every token."""
     if case.family == "capacity":
-        return "capacity-limited routing drops tokens over an expert's capacity"
+        return None if case.tokens <= capacity(case) else "capacity-limited routing drops tokens over capacity"
     if case.family == "expert_choice":
-        return "expert-choice routing: experts pick tokens, not tokens experts"
-    return None
+        return None if per_expert(case) >= case.tokens else "expert-choice routing: experts pick tokens"
+    return True
+
+
+def capacity(case: Case) -> int:
+    return max(1, case.tokens * case.top_k // case.experts // 2)  # half the even share: tokens drop
+
+
+def per_expert(case: Case) -> int:
+    return max(1, case.tokens * case.top_k // case.experts)
 
 
 def random_cases(seed: int, n: int) -> list[Case]:
@@ -88,7 +99,7 @@ def random_cases(seed: int, n: int) -> list[Case]:
         dtype = {"sort_scatter": torch.bfloat16, "titan": torch.float32}.get(
             family, rng.choice((torch.float32, torch.float32, torch.bfloat16)))
         out.append(Case(family, router, E, K, rng.random() < 0.3, dtype, rng.choice((1, 1, 2)), activation,
-                        rng.choice((1, 5, 13))))
+                        rng.choice((1, 5, 13)), rng.choice((8, 16, 32, 32))))
     return out
 
 
@@ -170,7 +181,7 @@ class Block(nn.Module):
 
     def __init__(self, case: Case):
         super().__init__()
-        H, F_, E, K = HIDDEN, FFN, case.experts, case.top_k
+        H, F_, E, K = case.hidden, FFN, case.experts, case.top_k
         self.case, self.E, self.K = case, E, K
         self.router = Router(case.router, H, E, K)
         if case.family == "loop_list":
@@ -269,18 +280,17 @@ class Block(nn.Module):
 
     def _capacity(self, x):
         weights, ids = self.router(x)
-        capacity = max(1, x.shape[0] * self.K // self.E // 2)  # half of the even share: tokens drop
+        cap = capacity(self.case)
         y = torch.zeros_like(x)
         for e in range(self.E):
             idx, top = torch.where(ids == e)
-            idx, top = idx[:capacity], top[:capacity]
+            idx, top = idx[:cap], top[:cap]
             y.index_add_(0, idx, self._ffn(x[idx], e) * weights[idx, top, None])
         return y
 
     def _expert_choice(self, x):
         logits = F.linear(x.float(), self.router.weight.float()).softmax(-1)  # [T, E]
-        per_expert = max(1, x.shape[0] * self.K // self.E)
-        weights, tok = torch.topk(logits.t(), per_expert, dim=-1)  # [E, C]: experts pick tokens
+        weights, tok = torch.topk(logits.t(), per_expert(self.case), dim=-1)  # [E, C]: experts pick tokens
         y = torch.zeros_like(x)
         for e in range(self.E):
             y.index_add_(0, tok[e], self._ffn(x[tok[e]], e) * weights[e, :, None].to(x.dtype))
@@ -294,7 +304,7 @@ class TitanBlock(nn.Module):
         super().__init__()
         router = {"softmax": dict(score_func="softmax"), "softmax_renorm": dict(score_func="softmax", route_norm=True),
                   "sigmoid_group": dict(groups=4, limited_groups=2, route_norm=True, route_scale=2.5)}
-        self.moe = titan.MoE(HIDDEN, FFN, case.experts, case.top_k, shared_ffn=2 * FFN if case.shared else 0,
+        self.moe = titan.MoE(case.hidden, FFN, case.experts, case.top_k, shared_ffn=2 * FFN if case.shared else 0,
                              **router.get(case.router, {}))
 
     def forward(self, x):
@@ -321,5 +331,5 @@ def build(case: Case) -> tuple[nn.Module, torch.Tensor]:
     model = Stack(case)
     if case.family != "titan":  # torchtitan holds fp32 master weights and casts itself
         model = model.to(case.dtype)
-    x = torch.randn(1, case.tokens, HIDDEN, dtype=torch.float32 if case.family == "titan" else case.dtype)
+    x = torch.randn(1, case.tokens, case.hidden, dtype=torch.float32 if case.family == "titan" else case.dtype)
     return model, x

@@ -30,12 +30,13 @@ def check(case: spellings.Case) -> None:
     err = rel_err(got, want)
     assert err <= (BF16_TOL if low_precision else FP32_TOL), f"{case}: wrong result, rel. err {err:.2e}\n{report}"
     assert all(s.reason.strip() for s in report.skipped), f"{case}: a refusal without a reason\n{report}"
-    why_not = spellings.covered(case)
-    if why_not is None:
+    covered = spellings.covered(case)
+    if covered is True:
         assert len(report.rewritten) == case.layers, f"{case}: {len(report.rewritten)} of {case.layers} rewritten\n{report}"
-    else:
-        assert not report.rewritten, f"{case}: rewritten although {why_not}\n{report}"
-        assert report.skipped, f"{case}: not rewritten ({why_not}) but no reason recorded\n{report}"
+    elif covered is not None:
+        assert not report.rewritten, f"{case}: rewritten although {covered}\n{report}"
+    if len(report.rewritten) < case.layers:
+        assert report.skipped, f"{case}: a layer neither rewritten nor refused with a reason\n{report}"
 
 
 DEFAULT = spellings.random_cases(seed=15, n=12)
