@@ -208,7 +208,11 @@ class Deps:
         return seen
 
     def first_reached_by_all(self, sources: list[fx.Node], accept) -> fx.Node | None:
-        """The earliest node (graph order) that depends on every source and passes ``accept``.
+        """The earliest node (graph order) that depends on every source and passes ``accept``."""
+        return next(iter(self.reached_by_all(sources, accept, 1)), None)
+
+    def reached_by_all(self, sources: list[fx.Node], accept, limit: int) -> list[fx.Node]:
+        """The first ``limit`` nodes (graph order) that depend on every source and pass ``accept``.
 
         One forward pass with a bitset per node (bit i = depends on sources[i]): linear in the
         graph, where intersecting per-source descendant sets would be quadratic.
@@ -216,6 +220,7 @@ class Deps:
         full = (1 << len(sources)) - 1
         bits = {src: 1 << i for i, src in enumerate(sources)}
         start = min(self.order[s] for s in sources)
+        found = []
         for node, index in self.order.items():
             if index < start:
                 continue
@@ -225,8 +230,10 @@ class Deps:
             if mask:
                 bits[node] = mask
                 if mask == full and accept(node):
-                    return node
-        return None
+                    found.append(node)
+                    if len(found) == limit:
+                        break
+        return found
 
 
 def source_line(node: fx.Node) -> str:
