@@ -20,6 +20,7 @@ calls after a first, compiling call.
 from __future__ import annotations
 
 import dataclasses
+import re
 import resource
 import statistics
 import time
@@ -149,7 +150,7 @@ def run_model(name: str, layers: int, prompt_len: int, tokens: int, repeats: int
     with collecting_reports() as report:
         first, results['backend="moe"'] = timed_runs(model, prompt, tokens, repeats, 'backend="moe"',
                                                       " compiles prefill and decode graphs (~30-60 s)")
-    print(report)
+    print_report(report)
     err = max_logit_error(first, eager)
     verdict = tokens_verdict(first, eager)
     moe_layers = sum(1 for m in model.modules() if type(m).__name__.endswith("Experts"))
@@ -160,6 +161,19 @@ def run_model(name: str, layers: int, prompt_len: int, tokens: int, repeats: int
           f"{report.graphs} graphs -> {'ok' if ok else 'MISMATCH'}", flush=True)
     print_speeds(results, prompt_len, tokens, repeats)
     return ok
+
+
+def print_report(report) -> None:
+    """The compile's report, one line per rewritten layer (the same in each graph: prefill, decode)."""
+    graphs: dict[str, list[int]] = {}
+    for entry in report.rewritten:
+        graphs.setdefault(re.sub(r"^\s*\[graph \d+\] ", "", entry.line()), []).append(entry.graph)
+    print(f"  backend=\"moe\" compiled {report.graphs} graph(s), rewrote {len(report.rewritten)} MoE region(s), "
+          f"skipped {len(report.skipped)}:")
+    for line, where in graphs.items():
+        print(f"    {line}  [graphs {', '.join(map(str, where))}]")
+    for skipped in report.skipped:
+        print(f"    skipped:{skipped.line()}")
 
 
 def print_speeds(results: dict[str, list[Run]], prompt_len: int, tokens: int, repeats: int) -> None:
