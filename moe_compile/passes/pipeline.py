@@ -19,6 +19,7 @@ while rewriting puts the whole graph back as it was.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import operator
 
@@ -169,10 +170,28 @@ def _unrouted_loops(unrouted) -> list[Skipped]:
     ]
 
 
-def run_moe_pass(gm: fx.GraphModule, example_inputs, min_experts: int = 1, save_fc1: bool = True) -> Report:
+_layer_tags = itertools.count()
+
+
+def _quant_plan(spec, quant: str, budget_db: float):
+    """The quantization of one layer (``quant/plan.py``); the tag names it in explain()."""
+    from moe_compile.passes.lift import will_be_differentiated
+    from moe_compile.quant.plan import plan_layer
+
+    if quant == "none":
+        return plan_layer(spec, quant, budget_db, False, "cpu", "")
+    nodes = (spec.x, spec.topk_weights, *spec.fc1, *spec.fc1_up, *spec.fc2)
+    device = getattr(spec.x.meta.get("example_value"), "device", None)
+    tag = f"{spec.source or 'moe'}#{next(_layer_tags)}"
+    return plan_layer(spec, quant, budget_db, will_be_differentiated(nodes), getattr(device, "type", "cpu"), tag)
+
+
+def run_moe_pass(gm: fx.GraphModule, example_inputs, min_experts: int = 1, save_fc1: bool = True,
+                 quant: str = "none", budget_db: float = 30.0) -> Report:
     """Rewrite gm in place and report; never raises (a failure leaves gm as it was, with the reason).
 
-    ``save_fc1``: training graphs get the op form that keeps FC1's output (MoEConfig.save_fc1)."""
+    ``save_fc1``: training graphs get the op form that keeps FC1's output (MoEConfig.save_fc1);
+    ``quant`` / ``budget_db``: MoEConfig.quant and auto's budget (``quant/plan.py`` decides per layer)."""
     try:
         matches, skipped = find_matches(gm, example_inputs, min_experts)
     except Exception as exc:  # noqa: BLE001 — finding touches only metadata and example values
@@ -185,8 +204,12 @@ def run_moe_pass(gm: fx.GraphModule, example_inputs, min_experts: int = 1, save_
     backup = _copy_graph(gm.graph)
     try:
         for match in matches:
-            match.replace_with_fused_op(gm.graph, Deps(gm.graph), save_fc1)
-            report.rewritten.append(_rewritten_entry(match))
+            plan = _quant_plan(match.spec, quant, budget_db)
+            if plan.policy:
+                match.replace_with_fused_op(gm.graph, Deps(gm.graph), save_fc1, quant=plan)
+            else:
+                match.replace_with_fused_op(gm.graph, Deps(gm.graph), save_fc1)
+            report.rewritten.append(_rewritten_entry(match, plan))
         remove_dead_splits(gm.graph)
         gm.graph.lint()
         gm.recompile()
@@ -200,13 +223,13 @@ def run_moe_pass(gm: fx.GraphModule, example_inputs, min_experts: int = 1, save_
     return report
 
 
-def _rewritten_entry(match) -> Rewritten:
+def _rewritten_entry(match, plan) -> Rewritten:
     s = match.spec
     a = s.attrs
     biases = tuple(role for role in ("fc1", "fc1_up", "fc2") if getattr(s, f"{role}_bias"))
-    return Rewritten(s.family, s.num_experts, s.top_k, s.hidden, s.ffn, s.variant, s.source, a.gate_up, a.activation,
-                     a.weight_on, match.error, transposed=a.transposed, limit=a.limit, alpha=a.alpha, biases=biases,
-                     **getattr(match, "report_extra", {}))
+    return Rewritten(s.family, s.num_experts, s.top_k, s.hidden, s.ffn, plan.policy or s.variant, s.source, a.gate_up,
+                     a.activation, a.weight_on, match.error, transposed=a.transposed, limit=a.limit, alpha=a.alpha,
+                     biases=biases, quant_tag=plan.tag, quant_note=plan.note, **getattr(match, "report_extra", {}))
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:
