@@ -1,9 +1,9 @@
 """The quantized decode kernel (kernels/cpu/qdecode.c) against each format's reference MoE.
 
-The reference: the packed weight dequantized in float64 (every format's q * scale is exact there),
-then ``kernels/reference.fused_moe_reference`` in float64.  The kernel dequantizes exactly too and
-sums in fp32 in its own order, so the only difference is fp32 rounding of the sums (K <= 128 terms
-of unit scale) and the kernels' e^x in the SwiGLU (simd.h, ~2e-7 relative): 1e-5 of the output's
+The reference: ``moe_compile.quant.reference_moe`` (the packed weight dequantized, q * scale exact
+in fp32, then the MoE in fp32).  The kernel dequantizes exactly too and sums in fp32 in its own
+order, so the only differences are fp32 rounding of the sums (K <= 256 terms of unit scale, on
+both sides) and the kernels' e^x in the SwiGLU (simd.h, ~2e-7 relative): 1e-5 of the output's
 scale per element.  A wrong nibble, scale, lane order or slot fails it by orders of magnitude.
 """
 
@@ -15,9 +15,11 @@ import itertools
 import pytest
 import torch
 
-from moe_compile.ir import ExpertWeights, FFNAttrs
-from moe_compile.kernels import reference
+from moe_compile import quant
+from moe_compile.ir import FFNAttrs
 from moe_compile.kernels.cpu import qdecode
+from moe_compile.quant import QuantWeight, reference_moe, w16 as quant_w16
+from moe_compile.quant.common import pack_nibbles
 
 needs_kernel = pytest.mark.skipif(qdecode.unavailable_reason("w4-int") is not None,
                                   reason=f"no qdecode kernel: {qdecode.unavailable_reason('w4-int')}")
@@ -25,83 +27,22 @@ ISAS = [qdecode.ISA_AVX2] + ([qdecode.ISA_AVX512] if qdecode.unavailable_reason(
                              and qdecode.best_isa() == qdecode.ISA_AVX512 else [])
 
 
-@dataclasses.dataclass(frozen=True)
-class Packed:
-    """The canonical packed weight (the fields ``moe_compile.quant.QuantWeight`` has)."""
-
-    fmt: str
-    data: torch.Tensor
-    scale: torch.Tensor
-    group: int
-    shape: tuple
-
-
-E2M1 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
-
-
-def _nibbles(u: torch.Tensor) -> torch.Tensor:
-    """[..., K] codes 0..15 -> [..., K/2] bytes, element 2j in the low nibble, 2j+1 in the high."""
-    return (u[..., 0::2] | (u[..., 1::2] << 4)).to(torch.uint8)
-
-
-def _unnibble(b: torch.Tensor) -> torch.Tensor:
-    u = torch.stack([b & 15, b >> 4], dim=-1)
-    return u.reshape(*b.shape[:-1], 2 * b.shape[-1]).long()
-
-
-def _e8m0(s: torch.Tensor) -> torch.Tensor:
-    return s.view(torch.float8_e8m0fnu).double()
-
-
 def pack(fmt: str, w: torch.Tensor, group: int = 32, gen: torch.Generator | None = None,
-         random_codes: bool = False) -> Packed:
-    """A weight [E, N, K] in ``fmt``, quantized from w as the contract's table says (MX: the OCP
-    shared exponent floor(log2 max|w|) - emax of the element type, elements rounded to nearest);
-    ``random_codes``: MX data drawn uniformly over every code but NaN instead."""
-    E, N, K = w.shape
-    if fmt in ("w16-bf16", "w16-fp16"):
-        return Packed("w16", w.to(torch.bfloat16 if fmt == "w16-bf16" else torch.float16), torch.empty(0), K, (E, N, K))
-    if fmt in ("w8-int", "w4-int"):
-        qmax, qmin = (127, -127) if fmt == "w8-int" else (7, -8)
-        wg = w.reshape(E, N, K // group, group)
-        s = (wg.abs().amax(-1) / qmax).to(torch.float16)  # [E, N, K/G]
-        q = torch.round(wg / s.float()[..., None]).clamp(qmin, qmax).reshape(E, N, K)
-        data = q.to(torch.int8) if fmt == "w8-int" else _nibbles((q + 8).to(torch.uint8))
-        return Packed(fmt, data.contiguous(), s.contiguous(), group, (E, N, K))
-    wg = w.double().reshape(E, N, K // 32, 32)
-    exp = torch.floor(torch.log2(wg.abs().amax(-1))) - (2 if fmt == "mxfp4" else 8)  # [E, N, K/32]
-    scale = (exp + 127).to(torch.uint8)
-    v = wg / torch.exp2(exp)[..., None]
+         random_codes: bool = False) -> QuantWeight:
+    """W [E, N, K] in ``fmt`` (``w16-bf16`` / ``w16-fp16`` name w16's two dtypes) by the format's own
+    pack; ``random_codes``: MX data drawn uniformly over every code but NaN instead (scales kept)."""
+    if fmt.startswith("w16"):
+        return quant_w16.pack(w, torch.bfloat16 if fmt == "w16-bf16" else torch.float16)
+    qw = quant.pack(fmt, w, group if fmt in ("w8-int", "w4-int") else None)
+    if not random_codes:
+        return qw
+    E, N, K = qw.shape
     if fmt == "mxfp4":
-        codes = (v[..., None] - E2M1).abs().argmin(-1).reshape(E, N, K)  # nearest e2m1 value
-        if random_codes:
-            codes = torch.randint(0, 16, (E, N, K), generator=gen)
-        return Packed(fmt, _nibbles(codes), scale, 32, (E, N, K))
-    codes = v.clamp(-448, 448).float().to(torch.float8_e4m3fn).view(torch.uint8).reshape(E, N, K)
-    if random_codes:
-        codes = torch.randint(0, 254, (E, N, K), generator=gen)
-        codes = torch.where(codes >= 127, codes + 1, codes).to(torch.uint8)  # skip 0x7F (NaN); 0xFF never drawn
-        scale = (scale.long() - 6).to(torch.uint8)  # |e4m3| up to 448: keep the products near unit scale
-    return Packed(fmt, codes.contiguous(), scale, 32, (E, N, K))
-
-
-def dequantize(p: Packed) -> torch.Tensor:
-    """[E, N, K] float64, exactly the element the table defines."""
-    E, N, K = p.shape
-    if p.fmt == "w16":
-        return p.data.double()
-    if p.fmt == "w8-int":
-        return (p.data.double().reshape(E, N, K // p.group, p.group) * p.scale.double()[..., None]).reshape(E, N, K)
-    if p.fmt == "w4-int":
-        q = _unnibble(p.data).double() - 8
-        return (q.reshape(E, N, K // p.group, p.group) * p.scale.double()[..., None]).reshape(E, N, K)
-    elems = E2M1[_unnibble(p.data)] if p.fmt == "mxfp4" else p.data.view(torch.float8_e4m3fn).double()
-    return (elems.reshape(E, N, K // 32, 32) * _e8m0(p.scale)[..., None]).reshape(E, N, K)
-
-
-def reference_moe(x, ids, g, w1: Packed, w2: Packed, attrs: FFNAttrs) -> torch.Tensor:
-    w = ExpertWeights((dequantize(w1),), (), (dequantize(w2),))
-    return reference.fused_moe_reference(x.double(), ids, g.double(), w, attrs)
+        data = pack_nibbles(torch.randint(0, 16, (E, N, K), generator=gen))
+        return QuantWeight(fmt, data, qw.scale, qw.group, qw.shape)
+    codes = torch.randint(0, 254, (E, N, K), generator=gen)
+    codes = torch.where(codes >= 127, codes + 1, codes).to(torch.uint8)  # skip 0x7F (NaN); 0xFF never drawn
+    return QuantWeight(fmt, codes, qw.scale, qw.group, qw.shape)
 
 
 def _case(fmt, T, H, F, E, K, seed=0, ids_mode="random", group=32, random_codes=False):
@@ -124,7 +65,7 @@ def _check(x, ids, g, w1, w2, attrs, isa):
     got = qdecode.run(x, ids, g, w1, w2, attrs, None, isa=isa)
     want = reference_moe(x, ids, g, w1, w2, attrs)
     scale = max(want.abs().max().item(), 1e-30)
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale)
     return got, want
 
 
@@ -158,7 +99,7 @@ def test_limit_weight_on_and_dropped_ids(fmt, isa, limit, weight_on):
     ids[1] = torch.tensor([4, 4, 0])   # one token, one expert, twice: both slots add
     got, want = _check(x, ids, g, w1, w2, FFNAttrs(limit=limit, weight_on=weight_on), isa)
     if limit:
-        h = (x.double() @ dequantize(w1)[2].t())  # the clamp must bite for the test to mean anything
+        h = quant.matmul(x, w1, 2)  # the clamp must bite for the test to mean anything
         assert h.abs().max() > limit
 
 
@@ -188,15 +129,18 @@ def test_thread_counts(threads):
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS)
 def test_nan_codes_propagate(isa):
-    # e4m3 0x7F and e8m0 255 are NaN (OCP): the rows they feed are NaN, as in the reference.
+    # e4m3 0x7F is NaN: the rows it feeds are NaN, as in the reference.  e8m0 255 is NaN too (OCP
+    # MX v1.0; quant packs never write it): the column it scales is NaN, nothing else.
     x, ids, g, w1, w2 = _case("mxfp8", 2, H=64, F=32, E=2, K=1, seed=5)
     ids = torch.tensor([[0], [1]])
-    w1.data[0, 0, 3] = 0x7F  # expert 0, gate feature 0
-    w2.scale[1, 5, 0] = 255  # expert 1, output column 5
+    w1.data[0, 0, 3] = 0x7F  # expert 0, gate feature 0: all of token 0's output
     got = qdecode.run(x, ids, g, w1, w2, FFNAttrs(), None, isa=isa)
     want = reference_moe(x, ids, g, w1, w2, FFNAttrs())
-    assert torch.isnan(got[0]).all() and torch.isnan(got[1, 5]) and not torch.isnan(got[1, :5]).any()
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want[1, :5].abs().max().item(), equal_nan=True)
+    assert torch.isnan(got[0]).all() and not torch.isnan(got[1]).any()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want[1].abs().max().item(), equal_nan=True)
+    w2.scale[1, 5, 0] = 255  # expert 1, output column 5
+    got = qdecode.run(x, ids, g, w1, w2, FFNAttrs(), None, isa=isa)
+    assert torch.isnan(got[1, 5]) and not torch.isnan(got[1, :5]).any() and not torch.isnan(got[1, 6:]).any()
 
 
 def test_unavailable_formats_say_why():
@@ -214,8 +158,9 @@ def test_bad_input_has_clear_error():
         qdecode.run(x, ids.int(), g, w1, w2, FFNAttrs())
     with pytest.raises(ValueError, match="weight_on"):
         qdecode.run(x, ids, g, w1, w2, FFNAttrs(weight_on="input"))
-    bad = dataclasses.replace(w1, group=48, scale=torch.zeros(2, 64, 1, dtype=torch.float16))
+    bad = dataclasses.replace(w1, group=16, scale=torch.zeros(2, 64, 4, dtype=torch.float16))
     with pytest.raises(ValueError, match="multiple of 32"):
         qdecode.run(x, ids, g, bad, w2, FFNAttrs())
+    a8 = quant.pack("a8w8-int", torch.randn(2, 64, 64))
     with pytest.raises(ValueError, match="qgemm"):
-        qdecode.run(x, ids, g, dataclasses.replace(w1, fmt="a8w8-int"), w2, FFNAttrs())
+        qdecode.run(x, ids, g, a8, w2, FFNAttrs())
