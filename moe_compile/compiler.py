@@ -40,11 +40,11 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs, config: MoEConfig) -> Repo
     from moe_compile import dump
     from moe_compile.passes.pipeline import run_moe_pass
 
-    before = gm.code
+    before = copy_module(gm) if config.dump_dir() else None  # the dump draws the region as it was
     report = run_moe_pass(gm, example_inputs, config.min_experts, config.save_fc1)
     for collector in _collectors:
         collector.extend(report)
-    if config.dump_dir():
+    if before is not None:
         dump.write_graph_dump(config.dump_dir(), before, gm, report)
     return report
 

@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 INNER_COMPILERS = ("inductor", "eager")
-QUANT_POLICIES = ("none",)  # room for "auto", "a8w8-int", ... (DESIGN §8); only "none" is built
+# Room for "auto", "a8w8-int", ... (docs/architecture.md#devices-and-variants); only "none" is built.
+QUANT_POLICIES = ("none",)
 DUMP_ENV = "MOE_COMPILE_DUMP"
 
 

@@ -1,4 +1,4 @@
-"""Which kernel variants each device runs natively (DESIGN §8-9), as frozen data."""
+"""Which kernel variants each device runs natively, as frozen data (docs/architecture.md#devices-and-variants)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ CUDA_KINDS = {
     (9, 0): DeviceKind("sm90", ("a16w16",), "kernels/triton (bf16/fp16)"),
     (10, 0): DeviceKind("sm100", ("a16w16",), "kernels/triton (bf16/fp16)"),
 }
-# The seed operator's Ascend product table (shared/seeds/ascend-mega-moe.zh.md: supported products,
+# The seed operator's Ascend product table (the Ascend ``mega_moe`` operator page: supported products,
 # and which Linear data types each runs), kept as data: no Ascend kernel runs here.
 ASCEND_VARIANTS = {
     "Ascend 950PR / 950DT": ("a8w8-fp", "a8w4-fp", "a4w4-fp"),

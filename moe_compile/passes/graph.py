@@ -91,6 +91,22 @@ def tensor_args(node: fx.Node) -> list[fx.Node]:
     return out
 
 
+def rows_gathered_from(node):
+    """The per-expert table behind rows gathered by expert counts: ``bias.repeat_interleave(counts,
+    dim=0)`` (torchtitan's GPT-OSS, with a zero row appended for padding: ``cat([bias, zeros])``),
+    seen through casts; else ``node`` itself.  What the rows really are is left to the proof."""
+    start = node
+    while isinstance(node, fx.Node) and is_view_like(node):
+        node = node.args[0]
+    if not (isinstance(node, fx.Node) and target_name(node) == "repeat_interleave" and node.args):
+        return start
+    table = node.args[0]
+    if isinstance(table, fx.Node) and target_name(table) in ("cat", "concat"):
+        parts = table.args[0] if table.args else table.kwargs.get("tensors", ())
+        table = parts[0] if parts else table
+    return table
+
+
 def const_int_index(node: fx.Node) -> int | None:
     """e for ``t[e]`` with a Python int e, else None."""
     if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], int):

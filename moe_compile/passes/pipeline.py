@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from moe_compile.passes import dense, expert_parallel, gathered, loop, sorted as sorted_family
-from moe_compile.passes.clusters import find_clusters, group_by_topk, unrecognised_experts
+from moe_compile.passes.clusters import find_clusters, gemm_operands, group_by_topk, unrecognised_experts
 from moe_compile.passes.graph import Deps
 from moe_compile.passes.lift import GraphValues
 from moe_compile.passes.region import Refusal
@@ -65,10 +65,12 @@ UNRECOGNISED = ("a top-k's ids select expert weights here, but no expert FFN (FC
 
 
 def _unrouted_loops(unrouted) -> list[Skipped]:
-    """Several same-shaped FFNs with no routing: a loop of dense MLPs, worth a line in explain()."""
+    """Several same-shaped FFNs on one input with no routing: a loop of dense MLPs, worth a line in
+    explain().  One MLP per layer (or a shared expert per MoE layer) reads each layer's own input."""
     shapes: dict[tuple, int] = {}
     for cluster in unrouted:
         key = tuple(tuple(w.param.meta["example_value"].shape) for w in (*cluster.fc1_w, cluster.down_w))
+        key += (gemm_operands(cluster.fc1[0])[0],)
         shapes[key] = shapes.get(key, 0) + 1
     return [
         Skipped(f"{n} same-shaped FFNs but no top-k routing selects tokens for them: dense MLPs, left to the "
