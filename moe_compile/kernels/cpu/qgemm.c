@@ -242,8 +242,8 @@ F512 void ftile512(const int mr, const float *const *a, const float *b0, const f
     }
 #define FSTORE256(R)                                                   \
     if (mr > R) {                                                      \
-        _mm256_storeu_ps(c + R * 16, c##R##0);                         \
-        _mm256_storeu_ps(c + R * 16 + 8, c##R##1);                     \
+        _mm256_storeu_ps(c + R * 32, c##R##0);                         \
+        _mm256_storeu_ps(c + R * 32 + 16, c##R##1);                    \
     }
 #define EACH6(M) M(0) M(1) M(2) M(3) M(4) M(5)
 AVX2 void ftile256(const int mr, const float *const *a, const float *b0, const float *b1, int64_t K, float *c) {
@@ -316,24 +316,27 @@ static inline __m256 nibble8(int fmt, __m256i u) {
     return fmt == FMT_MXFP4 ? e2m1_8(u) : _mm256_cvtepi32_ps(_mm256_sub_epi32(u, _mm256_set1_epi32(8)));
 }
 
-__attribute__((noinline)) static void dequant_panel(int fmt, const uint8_t *codes,
-                                                                             const void *scales, int64_t K,
-                                                                             int64_t G, float *out) {
+__attribute__((noinline)) static void dequant_panel(int fmt, const uint8_t *codes, const void *scales, int64_t K,
+                                                   int64_t G, float *out) {
     const __m256i m = _mm256_set1_epi32(0x0F);
     if (fmt == FMT_W4 || fmt == FMT_MXFP4) {
-        for (int64_t k = 0; k < K; k += 2) {  /* byte (k/2, j): k low, k + 1 high */
+        for (int64_t g = 0; g < K / G; ++g)
             for (int h = 0; h < 2; ++h) {
-                __m256 s = scales8(fmt, scales, k / G, h);
-                __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + (k / 2) * 16 + 8 * h)));
-                _mm256_storeu_ps(out + k * 16 + 8 * h, _mm256_mul_ps(nibble8(fmt, _mm256_and_si256(b, m)), s));
-                _mm256_storeu_ps(out + (k + 1) * 16 + 8 * h, _mm256_mul_ps(nibble8(fmt, _mm256_srli_epi32(b, 4)), s));
+                __m256 s = scales8(fmt, scales, g, h);
+                for (int64_t k = g * G; k < (g + 1) * G; k += 2) {  /* byte (k/2, j): k low, k + 1 high */
+                    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + (k / 2) * 16 + 8 * h)));
+                    _mm256_storeu_ps(out + k * 16 + 8 * h, _mm256_mul_ps(nibble8(fmt, _mm256_and_si256(b, m)), s));
+                    _mm256_storeu_ps(out + (k + 1) * 16 + 8 * h, _mm256_mul_ps(nibble8(fmt, _mm256_srli_epi32(b, 4)), s));
+                }
             }
-        }
     } else if (fmt == FMT_W8) {
-        for (int64_t k = 0; k < K; ++k)
+        for (int64_t g = 0; g < K / G; ++g)
             for (int h = 0; h < 2; ++h) {
-                __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + k * 16 + 8 * h)));
-                _mm256_storeu_ps(out + k * 16 + 8 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(q), scales8(fmt, scales, k / G, h)));
+                __m256 s = scales8(fmt, scales, g, h);
+                for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+                    __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + k * 16 + 8 * h)));
+                    _mm256_storeu_ps(out + k * 16 + 8 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(q), s));
+                }
             }
     } else {  /* 16-bit weights */
         const uint16_t *w = (const uint16_t *)codes;
@@ -342,6 +345,51 @@ __attribute__((noinline)) static void dequant_panel(int fmt, const uint8_t *code
             __m256 f = fmt == FMT_F16 ? _mm256_cvtph_ps(v)
                                       : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
             _mm256_storeu_ps(out + i, f);
+        }
+    }
+}
+
+/* The same on 16 lanes: one vpermps of a 16-entry table turns a nibble into its value. */
+#define DQ512 __attribute__((target("avx512f,avx2,fma,f16c"), noinline)) static
+
+__attribute__((target("avx512f,avx2,fma,f16c"))) static inline __m512 scales16(int fmt, const void *scales, int64_t g) {
+    if (fmt != FMT_MXFP4) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)scales + g * 16)));
+    __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)scales + g * 16)));
+    __m512i bits = _mm512_slli_epi32(e, 23);  /* 2^(e - 127); e = 0: 2^-127 (subnormal), 255: NaN */
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)), _mm512_set1_epi32(0x7fc00000));
+    return _mm512_castsi512_ps(bits);
+}
+
+DQ512 void dequant_panel512(int fmt, const uint8_t *codes, const void *scales, int64_t K, int64_t G, float *out) {
+    if (fmt == FMT_W4 || fmt == FMT_MXFP4) {
+        const __m512 lut = fmt == FMT_MXFP4
+                               ? _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f)
+                               : _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+        const __m512i m = _mm512_set1_epi32(0x0F);
+        for (int64_t g = 0; g < K / G; ++g) {
+            __m512 s = scales16(fmt, scales, g);
+            for (int64_t k = g * G; k < (g + 1) * G; k += 2) {
+                __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + (k / 2) * 16)));
+                _mm512_storeu_ps(out + k * 16, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, m), lut), s));
+                _mm512_storeu_ps(out + (k + 1) * 16, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut), s));
+            }
+        }
+    } else if (fmt == FMT_W8) {
+        for (int64_t g = 0; g < K / G; ++g) {
+            __m512 s = scales16(fmt, scales, g);
+            for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+                __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + k * 16)));
+                _mm512_storeu_ps(out + k * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(q), s));
+            }
+        }
+    } else {
+        const uint16_t *w = (const uint16_t *)codes;
+        for (int64_t i = 0; i < K * 16; i += 16) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(w + i));
+            __m512 f = fmt == FMT_F16 ? _mm512_cvtph_ps(v)
+                                      : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+            _mm512_storeu_ps(out + i, f);
         }
     }
 }
@@ -459,11 +507,29 @@ static void itile(Shape s, int mr, const void *const *a, const uint8_t *b0, cons
         (s.fmt == FMT_A8W8 ? itile256_w8_any : itile256_w4_any)(mr, a, b0, b1, K, c);
 }
 
-/* The exact q_a . w of tile entry (i, j): undo the VNNI a8w8 offset (128 * colsum of w) or the
- * a8w4 nibble offset (8 * sum of q_a). */
-static int32_t exact(Shape s, int32_t acc, const int32_t *colsum, int64_t col, int32_t rowsum) {
-    if (s.fmt == FMT_A8W4) return acc - 8 * rowsum;
-    return s.isa == ISA_AVX512 ? acc - 128 * colsum[col] : acc;
+/* What the tile's sums carry beyond q_a . w: the VNNI a8w8 offset, 128 * colsum(w) per column
+ * (colsum, NULL when none), or the a8w4 nibble offset, 8 * sum(q_a) per row (row_offset). */
+typedef struct {
+    const int32_t *colsum;
+    int32_t row_offset;
+} Offsets;
+
+static const int32_t ZEROS[2 * V_MAX];
+
+/* out[j] = (float)(acc[j] - offsets) * s_row * s_col[j] for j < w: the exact int32 sum scaled as
+ * quant/a8w8_int.py's matmul does it, (acc * s_x) * s_w. */
+static void scale_sums(const int32_t *acc, Offsets o, int64_t col0, float s_row, const float *s_col, int64_t w,
+                       float *out) {
+    const int32_t *cs = o.colsum ? o.colsum + col0 : ZEROS;
+    int32_t m = o.colsum ? 128 : 0;
+    for (int64_t j = 0; j < w; ++j) out[j] = (float)(acc[j] - o.row_offset - m * cs[j]) * s_row * s_col[col0 + j];
+}
+
+static Offsets offsets(Shape s, const int32_t *colsum, const int32_t *rowsums, int64_t r) {
+    Offsets o = {NULL, 0};
+    if (s.fmt == FMT_A8W4) o.row_offset = 8 * rowsums[r];
+    else if (s.isa == ISA_AVX512) o.colsum = colsum;
+    return o;
 }
 
 static float route(const Call *cl, int64_t slot) { return cl->scale[slot]; }
@@ -485,12 +551,9 @@ static void ifc1(const Call *cl, Shape s, int64_t lo, int64_t n, const Expert *e
             itile(s, mr, rows, b0, b1, H, c);
             for (int i = 0; i < mr; ++i) {
                 int64_t t = cl->tok[lo + r0 + i];
-                float sx = cl->sx[t];
-                int32_t rs = cl->sumx ? cl->sumx[t] : 0;
-                for (int j = 0; j < s.v; ++j) {
-                    gate[j] = (float)exact(s, c[i * 2 * s.v + j], ex->cs1, f0 + j, rs) * sx * s1[f0 + j];
-                    up[j] = (float)exact(s, c[i * 2 * s.v + s.v + j], ex->cs1, F + f0 + j, rs) * sx * s1[F + f0 + j];
-                }
+                Offsets o = offsets(s, ex->cs1, cl->sumx, t);
+                scale_sums(c + i * 2 * s.v, o, f0, cl->sx[t], s1, s.v, gate);
+                scale_sums(c + i * 2 * s.v + s.v, o, F + f0, cl->sx[t], s1, s.v, up);
                 float k = cl->between ? route(cl, lo + r0 + i) : 1.f;
                 swiglu_span(a + (r0 + i) * F + f0, gate, up, 0, s.v, cl->limit, k);
             }
@@ -502,6 +565,7 @@ static void ifc1(const Call *cl, Shape s, int64_t lo, int64_t n, const Expert *e
  * columns of y. */
 static void ifc2(const Call *cl, Shape s, int64_t lo, int64_t n, const Expert *ex) {
     int32_t c[MR_MAX * 2 * V_MAX];
+    float out[2 * V_MAX];
     const void *rows[MR_MAX];
     const float *s2 = (const float *)ex->s2;
     int64_t u0, u1, F = cl->F, w = 2 * s.v;
@@ -515,11 +579,9 @@ static void ifc2(const Call *cl, Shape s, int64_t lo, int64_t n, const Expert *e
             itile(s, mr, rows, b0, b1, F, c);
             for (int i = 0; i < mr; ++i) {
                 int64_t slot = lo + r0 + i;
-                float sa = cl->sa[r0 + i], k = cl->between ? 1.f : route(cl, slot);
-                int32_t rs = cl->suma ? cl->suma[r0 + i] : 0;
-                float *dst = cl->y + cl->tok[slot] * cl->ldy + c0;
-                for (int64_t j = 0; j < w; ++j)
-                    dst[j] += k * ((float)exact(s, c[i * w + j], ex->cs2, c0 + j, rs) * sa * s2[c0 + j]);
+                float k = cl->between ? 1.f : route(cl, slot), *dst = cl->y + cl->tok[slot] * cl->ldy + c0;
+                scale_sums(c + i * w, offsets(s, ex->cs2, cl->suma, r0 + i), c0, cl->sa[r0 + i], s2, w, out);
+                for (int64_t j = 0; j < w; ++j) dst[j] += k * out[j];
             }
         }
     }
@@ -539,30 +601,25 @@ static const void *panel_scales(int fmt, const void *scales, int64_t p, int64_t 
 }
 
 static void dequant(Shape s, const uint8_t *w, const void *scales, int64_t p, int64_t K, int64_t G, float *out) {
-    dequant_panel(s.fmt, w + p * panel_bytes(s.fmt, K), scales ? panel_scales(s.fmt, scales, p, K, G) : NULL, K, G, out);
+    const uint8_t *codes = w + p * panel_bytes(s.fmt, K);
+    const void *sc = scales ? panel_scales(s.fmt, scales, p, K, G) : NULL;
+    if (s.isa == ISA_AVX512)
+        dequant_panel512(s.fmt, codes, sc, K, G, out);
+    else
+        dequant_panel(s.fmt, codes, sc, K, G, out);
 }
 
-/* The float tile over rows r0.. of a chunk for the 16 columns of panels (b0 | b1) each: AVX-512
- * in one go (c [mr][32]), AVX2 in two halves (c [mr][16] each, c + half * MR_MAX * 16). */
+/* The float tile over a chunk's rows for the 16 columns of panels b0 and b1 each: c [mr][32], b0's
+ * columns then b1's; AVX-512 in one go, AVX2 in two halves of 8 columns (its tile stores a row's
+ * two 8-wide blocks 16 floats apart, so both halves land in this layout). */
 static void fpanel(Shape s, int mr, const float *const *rows, const float *b0, const float *b1, int64_t K, float *c) {
-    if (s.isa == ISA_AVX512) {
-        ftile(s, mr, rows, b0, b1, K, c);
-        return;
-    }
     ftile(s, mr, rows, b0, b1, K, c);
-    ftile(s, mr, rows, b0 + 8, b1 + 8, K, c + MR_MAX * 16);
-}
-
-/* Where tile entry (row i, column j of 2 x 16) of fpanel's output lies. */
-static float fat(Shape s, const float *c, int i, int j) {
-    if (s.isa == ISA_AVX512) return c[i * 32 + j];
-    int half = (j % 16) / 8, block = j / 16;  /* AVX2: [half][i][block 8 | block 8] */
-    return c[half * MR_MAX * 16 + i * 16 + block * 8 + j % 8];
+    if (s.isa == ISA_AVX2) ftile(s, mr, rows, b0 + 8, b1 + 8, K, c + 8);
 }
 
 /* Float FC1 + SwiGLU: this thread's 16-feature units, gate and up panels dequantized into buf. */
 static void ffc1(const Call *cl, Shape s, int64_t lo, int64_t n, const Expert *ex, float *a, float *buf) {
-    float c[2 * MR_MAX * 32], gate[16], up[16];
+    float c[MR_MAX * 32];
     const float *rows[MR_MAX];
     int64_t u0, u1, H = cl->H, F = cl->F;
     float *bg = buf, *bu = buf + H * 16;
@@ -575,9 +632,8 @@ static void ffc1(const Call *cl, Shape s, int64_t lo, int64_t n, const Expert *e
             for (int i = 0; i < mr; ++i) rows[i] = cl->x + cl->tok[lo + r0 + i] * cl->ldx;
             fpanel(s, mr, rows, bg, bu, H, c);
             for (int i = 0; i < mr; ++i) {
-                for (int j = 0; j < 16; ++j) gate[j] = fat(s, c, i, j), up[j] = fat(s, c, i, 16 + j);
                 float k = cl->between ? route(cl, lo + r0 + i) : 1.f;
-                swiglu_span(a + (r0 + i) * F + u * 16, gate, up, 0, 16, cl->limit, k);
+                swiglu_span(a + (r0 + i) * F + u * 16, c + i * 32, c + i * 32 + 16, 0, 16, cl->limit, k);
             }
         }
     }
@@ -585,7 +641,7 @@ static void ffc1(const Call *cl, Shape s, int64_t lo, int64_t n, const Expert *e
 
 /* Float FC2 + weighted combine: this thread's 32-column units of y. */
 static void ffc2(const Call *cl, Shape s, int64_t lo, int64_t n, const Expert *ex, const float *a, float *buf) {
-    float c[2 * MR_MAX * 32];
+    float c[MR_MAX * 32];
     const float *rows[MR_MAX];
     int64_t u0, u1, F = cl->F;
     float *b0 = buf, *b1 = buf + F * 16;
@@ -600,7 +656,7 @@ static void ffc2(const Call *cl, Shape s, int64_t lo, int64_t n, const Expert *e
             for (int i = 0; i < mr; ++i) {
                 int64_t slot = lo + r0 + i;
                 float k = cl->between ? 1.f : route(cl, slot), *dst = cl->y + cl->tok[slot] * cl->ldy + u * 32;
-                for (int j = 0; j < 32; ++j) dst[j] += k * fat(s, c, i, j);
+                for (int j = 0; j < 32; ++j) dst[j] += k * c[i * 32 + j];
             }
         }
     }
@@ -711,19 +767,23 @@ int64_t moe_qgemm_int_matmul(int64_t isa, int64_t fmt, const int8_t *qa, int64_t
             int mr = rows_at(s, M, r0);
             for (int i = 0; i < mr; ++i) rows[i] = a + (r0 + i) * K;
             itile(s, mr, rows, icolumn(s.fmt, w, c0, K), icolumn(s.fmt, w, c0 + s.v, K), K, c);
-            for (int i = 0; i < mr; ++i)
+            for (int i = 0; i < mr; ++i) {
+                Offsets o = offsets(s, colsum, rowsum, r0 + i);
                 for (int j = 0; j < 2 * s.v; ++j)
-                    out[(r0 + i) * N + c0 + j] = exact(s, c[i * 2 * s.v + j], colsum, c0 + j, rowsum[r0 + i]);
+                    out[(r0 + i) * N + c0 + j] = c[i * 2 * s.v + j] - o.row_offset - (o.colsum ? 128 * o.colsum[c0 + j] : 0);
+            }
         }
     free(a), free(rowsum);
     return 0;
 }
 
 /* Panel p of a float-format weight dequantized: out [K][16]. */
-void moe_qgemm_dequant_panel(int64_t fmt, const uint8_t *w, const void *scales, int64_t p, int64_t K, int64_t G,
-                             float *out) {
-    Shape s = shape_of(ISA_AVX2, (int)fmt);
+int64_t moe_qgemm_dequant_panel(int64_t isa, int64_t fmt, const uint8_t *w, const void *scales, int64_t p, int64_t K,
+                                int64_t G, float *out) {
+    Shape s = shape_of((int)isa, (int)fmt);
+    if (!isa_ok(s.isa, s.fmt)) return -1;
     dequant(s, w, scales, p, K, G, out);
+    return 0;
 }
 
 /* Rows of x [n, K] quantized per token (quant/common.py's quantize_per_token_int8): q, s, sum. */

@@ -39,7 +39,7 @@ _KERNEL = cpu_cc.Kernel(
     "qgemm", ENV,
     {"moe_qgemm_run": ([_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, _I64], _I64),
      "moe_qgemm_int_matmul": ([_I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR], _I64),
-     "moe_qgemm_dequant_panel": [_I64, _PTR, _PTR, _I64, _I64, _I64, _PTR],
+     "moe_qgemm_dequant_panel": ([_I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR], _I64),
      "moe_qgemm_quantize": [_PTR, _I64, _I64, _PTR, _PTR, _PTR],
      "moe_qgemm_cpu_features": ([], _I64)},
     "quantized prefill is unavailable")
@@ -265,14 +265,15 @@ def int_matmul(qa: torch.Tensor, p: QGemmPack, e: int, isa: int) -> torch.Tensor
     return out
 
 
-def dequantized_rows(p: QGemmPack, e: int) -> torch.Tensor:
+def dequantized_rows(p: QGemmPack, e: int, isa: int) -> torch.Tensor:
     """Expert e's whole weight [N, K] fp32 through the kernel's panel dequantization (tests only)."""
     E, N, K = p.shape
     out = torch.empty(N // PANEL, K, PANEL)
     scales = p.scale[e].data_ptr() if p.scale.numel() else None
     for panel in range(N // PANEL):
-        _KERNEL.lib().moe_qgemm_dequant_panel(p.code, p.data[e].data_ptr(), scales, panel, K, p.group,
-                                              out[panel].data_ptr())
+        if _KERNEL.lib().moe_qgemm_dequant_panel(isa, p.code, p.data[e].data_ptr(), scales, panel, K, p.group,
+                                                 out[panel].data_ptr()) != 0:
+            raise RuntimeError(f"qgemm.dequantized_rows: isa {isa} is not on this CPU")
     return out.transpose(1, 2).reshape(N, K)
 
 

@@ -4,14 +4,13 @@ for bit, and whole MoE calls against a plain-torch reference of the quantized Mo
 (AVX2 always, AVX-512 where the CPU has it), T in {17, 64, 513}, odd expert loads, empty experts
 and dropped ids."""
 
-from dataclasses import dataclass
-
 import pytest
 import torch
-import torch.nn.functional as tF
 
+from moe_compile import quant
 from moe_compile.ir import FFNAttrs
 from moe_compile.kernels.cpu import qgemm
+from moe_compile.quant.common import quantize_per_token_int8, unpack_nibbles
 
 pytestmark = pytest.mark.skipif(not qgemm.available(), reason=f"{qgemm.unavailable_reason('a8w8-int')}")
 
@@ -26,108 +25,18 @@ FLOAT_FORMATS = ["w4-int", "mxfp4", "w8-int", "w16"]
 CASES = [(f, isa) for f in INT_FORMATS + FLOAT_FORMATS for isa in _isas(f)]
 
 
-# ---- a private quantizer that follows the issue-17 contract's table (moe_compile.quant's formats) ----
+# ---- weights in each format (moe_compile.quant: the contract's canonical tensors) ----
 
-@dataclass(frozen=True)
-class QW:
-    fmt: str
-    data: torch.Tensor
-    scale: torch.Tensor
-    group: int
-    shape: tuple
-    bias: torch.Tensor | None = None
-
-
-def quantize_per_token(x):
-    """(q int8, s fp32 [n, 1]): s = max|x| / 127 (1 for a zero row), q = round_half_even(x / s)."""
-    s = x.abs().amax(dim=-1, keepdim=True) / 127.0
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    return torch.round(x / s).clamp_(-127, 127).to(torch.int8), s
-
-
-def nibbles(u):  # [..., K] in [0, 15] -> [..., K/2], element 2j low
-    u = u.to(torch.uint8)
-    return (u[..., 0::2] | (u[..., 1::2] << 4)).contiguous()
-
-
-def make_weight(fmt, E, N, K, gen, group=32):
-    """A QW of random weights of ~N(0, 0.05) (a8 formats: quantized per channel, as the contract
-    says) or random codes and scales (float formats: any codes are valid weights)."""
-    w = torch.randn(E, N, K, generator=gen) * 0.05
-    if fmt == "a8w8-int":
-        s = w.abs().amax(-1, keepdim=True) / 127
-        return QW(fmt, torch.round(w / s).clamp(-127, 127).to(torch.int8), s.float().contiguous(), K, (E, N, K))
-    if fmt == "a8w4-int":
-        s = w.abs().amax(-1, keepdim=True) / 7
-        q = torch.round(w / s).clamp(-8, 7).to(torch.int32)
-        return QW(fmt, nibbles(q + 8), s.float().contiguous(), K, (E, N, K), (8 * q.sum(-1)).to(torch.int32))
-    if fmt == "w16":
-        return QW(fmt, w.to(torch.bfloat16), torch.empty(0), K, (E, N, K))
-    scales = (torch.rand(E, N, K // group, generator=gen) * 0.02 + 0.001).to(torch.float16)
-    if fmt == "w8-int":
-        return QW(fmt, torch.randint(-127, 128, (E, N, K), generator=gen, dtype=torch.int8), scales, group, (E, N, K))
-    codes = torch.randint(0, 16, (E, N, K), generator=gen)
-    if fmt == "mxfp4":
-        scales = torch.randint(120, 126, (E, N, K // 32), generator=gen, dtype=torch.uint8)
-        group = 32
-    return QW(fmt, nibbles(codes), scales.contiguous(), group, (E, N, K))
-
-
-E2M1 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+def make_weight(fmt, E, N, K, gen):
+    """W ~ N(0, 0.05) packed by ``moe_compile.quant`` (default groups: 32 for w-int and MX)."""
+    return quant.pack(fmt, torch.randn(E, N, K, generator=gen) * 0.05)
 
 
 def integers(w):
-    """Signed integer q [E, N, K] of an a8 / w-int weight."""
+    """Signed integer q [E, N, K] (int32) of an a8 weight."""
     if w.data.dtype == torch.int8:
         return w.data.to(torch.int32)
-    return torch.stack([w.data & 0xF, w.data >> 4], -1).flatten(-2).to(torch.int32) - 8
-
-
-def dequantize(w):
-    """[E, N, K] fp32 of a float-format weight, element by element as the contract defines it."""
-    E, N, K = w.shape
-    if w.fmt == "w16":
-        return w.data.float()
-    if w.fmt == "mxfp4":
-        u = torch.stack([w.data & 0xF, w.data >> 4], -1).flatten(-2).long()
-        scale = torch.ldexp(torch.ones(w.scale.shape), w.scale.to(torch.int32) - 127)  # 2^(e - 127)
-        return (E2M1[u].reshape(E, N, K // 32, 32) * scale[..., None]).reshape(E, N, K)
-    q = integers(w).float().reshape(E, N, K // w.group, w.group)
-    return (q * w.scale.float()[..., None]).reshape(E, N, K)
-
-
-def reference_moe(x, ids, g, w1, w2, attrs):
-    """The quantized MoE in plain torch: a8 formats with int64 sums of the per-token int8 codes."""
-    T, H = x.shape
-    F = w1.shape[1] // 2
-    y = torch.zeros(T, H)
-    integer = w1.fmt.startswith("a8")
-    m1, m2 = (integers(w1), integers(w2)) if integer else (dequantize(w1), dequantize(w2))
-    for e in range(w1.shape[0]):
-        tok, k = torch.where(ids == e)
-        if tok.numel() == 0:
-            continue
-        ge = g[tok, k][:, None]
-        if integer:
-            qx, sx = quantize_per_token(x[tok])
-            h = (qx.long() @ m1[e].long().t()).float() * sx * w1.scale[e].reshape(1, -1)
-        else:
-            h = x[tok] @ m1[e].t()
-        gate, up = h[:, :F], h[:, F:]
-        if attrs.limit > 0:
-            gate, up = gate.clamp(max=attrs.limit), up.clamp(-attrs.limit, attrs.limit)
-        act = tF.silu(gate) * up
-        if attrs.weight_on == "between":
-            act = act * ge
-        if integer:
-            qa, sa = quantize_per_token(act)
-            out = (qa.long() @ m2[e].long().t()).float() * sa * w2.scale[e].reshape(1, -1)
-        else:
-            out = act @ m2[e].t()
-        if attrs.weight_on == "output":
-            out = out * ge
-        y.index_add_(0, tok, out)
-    return y
+    return unpack_nibbles(w.data).to(torch.int32) - 8
 
 
 # ---- the pieces ----
@@ -151,16 +60,18 @@ def test_integer_tiles_are_exact(fmt, isa, M):
     assert torch.equal(got.long(), want)
 
 
-@pytest.mark.parametrize("fmt", FLOAT_FORMATS)
-def test_panel_dequantization_is_exact(fmt):
-    # The kernel's fp32 panel equals the format's element-by-element meaning bit for bit (q * s of
-    # exactly representable factors; e2m1 * 2^k; bf16 widened), mxfp4's e8m0 ends included.
+@pytest.mark.parametrize("fmt,isa", [(f, i) for f in FLOAT_FORMATS for i in _isas(f)])
+def test_panel_dequantization_is_exact(fmt, isa):
+    # The kernel's fp32 panel equals quant.dequantize bit for bit (q * s of exactly representable
+    # factors; e2m1 * 2^k; bf16 widened), every code and mxfp4's e8m0 ends (0: 2^-127) included.
     gen = torch.Generator().manual_seed(1)
     w = make_weight(fmt, 2, 32, 64, gen)
+    if fmt in ("w4-int", "mxfp4"):
+        w.data[1, :8] = torch.arange(256, dtype=torch.uint8).reshape(8, 32)  # every pair of nibbles
     if fmt == "mxfp4":
         w.scale[1, 0, 0], w.scale[1, 0, 1], w.scale[1, 1, 0] = 0, 254, 1
-    got = qgemm.dequantized_rows(qgemm.pack(w), 1)
-    torch.testing.assert_close(got, dequantize(w)[1], rtol=0, atol=0)
+    got = qgemm.dequantized_rows(qgemm.pack(w), 1, isa)
+    torch.testing.assert_close(got, quant.dequantize(w)[1], rtol=0, atol=0)
 
 
 def test_quantizer_matches_per_token_int8_bit_for_bit():
@@ -170,7 +81,7 @@ def test_quantizer_matches_per_token_int8_bit_for_bit():
     x[3] = 0
     x[4, :4] = torch.tensor([127.0, 0.5, 1.5, -2.5])  # s = 1: exact halves
     q, s, total = qgemm.quantize_rows(x)
-    q_ref, s_ref = quantize_per_token(x)
+    q_ref, s_ref = quantize_per_token_int8(x)
     assert torch.equal(q, q_ref) and torch.equal(s, s_ref[:, 0])
     assert torch.equal(total, q_ref.sum(-1, dtype=torch.int32))
 
@@ -206,7 +117,7 @@ def test_matches_reference(fmt, isa, T):
     E, K = 6, 3
     x, ids, g, w1, w2 = make_case(T, E, K, fmt, seed=T)
     attrs = FFNAttrs()
-    ref = reference_moe(x, ids, g, w1, w2, attrs)
+    ref = quant.reference_moe(x, ids, g, w1, w2, attrs)
     y = qgemm.run(x, ids, g, w1, w2, attrs, {}, isa=isa, threads=2)
     torch.testing.assert_close(y, ref, **tolerance(fmt, w2, ref))
     assert (y - ref).abs().max() < 0.02 * ref.abs().max()  # and never more than a few flips' worth
@@ -224,7 +135,7 @@ def test_odd_routes_between_and_clamp(fmt, isa, threads):
     ids[0] = torch.tensor([2, 2, -1])
     ids[1, 0], ids[2, 2] = E, 4
     attrs = FFNAttrs(limit=0.7, weight_on="between")
-    ref = reference_moe(x, ids, g, w1, w2, attrs)
+    ref = quant.reference_moe(x, ids, g, w1, w2, attrs)
     y = qgemm.run(x, ids, g, w1, w2, attrs, {}, isa=isa, threads=threads)
     torch.testing.assert_close(y, ref, **tolerance(fmt, w2, ref))
 
@@ -235,7 +146,7 @@ def test_experts_in_chunks_of_rows(fmt, isa, monkeypatch):
     monkeypatch.setattr(qgemm, "CHUNK_ROWS", 5)
     x, ids, g, w1, w2 = make_case(29, 4, 2, fmt, seed=3)
     attrs = FFNAttrs()
-    ref = reference_moe(x, ids, g, w1, w2, attrs)
+    ref = quant.reference_moe(x, ids, g, w1, w2, attrs)
     torch.testing.assert_close(qgemm.run(x, ids, g, w1, w2, attrs, {}, isa=isa), ref, **tolerance(fmt, w2, ref))
 
 
