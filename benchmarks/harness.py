@@ -358,7 +358,7 @@ def main(argv=None) -> int:
         with open(path) as f:
             data = json.load(f)
         stem = os.path.splitext(path)[0]
-        written = plot_results(data, stem + ".png", os.path.basename(stem))
+        written = plot_results(data, stem + ".png", os.path.relpath(stem))
         print(written or f"{path}: no plot for this results format")
     return 0
 
