@@ -244,7 +244,9 @@ def _compile_time_panels(data: dict) -> list[Panel]:
 
 def _train_gemms_panels(data: dict) -> list[Panel]:
     series = {name: [(name, *_spread(p["timing"], 1e3))] for name, p in data["passes"].items()}
-    return [Panel(f"expert GEMMs of one training step ({data.get('shape', '')})", "", "ms", series, "roof", True)]
+    shape = data.get("shape", {})
+    dims = " ".join(f"{k}={v}" for k, v in shape.items()) if isinstance(shape, dict) else str(shape)
+    return [Panel(f"expert GEMMs of one training step ({dims})", "", "ms", series, "roof", True)]
 
 
 def _ep_panels(data: dict) -> list[Panel]:
@@ -290,7 +292,7 @@ def plot_results(data: dict, png_path: str, title: str) -> str | None:
         return None
     cols = min(len(panels), 3)
     rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.9 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(max(5.2 * cols, 8.0), 3.9 * rows), squeeze=False)
     for ax, panel in zip(axes.flat, panels):
         (_draw_bars if panel.bars else _draw_lines)(ax, panel)
     for ax in list(axes.flat)[len(panels):]:
