@@ -19,14 +19,15 @@ import operator
 import torch
 import torch.fx as fx
 
-from moe_compile.passes.graph import Deps, const_int_index, is_grouped_mm, is_matmul, is_view_like, target_name
+from moe_compile.passes.graph import (Deps, const_int_index, is_grouped_mm, is_matmul, is_view_like, rows_gathered_from,
+                                     target_name)
 
 _ELEMENTWISE = {
     "mul", "add", "sub", "truediv", "div", "silu", "gelu", "relu", "relu_", "sigmoid", "tanh", "tanh_",
     "clamp", "clamp_min", "clamp_max", "clip", "chunk", "split", "getitem", "view", "reshape", "to", "float",
     "half", "bfloat16", "contiguous", "neg", "mul_", "add_", "silu_", "unflatten", "flatten",
     "squeeze", "unsqueeze", "type_as", "pow", "minimum", "maximum", "__mul__", "__add__", "__sub__",
-    "__getitem__", "sigmoid_", "clamp_", "transpose", "permute", "masked_fill",
+    "__getitem__", "sigmoid_", "clamp_", "transpose", "permute", "masked_fill", "addcmul",
 }
 
 
@@ -125,7 +126,7 @@ def gemm_bias(node: fx.Node) -> WeightRef | None:
             if is_view_like(user) and user.args[0] is out and len(outputs) < 4:
                 outputs.append(user)
             elif target_name(user) in _ADDS and len(user.args) == 2 and user.args[0] is out:
-                ref = trace_weight(user.args[1])
+                ref = trace_weight(rows_gathered_from(user.args[1]))
                 if ref is not None:
                     return ref
     return None
@@ -268,13 +269,32 @@ def group_by_topk(graph: fx.Graph, deps: Deps, clusters: list[Cluster]) -> tuple
     unrouted = []
     reach = {t: selected_by(deps, t, downs) for t in topks}  # one walk per top-k, not per cluster
     for cluster in clusters:
-        near = [t for t in topks if cluster.down in reach[t]]
+        near = [t for t in topks if cluster.down in reach[t] or _masked_after(cluster, reach[t])]
         if not near:
             unrouted.append(cluster)
             continue
         nearest = max(near, key=lambda t: deps.order[t])
         groups.setdefault(nearest, []).append(cluster)
     return [Candidate(t, cs) for t, cs in groups.items()], unrouted
+
+
+def _masked_after(cluster: Cluster, reach: set) -> bool:
+    """Stacked experts run on every token before any routing, their [E, T, H] output weighted by a
+    dense mask that depends on the top-k (``einsum("eth,te->th", out, mask)``, ``out * mask``):
+    routed by that top-k.  (A shared expert's [T, H] output added to the routed one is not.)"""
+    value = cluster.down.meta.get("example_value")
+    if not isinstance(value, torch.Tensor) or value.dim() != 3 or cluster.down_w.expert is not None:
+        return False
+    frontier = [cluster.down]
+    for _ in range(3):
+        frontier = [u for n in frontier for u in n.users]
+        if any(u in reach and target_name(u) in _MASKING for u in frontier):
+            return True
+        frontier = [u for u in frontier if is_view_like(u)]
+    return False
+
+
+_MASKING = ("einsum", "mul", "__mul__", "bmm", "matmul", "__matmul__")
 
 
 def unrecognised_experts(graph: fx.Graph, deps: Deps, candidates: list[Candidate]) -> list[fx.Node]:

@@ -91,6 +91,22 @@ def tensor_args(node: fx.Node) -> list[fx.Node]:
     return out
 
 
+def rows_gathered_from(node):
+    """The per-expert table behind rows gathered by expert counts: ``bias.repeat_interleave(counts,
+    dim=0)`` (torchtitan's GPT-OSS, with a zero row appended for padding: ``cat([bias, zeros])``),
+    seen through casts; else ``node`` itself.  What the rows really are is left to the proof."""
+    start = node
+    while isinstance(node, fx.Node) and is_view_like(node):
+        node = node.args[0]
+    if not (isinstance(node, fx.Node) and target_name(node) == "repeat_interleave" and node.args):
+        return start
+    table = node.args[0]
+    if isinstance(table, fx.Node) and target_name(table) in ("cat", "concat"):
+        parts = table.args[0] if table.args else table.kwargs.get("tensors", ())
+        table = parts[0] if parts else table
+    return table
+
+
 def const_int_index(node: fx.Node) -> int | None:
     """e for ``t[e]`` with a Python int e, else None."""
     if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], int):
@@ -192,7 +208,11 @@ class Deps:
         return seen
 
     def first_reached_by_all(self, sources: list[fx.Node], accept) -> fx.Node | None:
-        """The earliest node (graph order) that depends on every source and passes ``accept``.
+        """The earliest node (graph order) that depends on every source and passes ``accept``."""
+        return next(iter(self.reached_by_all(sources, accept, 1)), None)
+
+    def reached_by_all(self, sources: list[fx.Node], accept, limit: int) -> list[fx.Node]:
+        """The first ``limit`` nodes (graph order) that depend on every source and pass ``accept``.
 
         One forward pass with a bitset per node (bit i = depends on sources[i]): linear in the
         graph, where intersecting per-source descendant sets would be quadratic.
@@ -200,6 +220,7 @@ class Deps:
         full = (1 << len(sources)) - 1
         bits = {src: 1 << i for i, src in enumerate(sources)}
         start = min(self.order[s] for s in sources)
+        found = []
         for node, index in self.order.items():
             if index < start:
                 continue
@@ -209,8 +230,10 @@ class Deps:
             if mask:
                 bits[node] = mask
                 if mask == full and accept(node):
-                    return node
-        return None
+                    found.append(node)
+                    if len(found) == limit:
+                        break
+        return found
 
 
 def source_line(node: fx.Node) -> str:
