@@ -237,12 +237,37 @@ def is_id_source(node: fx.Node) -> bool:
     return is_topk(node) or is_hash_lookup(node) or is_concatenated_ids(node)
 
 
+def selected_by(deps: Deps, topk: fx.Node, ffn_outputs: set[fx.Node]) -> set[fx.Node]:
+    """The nodes whose inputs a top-k's routing selects: reached from it along paths that never
+    leave an expert FFN's output.  Everything computed from a down GEMM the routing reached (the
+    combine, the residual stream, the next layers' routers and FFNs, a shared expert applied to
+    the MoE's output) is after the experts, not chosen by them: it is reached but not walked on.
+
+    One forward pass in graph order (``Deps`` edges point backwards, mutation edges included):
+    ``after`` marks nodes that depend on such a down GEMM, ``reached`` the nodes selected."""
+    reached, after = {topk}, set()
+    start = deps.order[topk]
+    for node, index in deps.order.items():
+        if index <= start:
+            continue
+        ins = deps.inputs(node)
+        if any(i in reached and i not in after for i in ins):
+            reached.add(node)
+        if (node in reached and node in ffn_outputs) or any(i in after for i in ins):
+            after.add(node)
+    return reached
+
+
 def group_by_topk(graph: fx.Graph, deps: Deps, clusters: list[Cluster]) -> tuple[list[Candidate], list[Cluster]]:
-    """Routed candidates (clusters grouped by their nearest top-k) and the unrouted clusters."""
+    """Routed candidates (clusters grouped by the nearest top-k whose routing selects them) and
+    the unrouted clusters.  In a deep model every later layer depends on every earlier top-k
+    through the residual stream; only the paths that stop at an FFN's output select (see
+    ``selected_by``), so a layer's top-k holds its own experts and no later layer's FFN."""
     topks = [n for n in graph.nodes if is_id_source(n)]
+    downs = {c.down for c in clusters}
     groups: dict[fx.Node, list[Cluster]] = {}
     unrouted = []
-    reach = {t: deps.descendants([t]) for t in topks}  # one walk per top-k, not per cluster
+    reach = {t: selected_by(deps, t, downs) for t in topks}  # one walk per top-k, not per cluster
     for cluster in clusters:
         near = [t for t in topks if cluster.down in reach[t] or _masked_after(cluster, reach[t])]
         if not near:
@@ -278,9 +303,10 @@ def unrecognised_experts(graph: fx.Graph, deps: Deps, candidates: list[Candidate
     no candidate's FFN: an MoE whose FFN the clusters did not recognise, worth a line in explain()."""
     held = {c.topk for c in candidates}
     in_ffn = {g for c in candidates for cl in c.clusters for g in cl.gemms}
+    downs = {cl.down for c in candidates for cl in c.clusters}
     found = []
     for topk in (n for n in graph.nodes if is_id_source(n) and n not in held):
-        reach = deps.descendants([topk])
+        reach = selected_by(deps, topk, downs)
         gemm = next((n for n in graph.nodes if n in reach and n not in in_ffn and _reads_expert_weights(n)), None)
         if gemm is not None:
             found.append(gemm)
