@@ -95,9 +95,13 @@ def explain(module_or_fn, *example_inputs, **options) -> Report:
 
     with collecting_reports() as report, capture_flags(), torch.no_grad():
         torch._dynamo.reset()
-        torch.compile(module_or_fn, backend=explain_backend)(*example_inputs)
-        if report.graphs > 1:
-            report.skipped += _first_split(module_or_fn, example_inputs)
+        try:
+            torch.compile(module_or_fn, backend=explain_backend)(*example_inputs)
+        except Exception as exc:  # noqa: BLE001 — Dynamo could not trace it at all: that is the answer
+            report.skipped.append(_dynamo_refusal("Dynamo failed to trace this", exc))
+        else:
+            if report.graphs > 1:
+                report.skipped += _first_split(module_or_fn, example_inputs)
     torch._dynamo.reset()
     if needs_flags:
         report.notes.append(Note(NEEDS_FLAGS.format(line=needs_flags[0])))
@@ -129,17 +133,25 @@ def _first_split(fn, example_inputs) -> list[Skipped]:
     try:
         torch.compile(fn, backend=lambda gm, inputs: gm.forward, fullgraph=True)(*example_inputs)
     except Exception as exc:  # noqa: BLE001 — Dynamo's refusal (Unsupported, UserError, ...) is the answer
-        frames = getattr(exc, "real_stack", None) or []
-        frame = frames[-1] if frames else None
-        where = f" at {frame.filename}:{frame.lineno}: {(frame.line or '').strip()}" if frame else ""
-        text = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        return [Skipped(f"Dynamo could not capture this in one graph{where} ({text}); an MoE cut there is not "
-                        f"rewritten: {_fix_for(str(exc))}")]
+        return [_dynamo_refusal("Dynamo could not capture this in one graph", exc)]
     return []
+
+
+def _dynamo_refusal(what: str, exc: Exception) -> Skipped:
+    """A skip naming the user's line Dynamo stopped at (its ``real_stack``), its reason and the fix."""
+    frames = getattr(exc, "real_stack", None) or []
+    frame = frames[-1] if frames else None
+    where = f" at {frame.filename}:{frame.lineno}: {(frame.line or '').strip()}" if frame else ""
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    return Skipped(f"{what}{where} ({text}); an MoE cut there is not rewritten: {_fix_for(str(exc))}")
 
 
 def _fix_for(message: str) -> str:
     """The change a user makes for Dynamo's most common reasons to split an MoE block."""
+    if "bincount" in message:
+        return ("Dynamo cannot trace torch.bincount: count with torch.histc(ids.float(), bins=E, min=0, max=E - 1), "
+                "or drop the counts and the `if counts[i] == 0: continue` they serve (the fused op handles experts "
+                "that receive no tokens)")
     if "data-dependent" in message or "Data-dependent" in message:
         return ("remove the data-dependent branch (e.g. `if tok.numel() == 0: continue`, `if counts[i] == 0: "
                 "continue`): the fused op handles experts that receive no tokens")
