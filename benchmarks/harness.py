@@ -1,6 +1,6 @@
 """Shared helpers for the CPU benchmarks: timing, threads, measured roofs, table/JSON writers.
 
-Every figure a benchmark reports is measured in the same process, side by side (DESIGN §11):
+Every figure a benchmark reports is measured in the same process, side by side (docs/architecture.md#measuring):
 median of repeated runs after warm-up, with the min..max spread.
 """
 

@@ -17,14 +17,19 @@ def capture_flags():
 
 def empty_cache() -> dict:
     """Give back the CPU memory the fused op keeps between calls: expert weights packed for oneDNN
-    (``kernels/cpu_prepack``) and stacked weight gradients' buffers (``kernels/cpu_grad_cache``).
+    (``kernels/cpu_prepack``), stacked weight gradients' buffers (``kernels/cpu_grad_cache``) and
+    quantized packs with quant="auto"'s choices (``kernels/cpu/quant.py``).
     Returns the bytes each held before.  Nothing is lost: packs are rebuilt and buffers made
     afresh when later calls need them; a gradient still alive keeps its memory until freed."""
     from moe_compile.kernels.cpu import grad_cache as cpu_grad_cache, prepack as cpu_prepack
 
-    held = {"packed_weights": cpu_prepack.stats()["bytes"], "gradient_buffers": cpu_grad_cache.held_bytes()}
+    from moe_compile.kernels.cpu import quant as cpu_quant
+
+    held = {"packed_weights": cpu_prepack.stats()["bytes"], "gradient_buffers": cpu_grad_cache.held_bytes(),
+            "quantized_weights": cpu_quant.stats()["bytes"]}
     cpu_prepack.clear()
     cpu_grad_cache.clear()
+    cpu_quant.clear()
     return held
 
 
@@ -74,11 +79,13 @@ def explain(module_or_fn, *example_inputs, **options) -> Report:
 
     Traces with Dynamo (with the capture flags ``@optimize`` sets) and runs the MoE pass
     (including its proof); the rewritten graphs are never executed — the traced function runs
-    once, unmodified, to let Dynamo see every graph.  Where Dynamo split the function (a graph
-    break, a skipped frame: the model came in several graphs), one more trace with
-    ``fullgraph=True`` finds the first line that split it, and the report names that line and the
-    change that fixes it.  Dynamo's caches are reset before and after (explain's traces must not
-    linger in them), so functions compiled earlier recompile on their next call.
+    once, unmodified, to let Dynamo see every graph — except with ``quant="auto"``, whose graphs
+    run rewritten in that one run so that each layer measures its candidates and the report shows
+    what it chose.  Where Dynamo split the function (a graph break, a skipped frame: the model came
+    in several graphs), one more trace with ``fullgraph=True`` finds the first line that split it,
+    and the report names that line and the change that fixes it.  Dynamo's caches are reset before
+    and after (explain's traces must not linger in them), so functions compiled earlier recompile
+    on their next call.
     """
     from moe_compile.compiler import collecting_reports, copy_module, record, rewrite_graph
 
@@ -91,6 +98,8 @@ def explain(module_or_fn, *example_inputs, **options) -> Report:
         if report.rewritten and (line := _data_dependent_line(original)) is not None:
             needs_flags.append(line)
         record(report)
+        if any(r.variant == "auto" for r in report.rewritten):
+            return gm.forward  # quant="auto" chooses on a real call: this run is the one it measures
         return original.forward
 
     with collecting_reports() as report, capture_flags(), torch.no_grad():

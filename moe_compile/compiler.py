@@ -66,11 +66,17 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs, config: MoEConfig) -> Repo
     from moe_compile import dump
     from moe_compile.passes.pipeline import run_moe_pass
 
-    before = gm.code
-    report = run_moe_pass(gm, example_inputs, config.min_experts, config.save_fc1)
+    before = copy_module(gm) if config.dump_dir() else None  # the dump draws the region as it was
+    report = run_moe_pass(gm, example_inputs, config.min_experts, config.save_fc1, config.quant,
+                          config.quant_budget_db())
     _log_graph(next(_graph_ids), report)
-    if config.dump_dir():
-        dump.write_graph_dump(config.dump_dir(), before, gm, report)
+    if before is not None:
+        folder = dump.write_graph_dump(config.dump_dir(), before, gm, report)
+        from moe_compile.quant import selection
+
+        for r in report.rewritten:  # quant="auto" writes its measurements there when it makes them
+            if r.quant_tag:
+                selection.watch_dump(r.quant_tag, folder)
     return report
 
 

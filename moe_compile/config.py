@@ -15,7 +15,10 @@ from collections.abc import Mapping
 from typing import Any
 
 INNER_COMPILERS = ("inductor", "eager")
-QUANT_POLICIES = ("none",)  # room for "auto", "a8w8-int", ... (DESIGN §8); only "none" is built
+# "none" keeps the model's numerics; "auto" picks per device and per call size (docs/quantization.md);
+# the rest name one format of moe_compile/quant (the same names as quant.common.FORMATS).
+QUANT_POLICIES = ("none", "auto", "w16", "w8-int", "w4-int", "mxfp4", "mxfp8", "a8w8-int", "a8w4-int", "a8w8-fp8")
+DEFAULT_ACCURACY_DB = 30.0
 DUMP_ENV = "MOE_COMPILE_DUMP"
 
 
@@ -28,7 +31,13 @@ class MoEConfig:
     dump:          directory for graph dumps (before/after code, report, DOT/SVG); ``None`` reads
                    the ``MOE_COMPILE_DUMP`` environment variable at compile time.
     inner:         what compiles the rewritten graph: ``"inductor"`` (default) or ``"eager"``.
-    quant:         quantization policy; only ``"none"`` (keep the model's numerics) exists today.
+    quant:         quantization of inference MoE layers: ``"none"`` (default: the model's numerics),
+                   a format name (``"w4-int"``, ``"a8w8-int"``, ...: that variant, an error if this
+                   device has no native kernel for it), or ``"auto"`` (the fastest native variant
+                   whose MoE output stays within ``accuracy_db`` of the unquantized op, measured
+                   on the first real call).  Training graphs keep the unquantized op.
+    accuracy_db:   ``"auto"``'s budget: the least SQNR (dB) of a layer's output against the
+                   unquantized op; ``None`` means DEFAULT_ACCURACY_DB (30 dB).  Only with "auto".
     min_experts:   smallest expert count worth rewriting (a 1-expert "MoE" is just an MLP, but the
                    op handles it; the default rewrites everything that matches).
     save_fc1:      training graphs keep FC1's output [T*K, 2F] per MoE layer for the backward (the
@@ -40,6 +49,7 @@ class MoEConfig:
     dump: str | None = None
     inner: str = "inductor"
     quant: str = "none"
+    accuracy_db: float | None = None
     min_experts: int = 1
     save_fc1: bool = True
 
@@ -54,10 +64,24 @@ class MoEConfig:
             raise ValueError(
                 f"MoEConfig.quant={self.quant!r} is not available; choose one of {QUANT_POLICIES}"
             )
+        self._check_accuracy_db()
         if not isinstance(self.min_experts, int) or self.min_experts < 1:
             raise ValueError(f"MoEConfig.min_experts must be an int >= 1, got {self.min_experts!r}")
         if not isinstance(self.save_fc1, bool):
             raise TypeError(f"MoEConfig.save_fc1 must be a bool, got {self.save_fc1!r}")
+
+    def _check_accuracy_db(self) -> None:
+        if self.accuracy_db is None:
+            return
+        if isinstance(self.accuracy_db, bool) or not isinstance(self.accuracy_db, (int, float)) or not self.accuracy_db > 0:
+            raise ValueError(f"MoEConfig.accuracy_db must be a positive number of dB (e.g. 30), got {self.accuracy_db!r}")
+        if self.quant != "auto":
+            raise ValueError(f"MoEConfig.accuracy_db is the budget of quant='auto'; with quant={self.quant!r} "
+                             f"it would be ignored: drop it or set quant='auto'")
+
+    def quant_budget_db(self) -> float:
+        """The accuracy budget in effect for quant="auto"."""
+        return float(self.accuracy_db) if self.accuracy_db is not None else DEFAULT_ACCURACY_DB
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -31,6 +31,8 @@ class Rewritten:
     limit: float = 0.0  # clamp of gate/up (0: none)
     alpha: float = FFNAttrs.alpha  # sigmoid slope of activation "gptoss"
     biases: tuple[str, ...] = ()  # the roles with a bias: "fc1", "fc1_up", "fc2"
+    quant_tag: str = ""  # the layer's name in quant.selection (quantized layers)
+    quant_note: str = ""  # why a quant= setting left this layer unquantized
 
     def line(self) -> str:
         where = self.source or "<unknown module>"
@@ -43,7 +45,23 @@ class Rewritten:
             f"  [graph {self.graph}] {where}: family={self.family}{ep} E={self.num_experts} K={self.top_k} "
             f"H={self.hidden} F={self.ffn} {self.gate_up}/{act}{extra} weight_on={self.weight_on} "
             f"variant={self.variant} (proved, rel. err {self.proof_error:.1e})"
-        )
+        ) + self._quant_lines()
+
+    def _quant_lines(self) -> str:
+        """Under the line: why quant= left the layer unquantized, or what the variant runs on."""
+        if self.quant_note:
+            return f"\n    {self.quant_note}"
+        if not self.quant_tag:
+            return ""
+        from moe_compile.quant import selection
+
+        made = selection.recorded(self.quant_tag)
+        if self.variant != "auto":
+            return f"\n    quant {self.variant}: fixed by the option (layer {self.quant_tag})"
+        if not made:
+            return (f"\n    quant auto (layer {self.quant_tag}): chosen per regime (decode T <= 16, prefill) on the "
+                    f"first real call; run the model once and print the report again to see the choice")
+        return "".join("\n" + "\n".join(made[r].lines()) for r in ("decode", "prefill") if r in made)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Small MoE blocks written the way real model code writes them (DESIGN §6).
+"""Small MoE blocks written the way real model code writes them (docs/architecture.md#pattern-families).
 
 They feed the demo, the tests and the benchmarks; none of them knows about moe_compile.
 

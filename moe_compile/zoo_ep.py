@@ -1,4 +1,5 @@
-"""Expert-parallel MoE blocks written the way EP model code writes them (DESIGN §6 family E, §10).
+"""Expert-parallel MoE blocks written the way EP model code writes them (family E of
+docs/architecture.md#pattern-families; docs/architecture.md#expert-parallel).
 
 They feed the EP example, the ``demo --world-size`` command and the EP tests; none of them knows
 about moe_compile.  Every rank builds the same *global* model from one seed and keeps its slice,

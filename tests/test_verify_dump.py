@@ -1,6 +1,8 @@
 """verify=True compares on the first call; dumps land where asked."""
 
 import os
+import shutil
+import struct
 import warnings
 
 import pytest
@@ -8,6 +10,7 @@ import torch
 
 import moe_compile
 from moe_compile import zoo
+from moe_compile.dump import collapse_paths
 from moe_compile.api import capture_flags
 from moe_compile.compiler import VerifyFirstCall
 
@@ -36,9 +39,57 @@ def test_dump_writes_before_after_report_and_dot(tmp_path):
         compiled(torch.randn(1, 4, 64))
     (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     names = set(os.listdir(folder))
-    assert {"before.py", "after.py", "report.txt", "moe_region.dot"} <= names
+    assert {"before.py", "after.py", "report.txt", "moe_region_0.dot"} <= names
     assert "fused_moe" in (folder / "after.py").read_text()
     assert "fused_moe" not in (folder / "before.py").read_text()
+
+
+def _dump_mixtral_style(tmp_path):
+    """The dump folder of an 8-expert ModuleList block (HF v4 Mixtral's spelling)."""
+    model = zoo.ModuleListMoE(hidden=64, ffn=96, experts=8, top_k=2).eval()
+    with torch.no_grad(), capture_flags():
+        torch.compile(model, backend="moe", options={"dump": str(tmp_path), "inner": "eager"})(torch.randn(1, 5, 64))
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    return folder
+
+
+def test_region_picture_shows_the_region_before_the_rewrite(tmp_path):
+    dot = (_dump_mixtral_style(tmp_path) / "moe_region_0.dot").read_text()
+    # The stages of the region as the graph held it, in order, then the fused op beside it.
+    stages = [dot.index(f'label="{name}') for name in ("ROUTER", "TOP-K", "DISPATCH", "EXPERTS", "COMBINE")]
+    assert stages == sorted(stages)
+    for label in ("family   loop", "E=8  K=2  H=64  F=96", "gate_up=separate", "variant  a16w16", "proof    rel. error",
+                  "experts[0..7].gate_proj.weight  8 x [96, 64]", "experts[0..7].down_proj.weight  8 x [64, 96]",
+                  "reads gate.weight", "torch.where(mask[e])", "index_add_ x8"):
+        assert label in dot, label
+    # Module paths, not Dynamo's placeholder names; one node for the 24 expert weights.
+    assert "l_self_modules" not in dot
+    assert dot.count("gate_proj.weight") == 1
+
+
+def _png_size(path) -> tuple[int, int]:
+    with open(path, "rb") as fh:
+        head = fh.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", head[16:24])
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz `dot` is not installed")
+def test_region_picture_renders_readable_png_and_svg(tmp_path):
+    folder = _dump_mixtral_style(tmp_path)
+    width, height = _png_size(folder / "moe_region_0.png")
+    # Readable at natural size: the old after-only picture of this block was a 17747 x 254 strip.
+    assert 400 <= width <= 2000 and 300 <= height <= 2000, (width, height)
+    svg = (folder / "moe_region_0.svg").read_text()
+    assert "COMBINE" in svg and "fused_moe" in svg
+
+
+def test_collapse_paths():
+    paths = [f"model.layers.0.mlp.experts.{e}.w1.weight" for e in range(8)]
+    assert collapse_paths(paths) == "model.layers.0.mlp.experts[0..7].w1.weight"
+    assert collapse_paths(["experts.0.w", "experts.2.w"]) == "experts[0,2].w"
+    assert collapse_paths(["a.w", "b.w"]) == "a.w (+1 more)"
+    assert collapse_paths(["experts.gate_up_proj"]) == "experts.gate_up_proj"
 
 
 def test_dump_env_variable(tmp_path, monkeypatch):

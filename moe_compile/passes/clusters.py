@@ -19,14 +19,15 @@ import operator
 import torch
 import torch.fx as fx
 
-from moe_compile.passes.graph import Deps, const_int_index, is_grouped_mm, is_matmul, is_view_like, target_name
+from moe_compile.passes.graph import (Deps, const_int_index, is_grouped_mm, is_matmul, is_view_like, rows_gathered_from,
+                                     target_name)
 
 _ELEMENTWISE = {
     "mul", "add", "sub", "truediv", "div", "silu", "gelu", "relu", "relu_", "sigmoid", "tanh", "tanh_",
     "clamp", "clamp_min", "clamp_max", "clip", "chunk", "split", "getitem", "view", "reshape", "to", "float",
     "half", "bfloat16", "contiguous", "neg", "mul_", "add_", "silu_", "unflatten", "flatten",
     "squeeze", "unsqueeze", "type_as", "pow", "minimum", "maximum", "__mul__", "__add__", "__sub__",
-    "__getitem__", "sigmoid_", "clamp_", "transpose", "permute", "masked_fill",
+    "__getitem__", "sigmoid_", "clamp_", "transpose", "permute", "masked_fill", "addcmul",
 }
 
 
@@ -125,7 +126,7 @@ def gemm_bias(node: fx.Node) -> WeightRef | None:
             if is_view_like(user) and user.args[0] is out and len(outputs) < 4:
                 outputs.append(user)
             elif target_name(user) in _ADDS and len(user.args) == 2 and user.args[0] is out:
-                ref = trace_weight(user.args[1])
+                ref = trace_weight(rows_gathered_from(user.args[1]))
                 if ref is not None:
                     return ref
     return None
@@ -236,14 +237,39 @@ def is_id_source(node: fx.Node) -> bool:
     return is_topk(node) or is_hash_lookup(node) or is_concatenated_ids(node)
 
 
+def selected_by(deps: Deps, topk: fx.Node, ffn_outputs: set[fx.Node]) -> set[fx.Node]:
+    """The nodes whose inputs a top-k's routing selects: reached from it along paths that never
+    leave an expert FFN's output.  Everything computed from a down GEMM the routing reached (the
+    combine, the residual stream, the next layers' routers and FFNs, a shared expert applied to
+    the MoE's output) is after the experts, not chosen by them: it is reached but not walked on.
+
+    One forward pass in graph order (``Deps`` edges point backwards, mutation edges included):
+    ``after`` marks nodes that depend on such a down GEMM, ``reached`` the nodes selected."""
+    reached, after = {topk}, set()
+    start = deps.order[topk]
+    for node, index in deps.order.items():
+        if index <= start:
+            continue
+        ins = deps.inputs(node)
+        if any(i in reached and i not in after for i in ins):
+            reached.add(node)
+        if (node in reached and node in ffn_outputs) or any(i in after for i in ins):
+            after.add(node)
+    return reached
+
+
 def group_by_topk(graph: fx.Graph, deps: Deps, clusters: list[Cluster]) -> tuple[list[Candidate], list[Cluster]]:
-    """Routed candidates (clusters grouped by their nearest top-k) and the unrouted clusters."""
+    """Routed candidates (clusters grouped by the nearest top-k whose routing selects them) and
+    the unrouted clusters.  In a deep model every later layer depends on every earlier top-k
+    through the residual stream; only the paths that stop at an FFN's output select (see
+    ``selected_by``), so a layer's top-k holds its own experts and no later layer's FFN."""
     topks = [n for n in graph.nodes if is_id_source(n)]
+    downs = {c.down for c in clusters}
     groups: dict[fx.Node, list[Cluster]] = {}
     unrouted = []
-    reach = {t: deps.descendants([t]) for t in topks}  # one walk per top-k, not per cluster
+    reach = {t: selected_by(deps, t, downs) for t in topks}  # one walk per top-k, not per cluster
     for cluster in clusters:
-        near = [t for t in topks if cluster.down in reach[t]]
+        near = [t for t in topks if cluster.down in reach[t] or _masked_after(cluster, reach[t])]
         if not near:
             unrouted.append(cluster)
             continue
@@ -252,15 +278,35 @@ def group_by_topk(graph: fx.Graph, deps: Deps, clusters: list[Cluster]) -> tuple
     return [Candidate(t, cs) for t, cs in groups.items()], unrouted
 
 
+def _masked_after(cluster: Cluster, reach: set) -> bool:
+    """Stacked experts run on every token before any routing, their [E, T, H] output weighted by a
+    dense mask that depends on the top-k (``einsum("eth,te->th", out, mask)``, ``out * mask``):
+    routed by that top-k.  (A shared expert's [T, H] output added to the routed one is not.)"""
+    value = cluster.down.meta.get("example_value")
+    if not isinstance(value, torch.Tensor) or value.dim() != 3 or cluster.down_w.expert is not None:
+        return False
+    frontier = [cluster.down]
+    for _ in range(3):
+        frontier = [u for n in frontier for u in n.users]
+        if any(u in reach and target_name(u) in _MASKING for u in frontier):
+            return True
+        frontier = [u for u in frontier if is_view_like(u)]
+    return False
+
+
+_MASKING = ("einsum", "mul", "__mul__", "bmm", "matmul", "__matmul__")
+
+
 def unrecognised_experts(graph: fx.Graph, deps: Deps, candidates: list[Candidate]) -> list[fx.Node]:
     """For each top-k that no candidate holds, the first GEMM after it that reads expert weights
     the way MoE experts do (a grouped GEMM, or weights indexed by a tensor: ``w[ids]``) and is in
     no candidate's FFN: an MoE whose FFN the clusters did not recognise, worth a line in explain()."""
     held = {c.topk for c in candidates}
     in_ffn = {g for c in candidates for cl in c.clusters for g in cl.gemms}
+    downs = {cl.down for c in candidates for cl in c.clusters}
     found = []
     for topk in (n for n in graph.nodes if is_id_source(n) and n not in held):
-        reach = deps.descendants([topk])
+        reach = selected_by(deps, topk, downs)
         gemm = next((n for n in graph.nodes if n in reach and n not in in_ffn and _reads_expert_weights(n)), None)
         if gemm is not None:
             found.append(gemm)

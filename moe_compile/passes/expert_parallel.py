@@ -171,12 +171,13 @@ class EPMatch(Match):
             ep.register()
 
         def make_call(g: fx.Graph) -> fx.Node:
+            ids, weights = region_mod.flat_routing(g, region)  # [T, K] each
             if self.id_offset is not None:
-                local_ids = g.call_function(torch.sub, (region.ids, self.id_offset))  # [T, K]
-                return lift_mod.emit_fused_moe(g, (region.x, local_ids, region.weights, *roles, *statics), save_fc1)
+                local_ids = g.call_function(torch.sub, (ids, self.id_offset))  # [T, K]
+                return lift_mod.emit_fused_moe(g, (region.x, local_ids, weights, *roles, *statics), save_fc1)
             return g.call_function(
                 torch.ops.moe_compile.fused_moe_ep.default,
-                (region.x, region.ids, region.weights, *roles, *statics, self.group_name, spec.num_experts,
+                (region.x, ids, weights, *roles, *statics, self.group_name, spec.num_experts,
                  0, "auto", 0, EP_TIMEOUT_S),
             )
 
@@ -340,7 +341,8 @@ def _outputs_and_weights(deps: Deps, ids: fx.Node, downs, hidden_sizes, params) 
     With K = 1 the slot rows are [T, H] too (the reverse all-to-all, the weighted rows), so the
     caller takes the first candidate whose region is closed: the combine into token order.
     """
-    T, K = shape_of(ids)
+    id_shape = shape_of(ids)  # [T, K], or [B, S, K] when the top-k ran on 3-D scores
+    T, K = region_mod.tokens_of(id_shape), id_shape[-1]
     router = deps.ancestors([ids])
     not_routing = deps.descendants(params) | deps.descendants([ids])  # routing weights come from the router
     common = None
@@ -355,7 +357,7 @@ def _outputs_and_weights(deps: Deps, ids: fx.Node, downs, hidden_sizes, params) 
             continue
         weights = [w for w in deps.ancestors([node]) if w not in router and w not in not_routing
                    and dtype_of(w) is not None and dtype_of(w).is_floating_point
-                   and region_mod.same_shape(shape_of(w), (T, K))]
+                   and region_mod.is_slot_shaped(shape_of(w), T, K)]
         if weights:
             found.append((node, max(weights, key=deps.order.get)))
     if not found:
@@ -374,30 +376,8 @@ def _cut_first_closed(graph, deps: Deps, ids, downs, hidden_sizes, params) -> Re
 
 
 def _cut_all_to_all(graph, deps: Deps, ids, output, weights, params) -> Region:
-    """cut_region with this family's output and weights (see ``region.cut_region``)."""
-    router = deps.ancestors([ids])
-    stop = set(params) | {ids, weights}
-    _, frontier, nodes = region_mod._slice(deps, output, stop, router)
-    reshaped = region_mod._reshaped_input(frontier, nodes, region_mod.value_shape(output))
-    if reshaped is not None:
-        stop.add(reshaped)
-        _, frontier, nodes = region_mod._slice(deps, output, stop, router)
-        frontier.append(reshaped)
-    outside = [n for n in nodes if n.op == "placeholder"]
-    if outside:
-        raise Refusal(f"the EP region reads graph input '{outside[0].name}', which is not a local expert weight",
-                      outside[0])
-    tensors = [n for n in frontier if meta(n) is not None]
-    syms = [n for n in frontier if meta(n) is None]
-    if len(tensors) != 1 or not region_mod.same_shape(region_mod.value_shape(tensors[0]),
-                                                      region_mod.value_shape(output)):
-        names = ", ".join(sorted(n.name for n in tensors))
-        raise Refusal(f"the EP region reads router-side tensors other than one [T, H] input: {names}", output)
-    buffer = region_mod._root_buffer(output)
-    region_mod._absorb_dead_ends(graph, deps, nodes, stop | set(frontier))
-    region_mod._check_closed(deps, nodes, output, buffer)
-    ordered = sorted(nodes, key=deps.order.get)
-    return Region(tensors[0], ids, weights, False, False, output, buffer, ordered, list(params), syms)
+    """cut_region with this family's output and weights (see ``region.cut_between``)."""
+    return region_mod.cut_between(graph, deps, ids, weights, output, params, what="the EP region's experts")
 
 
 @dataclasses.dataclass

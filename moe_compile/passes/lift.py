@@ -18,7 +18,7 @@ import torch.fx as fx
 from moe_compile.ir import ExpertWeights, FFNAttrs, MoESpec
 from moe_compile.passes import prove, region as region_mod
 from moe_compile.passes.clusters import Cluster
-from moe_compile.passes.graph import Deps, meta, module_path, shape_of, target_name
+from moe_compile.passes.graph import Deps, dtype_of, meta, module_path, shape_of, target_name
 from moe_compile.passes.region import Refusal, Region
 
 
@@ -46,22 +46,57 @@ class Match:
     spec: MoESpec
     region: Region
     error: float
+    op_dtype: torch.dtype | None = None  # the region casts x / its weights to this dtype for its GEMMs
 
-    def replace_with_fused_op(self, graph: fx.Graph, deps: Deps, save_fc1: bool = True) -> fx.Node:
+    def replace_with_fused_op(self, graph: fx.Graph, deps: Deps, save_fc1: bool = True, quant=None) -> fx.Node:
+        """``quant``: a ``quant.plan.QuantPlan`` with a policy, or None (the unquantized op)."""
         spec = self.spec
 
         def make_call(g: fx.Graph) -> fx.Node:
-            routing = self.region.weights
-            if self.region.dense:
-                dense = g.call_method("t", (routing,)) if self.region.dense_transposed else routing
-                routing = g.call_method("gather", (dense, 1, self.region.ids))  # [T, K]
+            ids, routing = region_mod.flat_routing(g, self.region)
             a = spec.attrs
-            args = (self.region.x, self.region.ids, routing, list(spec.fc1), list(spec.fc1_up), list(spec.fc2),
-                    list(spec.fc1_bias), list(spec.fc1_up_bias), list(spec.fc2_bias),
-                    a.gate_up, a.transposed, a.activation, a.limit, a.alpha, a.weight_on)
-            return emit_fused_moe(g, args, save_fc1)
+            x, roles = cast_operands(g, self.region.x, spec_roles(spec), self.op_dtype)
+            args = (x, ids, routing, *roles, a.gate_up, a.transposed, a.activation, a.limit, a.alpha, a.weight_on)
+            if quant is not None and quant.policy:  # inference only: the plan refused training graphs
+                call = g.call_function(torch.ops.moe_compile.fused_moe_quant.default,
+                                       (*args, quant.policy, quant.budget_db, quant.tag))
+            else:
+                call = emit_fused_moe(g, args, save_fc1)
+            return cast_result(g, call, self.region, self.op_dtype)
 
         return region_mod.replace_region(graph, deps, self.region, make_call)
+
+
+def spec_roles(spec: MoESpec) -> list[list[fx.Node]]:
+    return [list(spec.fc1), list(spec.fc1_up), list(spec.fc2), list(spec.fc1_bias), list(spec.fc1_up_bias),
+            list(spec.fc2_bias)]
+
+
+def op_dtype_of(clusters: list[Cluster], x: fx.Node, params) -> torch.dtype | None:
+    """The dtype the region's GEMMs compute in when the op must cast to get there: the lowest
+    precision among the GEMMs' results (fp32 master weights ``.bfloat16()`` around a grouped GEMM,
+    bf16 experts under an fp32 router), if x or some weight is held in another dtype; else None."""
+    low = prove.lowest_precision([dtype_of(g) for c in clusters for g in c.gemms])
+    if low is None or all(dtype_of(n) in (low, None) for n in (x, *params)):
+        return None
+    return low
+
+
+def cast_operands(g: fx.Graph, x: fx.Node, roles, dtype):
+    """x and the weight roles cast to ``dtype`` where they are held in another (no-op when None)."""
+    if dtype is None:
+        return x, roles
+
+    def cast(node):
+        return node if dtype_of(node) in (dtype, None) else g.call_method("to", (node, dtype))
+
+    return cast(x), [[cast(n) for n in role] for role in roles]
+
+
+def cast_result(g: fx.Graph, out: fx.Node, region: Region, dtype) -> fx.Node:
+    """The op's result (in ``dtype``) cast back to the dtype of the value it replaces."""
+    want = dtype_of(region.buffer if region.buffer is not None else region.output) or dtype_of(region.x)
+    return out if dtype is None or want in (dtype, None) else g.call_method("to", (out, want))
 
 
 def will_be_differentiated(args) -> bool:
@@ -162,7 +197,9 @@ def _layouts(roles: Roles, values, x_hidden) -> list[tuple[str, bool]]:
     return out
 
 
-def hypotheses(deps, region, clusters, roles: Roles, values) -> list[prove.Hypothesis]:
+def hypotheses(deps, region, clusters, roles: Roles, values, op_dtype=None) -> list[prove.Hypothesis]:
+    """Every (layout, activation, clamp, slope, placement, gate/up order) the structure allows, on the
+    real expert weights (cast to ``op_dtype`` as the rewrite will cast them)."""
     x_hidden = shape_of(region.x)[1]
     acts = _activation_options(region.nodes)
     limits = _clamp_limits(region.nodes)
@@ -178,10 +215,15 @@ def hypotheses(deps, region, clusters, roles: Roles, values) -> list[prove.Hypot
         fc1, up = (roles.fc1_up, roles.fc1) if swap else (roles.fc1, roles.fc1_up)
         b1, b1u = (roles.fc1_up_bias, roles.fc1_bias) if swap else (roles.fc1_bias, roles.fc1_up_bias)
         nodes = (fc1, up, roles.fc2, b1, b1u, roles.fc2_bias)
-        weights = ExpertWeights(*(tuple(values[n] for n in role) for role in nodes), transposed=transposed)
+        weights = ExpertWeights(*(tuple(_as(values[n], op_dtype) for n in role) for role in nodes),
+                                transposed=transposed)
         attrs = FFNAttrs(layout, transposed, act, limit, alpha, place)
         out.append(prove.Hypothesis(weights, attrs, nodes))
     return out
+
+
+def _as(t: torch.Tensor, dtype) -> torch.Tensor:
+    return t if dtype is None or not t.is_floating_point() else t.to(dtype)
 
 
 class GraphValues:
@@ -218,18 +260,18 @@ def lift(family, graph, deps, candidate, roles: Roles, values: GraphValues, top_
     region = region_mod.cut_region(
         graph, deps, candidate.topk, [c.down for c in candidate.clusters], params, top_k, num_experts, hidden_sizes
     )
-    values.compute([region.x, region.ids, *region.extra_inputs])
-    hyps = hypotheses(deps, region, candidate.clusters, roles, values)
+    values.compute([region.x, region.ids, region.weights, *region.extra_inputs])
+    op_dtype = op_dtype_of(candidate.clusters, region.x, params)
+    hyps = hypotheses(deps, region, candidate.clusters, roles, values, op_dtype)
     if not hyps:
         raise Refusal("the expert weight shapes fit no supported gate/up layout", candidate.clusters[0].down)
     region_fn = region_mod.extract(region)
-    weights_meta = region.weights.meta.get("example_value")
     dense_mode = None if not region.dense else ("transposed" if region.dense_transposed else "plain")
     try:
         best, err, tol = prove.run_proof(
-            region_fn, values[region.x], values[region.ids].dtype, weights_meta,
+            region_fn, values[region.x], values[region.ids], values[region.weights],
             [values[p] for p in params], [values[s] for s in region.extra_inputs], hyps, top_k, num_experts,
-            dense_mode,
+            dense_mode, op_dtype,
         )
     except Exception as exc:  # the region itself failed on synthetic routing: not provable
         raise Refusal(f"running the region on synthetic routing failed ({type(exc).__name__}: {exc})",
@@ -239,8 +281,6 @@ def lift(family, graph, deps, candidate, roles: Roles, values: GraphValues, top_
             f"could not prove the experts compute a supported FFN (closest hypothesis erred by {err:.2e}, "
             f"tolerance {tol:.0e})", candidate.clusters[0].down,
         )
-    if dense_mode is not None and best.attrs.weight_on != "input":
-        raise Refusal("dense-mask experts must weight their input (FFN(0) must be 0)", candidate.clusters[0].down)
     fc1, up, fc2, b1, b1u, b2 = best.roles
     spec = MoESpec(
         family=family, x=region.x, topk_ids=region.ids, topk_weights=region.weights, output=region.output,
@@ -249,7 +289,7 @@ def lift(family, graph, deps, candidate, roles: Roles, values: GraphValues, top_
         attrs=best.attrs, num_experts=num_experts, top_k=top_k, hidden=best.weights.hidden(),
         ffn=best.weights.ffn(), region=tuple(region.nodes), source=_source_of(fc2),
     )
-    return Match(spec, region, err)
+    return Match(spec, region, err, op_dtype)
 
 
 def _source_of(fc2_nodes) -> str:

@@ -19,6 +19,7 @@ while rewriting puts the whole graph back as it was.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import operator
 
@@ -27,7 +28,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from moe_compile.passes import dense, expert_parallel, gathered, loop, sorted as sorted_family
-from moe_compile.passes.clusters import find_clusters, group_by_topk, is_id_source, is_topk, unrecognised_experts
+from moe_compile.passes.clusters import find_clusters, gemm_operands, group_by_topk, is_id_source, is_topk, unrecognised_experts
 from moe_compile.passes.dead_code import remove_dead_splits
 from moe_compile.passes.graph import Deps, is_view_like, source_line, target_name
 from moe_compile.passes.lift import GraphValues
@@ -155,10 +156,12 @@ UNRECOGNISED = ("a top-k's ids select expert weights here, but no expert FFN (FC
 
 
 def _unrouted_loops(unrouted) -> list[Skipped]:
-    """Several same-shaped FFNs with no routing: a loop of dense MLPs, worth a line in explain()."""
+    """Several same-shaped FFNs on one input with no routing: a loop of dense MLPs, worth a line in
+    explain().  One MLP per layer (or a shared expert per MoE layer) reads each layer's own input."""
     shapes: dict[tuple, int] = {}
     for cluster in unrouted:
         key = tuple(tuple(w.param.meta["example_value"].shape) for w in (*cluster.fc1_w, cluster.down_w))
+        key += (gemm_operands(cluster.fc1[0])[0],)
         shapes[key] = shapes.get(key, 0) + 1
     return [
         Skipped(f"{n} same-shaped FFNs but no top-k routing selects tokens for them: dense MLPs, left to the "
@@ -167,10 +170,28 @@ def _unrouted_loops(unrouted) -> list[Skipped]:
     ]
 
 
-def run_moe_pass(gm: fx.GraphModule, example_inputs, min_experts: int = 1, save_fc1: bool = True) -> Report:
+_layer_tags = itertools.count()
+
+
+def _quant_plan(spec, quant: str, budget_db: float):
+    """The quantization of one layer (``quant/plan.py``); the tag names it in explain()."""
+    from moe_compile.passes.lift import will_be_differentiated
+    from moe_compile.quant.plan import plan_layer
+
+    if quant == "none":
+        return plan_layer(spec, quant, budget_db, False, "cpu", "")
+    nodes = (spec.x, spec.topk_weights, *spec.fc1, *spec.fc1_up, *spec.fc2)
+    device = getattr(spec.x.meta.get("example_value"), "device", None)
+    tag = f"{spec.source or 'moe'}#{next(_layer_tags)}"
+    return plan_layer(spec, quant, budget_db, will_be_differentiated(nodes), getattr(device, "type", "cpu"), tag)
+
+
+def run_moe_pass(gm: fx.GraphModule, example_inputs, min_experts: int = 1, save_fc1: bool = True,
+                 quant: str = "none", budget_db: float = 30.0) -> Report:
     """Rewrite gm in place and report; never raises (a failure leaves gm as it was, with the reason).
 
-    ``save_fc1``: training graphs get the op form that keeps FC1's output (MoEConfig.save_fc1)."""
+    ``save_fc1``: training graphs get the op form that keeps FC1's output (MoEConfig.save_fc1);
+    ``quant`` / ``budget_db``: MoEConfig.quant and auto's budget (``quant/plan.py`` decides per layer)."""
     try:
         matches, skipped = find_matches(gm, example_inputs, min_experts)
     except Exception as exc:  # noqa: BLE001 — finding touches only metadata and example values
@@ -183,8 +204,12 @@ def run_moe_pass(gm: fx.GraphModule, example_inputs, min_experts: int = 1, save_
     backup = _copy_graph(gm.graph)
     try:
         for match in matches:
-            match.replace_with_fused_op(gm.graph, Deps(gm.graph), save_fc1)
-            report.rewritten.append(_rewritten_entry(match))
+            plan = _quant_plan(match.spec, quant, budget_db)
+            if plan.policy:
+                match.replace_with_fused_op(gm.graph, Deps(gm.graph), save_fc1, quant=plan)
+            else:
+                match.replace_with_fused_op(gm.graph, Deps(gm.graph), save_fc1)
+            report.rewritten.append(_rewritten_entry(match, plan))
         remove_dead_splits(gm.graph)
         gm.graph.lint()
         gm.recompile()
@@ -198,13 +223,13 @@ def run_moe_pass(gm: fx.GraphModule, example_inputs, min_experts: int = 1, save_
     return report
 
 
-def _rewritten_entry(match) -> Rewritten:
+def _rewritten_entry(match, plan) -> Rewritten:
     s = match.spec
     a = s.attrs
     biases = tuple(role for role in ("fc1", "fc1_up", "fc2") if getattr(s, f"{role}_bias"))
-    return Rewritten(s.family, s.num_experts, s.top_k, s.hidden, s.ffn, s.variant, s.source, a.gate_up, a.activation,
-                     a.weight_on, match.error, transposed=a.transposed, limit=a.limit, alpha=a.alpha, biases=biases,
-                     **getattr(match, "report_extra", {}))
+    return Rewritten(s.family, s.num_experts, s.top_k, s.hidden, s.ffn, plan.policy or s.variant, s.source, a.gate_up,
+                     a.activation, a.weight_on, match.error, transposed=a.transposed, limit=a.limit, alpha=a.alpha,
+                     biases=biases, quant_tag=plan.tag, quant_note=plan.note, **getattr(match, "report_extra", {}))
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:

@@ -45,6 +45,13 @@ def synthetic_routing(T: int, K: int, E: int, round_: int, w_dtype, device, gene
     return ids, weights
 
 
+def crowded_routing(T: int, K: int, E: int, w_dtype, device, generator):
+    """ids [T, K] = (0, 1, .., K-1) for every token: K experts receive all T tokens each."""
+    ids = torch.arange(K, device=device).expand(T, K) % E
+    weights = torch.rand(T, K, generator=generator, dtype=torch.float32).to(device, w_dtype) + 0.1
+    return ids.contiguous(), weights
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     want64, got64 = want.double(), got.double()
     scale = want64.abs().max().item() if want64.numel() else 0.0
@@ -53,22 +60,31 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got64 - want64).abs().max().item() / max(scale, 1e-30) if want64.numel() else 0.0
 
 
-def run_proof(region_fn, x_real, ids_dtype, weights_like, params, sizes, hypotheses, K, E, dense_mode):
+def run_proof(region_fn, x_real, ids_like, weights_like, params, sizes, hypotheses, K, E, dense_mode,
+              op_dtype=None):
     """(best hypothesis, its worst error over the rounds, tolerance); best is None when none fits
     (the error is then the closest hypothesis's).
 
     The proof keeps the real batch (static graphs bake its token count into sizes) and replaces
-    the routing: enough rounds of synthetic ids that every expert receives tokens.
+    the routing: enough rounds of synthetic ids that every expert receives tokens.  ``ids_like`` /
+    ``weights_like`` are the real routing tensors: the synthetic [T, K] ones take their dtype and
+    shape ([B, S, K] ids, a dense [T, E] matrix).  ``op_dtype``: the dtype the region's GEMMs run
+    in when it is not x's (the region casts x or its weights); the hypotheses then run on x and
+    weights in that dtype, as the rewrite will, and the tolerance is that dtype's.
     """
     T = x_real.shape[0]
     if T == 0:
         return None, math.inf, 0.0
     gen = torch.Generator().manual_seed(0)
-    tol = PROOF_TOLERANCE.get(_compute_dtype(x_real), 3e-2)
+    tol = PROOF_TOLERANCE.get(op_dtype or _compute_dtype(x_real), 3e-2)
+    x_op = x_real if op_dtype is None else x_real.to(op_dtype)
     rounds = []  # (ids, weights, region output) per round, computed once and shared by hypotheses
     for r in range(min(-(-E // (T * K)), 64)):
         ids0, g0 = synthetic_routing(T, K, E, r, weights_like.dtype, x_real.device, gen)
-        rounds.append((ids0.to(ids_dtype), g0, None))
+        rounds.append((ids0.to(ids_like.dtype), g0, None))
+    if T > 1:  # every token on experts 0..K-1: a region that caps an expert's tokens drops some here
+        ids0, g0 = crowded_routing(T, K, E, weights_like.dtype, x_real.device, gen)
+        rounds.append((ids0.to(ids_like.dtype), g0, None))
     best, best_err, closest = None, math.inf, math.inf
     with torch.no_grad():
         for hyp in hypotheses:  # ordered by structural likelihood: the first usually passes
@@ -80,9 +96,10 @@ def run_proof(region_fn, x_real, ids_dtype, weights_like, params, sizes, hypothe
             worst = 0.0
             for i, (ids0, g0, want) in enumerate(rounds):
                 if want is None:
-                    want = region_fn(x_real, ids0, _routed(ids0, g0, E, dense_mode), *params, *sizes)
+                    routed = _routed(ids0, g0, E, dense_mode).reshape(weights_like.shape)
+                    want = region_fn(x_real, ids0.reshape(ids_like.shape), routed, *params, *sizes)
                     rounds[i] = (ids0, g0, want)
-                worst = max(worst, _hypothesis_error(hyp, x_real, ids0, g0, want))
+                worst = max(worst, _hypothesis_error(hyp, x_op, ids0, g0, want))
                 if worst > bar:
                     break
             if worst <= tol and (best is None or worst < bar):
@@ -116,3 +133,9 @@ def _hypothesis_error(hyp, x, ids, g, want) -> float:
     if got.shape != want.shape:
         return math.inf
     return relative_error(got, want)
+
+
+def lowest_precision(dtypes) -> torch.dtype | None:
+    """The floating dtype with the fewest mantissa bits among dtypes (None if there is none)."""
+    floats = [d for d in dtypes if d is not None and d.is_floating_point]
+    return max(floats, key=lambda d: torch.finfo(d).eps, default=None)

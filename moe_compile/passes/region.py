@@ -3,14 +3,18 @@
 Shapes:  T tokens, H hidden, E experts, K top-k.
 
 Given a candidate (routed FFN clusters and their top-k), ``cut_region`` finds
-  ids      the top-k indices [T, K];
-  weights  the last [T, K] float tensor of the router feeding the experts (or, for dense-mask
-           code, the [T, E] / [E, T] score matrix);
+  ids      the top-k indices [T, K], or [B, S, K] when the top-k ran on 3-D scores (the region
+           reads them as the model does; the rewrite flattens them to [T, K]);
+  weights  the last [T, K] (or [B, S, K]) float tensor of the router feeding the experts that
+           does not itself depend on the ids' order (or, for dense-mask code, the [T, E] / [E, T]
+           score matrix);
   output   the first value that depends on every expert and has x's shape [T, H] — for in-place
            accumulation (``index_add_``, ``y[idx] += ...``) the last mutation of the buffer;
   x        the single [T, H] tensor the region reads from the router's side;
 and proves the region is closed: it reads nothing but x, ids, weights and the expert weights, and
-nothing outside it reads its intermediates.  Every failure is a ``Refusal`` with the reason.
+nothing outside it reads its intermediates.  Reads of a tensor's shape only (``zeros_like(scores)``,
+``scores.new_zeros(...)``, ``empty_like``) are not data inputs: the tensor becomes an extra input
+of the extracted region, whose values never matter.  Every failure is a ``Refusal`` with the reason.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from moe_compile.passes.clusters import is_concatenated_ids, is_hash_lookup
-from moe_compile.passes.graph import Deps, dtype_of, is_inplace, meta, shape_of, source_line
+from moe_compile.passes.graph import Deps, dtype_of, is_inplace, meta, shape_of, source_line, target_name
 
 
 class Refusal(Exception):
@@ -45,7 +49,11 @@ class Region:
     buffer: fx.Node | None  # the accumulated tensor when output is an in-place chain
     nodes: list[fx.Node]
     params: list[fx.Node]
-    extra_inputs: list[fx.Node]  # SymInt nodes the region reads (sizes)
+    extra_inputs: list[fx.Node]  # SymInt nodes the region reads (sizes), tensors it reads the shape of
+
+    @property
+    def top_k(self) -> int:
+        return int(shape_of(self.ids)[-1])
 
 
 def value_shape(node: fx.Node):
@@ -89,34 +97,90 @@ def same_shape(a, b) -> bool:
     return a is not None and b is not None and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
 
 
-def find_output(deps: Deps, downs, T, hidden_sizes) -> fx.Node:
+OUTPUT_CANDIDATES = 8  # [T, H] values tried as the combined output, in graph order
+
+
+def find_outputs(deps: Deps, downs, T, hidden_sizes) -> list[fx.Node]:
+    """The first [T, H] values depending on every expert, in graph order.  The first is usually
+    the combined output; at K = 1 (or T*K = T) the expert-sorted rows are [T, H] too, and the
+    combine that undoes the permutation comes later: cut_region keeps the first closed region."""
     def is_combined(node) -> bool:
         shape = value_shape(node)
         return bool(shape) and len(shape) == 2 and _same(shape[0], T) and any(_same(shape[1], h) for h in hidden_sizes)
 
-    output = deps.first_reached_by_all(list(downs), is_combined)
-    if output is None:
+    outputs = deps.reached_by_all(list(downs), is_combined, OUTPUT_CANDIDATES)
+    if not outputs:
         raise Refusal("no [T, H] value combines the outputs of all experts", downs[0])
-    return output
+    return outputs
 
 
-def find_weights(deps: Deps, output, params, T, K, E) -> tuple[fx.Node, bool, bool]:
-    param_desc = deps.descendants(params)
+def tokens_of(shape) -> object:
+    """T of a [..., K] routing tensor: the product of its leading dims (B*S for [B, S, K])."""
+    T = 1
+    for d in shape[:-1]:
+        T = T * d
+    return T
+
+
+def is_slot_shaped(shape, T, K) -> bool:
+    """[T, K] or [B, S, K] with B*S == T: one value per routed slot."""
+    return shape is not None and len(shape) >= 2 and _same(tokens_of(shape), T) and _same(shape[-1], K)
+
+
+def _permutations(deps: Deps, ids: fx.Node) -> set:
+    """Nodes that depend on an index tensor derived from the ids (``argsort(ids)``, ``ids == e``,
+    ``where(mask)``) other than the ids themselves and their views: values in expert-sorted or
+    per-expert order, which are the region's work, never its routing input."""
+    derived = {n for n in deps.descendants([ids]) if n is not ids and not _is_view_of(n, ids)
+               and dtype_of(n) is not None and not dtype_of(n).is_floating_point}
+    return deps.descendants(derived)
+
+
+def _is_view_of(node: fx.Node, base: fx.Node) -> bool:
+    for _ in range(6):
+        if node is base:
+            return True
+        if not (isinstance(node, fx.Node) and target_name(node) in ("view", "reshape", "flatten", "contiguous")):
+            return False
+        node = node.args[0]
+    return node is base
+
+
+def _scattered_from(deps: Deps, ids: fx.Node) -> set:
+    """Nodes depending on a ``scatter(fill, dim, ids, values)`` of the ids: dense [T, E] matrices."""
+    scatters = [u for u in ids.users if target_name(u) in ("scatter", "scatter_") and ids in u.args[1:3]]
+    return deps.descendants(scatters)
+
+
+def find_weights(deps: Deps, output, params, ids, T, K, E) -> tuple[fx.Node, bool, bool]:
+    """The last routing tensor the output reads: [T, K] (or [B, S, K]) weights, or a dense [T, E]
+    / [E, T] matrix.  Neither depends on a permutation of the ids (a ``weights.view(-1)[order]``
+    copy is the region's work).  With K == E the two shapes agree: a matrix scattered from the ids
+    is dense, anything else (``scores.gather(1, ids)``, top-k values) per-slot weights."""
+    from_params = deps.descendants(params)
+    # Not routing either: buffers the experts accumulate into (``out = zeros_like(x)``: [T, H] looks
+    # like a dense [T, E] matrix when H == E) — whatever a param-dependent in-place op writes.
+    accumulators = {n for n in deps.ancestors([output]) if any(m in from_params for m in deps.mutations_of(n))}
+    excluded = from_params | accumulators | _permutations(deps, ids)
+    scattered = _scattered_from(deps, ids) if _same(K, E) else set()
     best = None
     for node in deps.ancestors([output]):
-        if node in param_desc or dtype_of(node) is None or not dtype_of(node).is_floating_point:
+        if node in excluded or dtype_of(node) is None or not dtype_of(node).is_floating_point:
             continue
         shape = shape_of(node)
-        if shape is None or len(shape) != 2:
+        if shape is None or len(shape) < 2:
             continue
-        kind = None
-        if _same(shape[0], T) and _same(shape[1], K) and not _same(K, E):
-            kind = (False, False)
-        elif _same(shape[0], T) and _same(shape[1], E):
-            kind = (True, False)
-        elif _same(shape[0], E) and _same(shape[1], T):
+        if len(shape) == 2 and _same(shape[0], E) and _same(shape[1], T) and not _same(T, E):
             kind = (True, True)
-        if kind and (best is None or deps.order[node] > deps.order[best[0]]):
+        elif not _same(tokens_of(shape), T):
+            continue
+        elif _same(shape[-1], K) and not (_same(K, E) and node in scattered):
+            kind = (False, False)
+        elif _same(shape[-1], E):
+            kind = (True, False)
+        else:
+            continue
+        if best is None or deps.order[node] > deps.order[best[0]]:
             best = (node, *kind)
     if best is None:
         raise Refusal("no [T, K] routing weights (nor a dense [T, E] score matrix) reach the experts' output", output)
@@ -125,9 +189,20 @@ def find_weights(deps: Deps, output, params, T, K, E) -> tuple[fx.Node, bool, bo
 
 def cut_region(graph: fx.Graph, deps: Deps, topk, downs, params, K: int, E: int, hidden_sizes) -> Region:
     ids = topk_indices(topk)
-    T = shape_of(ids)[0]
-    output = find_output(deps, downs, T, hidden_sizes)
-    weights, dense, dense_t = find_weights(deps, output, params, T, K, E)
+    T = tokens_of(shape_of(ids))
+    first_refusal = None
+    for output in find_outputs(deps, downs, T, hidden_sizes):
+        try:
+            weights, dense, dense_t = find_weights(deps, output, params, ids, T, K, E)
+            return cut_between(graph, deps, ids, weights, output, params, dense, dense_t)
+        except Refusal as refusal:
+            first_refusal = first_refusal or refusal
+    raise first_refusal
+
+
+def cut_between(graph, deps: Deps, ids, weights, output, params, dense=False, dense_t=False,
+                what="the experts") -> Region:
+    """The closed region from (x, ids, weights, params) to output, or a Refusal."""
     router = deps.ancestors([ids])
     stop = set(params) | {ids, weights}
     visited, frontier, nodes = _slice(deps, output, stop, router)
@@ -136,18 +211,19 @@ def cut_region(graph: fx.Graph, deps: Deps, topk, downs, params, K: int, E: int,
         stop.add(reshaped)
         visited, frontier, nodes = _slice(deps, output, stop, router)
         frontier.append(reshaped)
-    tensors = [n for n in frontier if meta(n) is not None]
-    syms = [n for n in frontier if meta(n) is None]
+    shape_only = _shape_only_reads(frontier, nodes)
+    tensors = [n for n in frontier if meta(n) is not None and n not in shape_only]
+    extra = [n for n in frontier if n not in tensors]  # sizes, and tensors read for their shape
     if len(tensors) != 1 or not same_shape(value_shape(tensors[0]), value_shape(output)):
         names = ", ".join(sorted(n.name for n in tensors))
-        raise Refusal(f"the experts read tensors other than one [T, H] token input and their weights: {names}",
+        raise Refusal(f"{what} read tensors other than one [T, H] token input and their weights: {names}",
                       output)
     x = tensors[0]
     buffer = _root_buffer(output)
     _absorb_dead_ends(graph, deps, nodes, stop | set(frontier))
     _check_closed(deps, nodes, output, buffer)
     ordered = sorted(nodes, key=deps.order.get)
-    return Region(x, ids, weights, dense, dense_t, output, buffer, ordered, list(params), syms)
+    return Region(x, ids, weights, dense, dense_t, output, buffer, ordered, list(params), extra)
 
 
 def _slice(deps: Deps, output, stop: set, router: set):
@@ -160,9 +236,29 @@ def _slice(deps: Deps, output, stop: set, router: set):
     return visited, frontier, nodes
 
 
+# Calls whose first operand is read for its shape, dtype and device only.
+SHAPE_ONLY_FUNCS = ("zeros_like", "empty_like", "ones_like", "full_like")
+SHAPE_ONLY_METHODS = ("new_zeros", "new_empty", "new_ones", "new_full", "size", "dim", "numel")
+
+
+def is_shape_only_read(node: fx.Node, of: fx.Node) -> bool:
+    """Whether ``node`` reads ``of`` for its shape only (``zeros_like(of)``, ``of.new_zeros(n)``)."""
+    names = SHAPE_ONLY_FUNCS if node.op == "call_function" else SHAPE_ONLY_METHODS if node.op == "call_method" else ()
+    if target_name(node) not in names or not node.args or node.args[0] is not of:
+        return False
+    return of not in node.args[1:] and of not in node.kwargs.values()
+
+
+def _shape_only_reads(frontier, nodes: set) -> set:
+    """Frontier tensors the region reads only for their shape: extra inputs, not data inputs."""
+    return {f for f in frontier if meta(f) is not None
+            and all(is_shape_only_read(u, f) for u in f.users if u in nodes)}
+
+
 def _reshaped_input(frontier, nodes, out_shape):
     """A region node viewing the one router-side tensor as [T, H], when that tensor is not [T, H]."""
-    tensors = [n for n in frontier if meta(n) is not None]
+    shape_only = _shape_only_reads(frontier, nodes)
+    tensors = [n for n in frontier if meta(n) is not None and n not in shape_only]
     if len(tensors) != 1 or same_shape(value_shape(tensors[0]), out_shape):
         return None
     views = [u for u in tensors[0].users if u in nodes and same_shape(value_shape(u), out_shape)]
@@ -221,6 +317,25 @@ def extract(region: Region) -> fx.GraphModule:
     result = region.buffer if region.buffer is not None else region.output
     graph.output(env[result])
     return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def flat_routing(g: fx.Graph, region: Region) -> tuple[fx.Node, fx.Node]:
+    """(ids [T, K], weights [T, K]) for the fused op, emitted into g from what the region reads:
+    [B, S, K] ids and weights are flattened, a dense [T, E] / [E, T] matrix is gathered at the ids."""
+    K = region.top_k
+    ids = region.ids
+    if len(shape_of(ids)) != 2:
+        ids = g.call_method("reshape", (ids, -1, K))  # [B, S, K] -> [T, K]
+    routing = region.weights
+    if region.dense:
+        if region.dense_transposed:
+            routing = g.call_method("t", (routing,))  # [E, T] -> [T, E]
+        elif len(shape_of(routing)) != 2:
+            routing = g.call_method("reshape", (routing, -1, shape_of(routing)[-1]))  # [B, S, E] -> [T, E]
+        return ids, g.call_method("gather", (routing, 1, ids))  # [T, K]
+    if len(shape_of(routing)) != 2:
+        routing = g.call_method("reshape", (routing, -1, K))
+    return ids, routing
 
 
 def replace_region(graph: fx.Graph, deps: Deps, region: Region, make_call) -> fx.Node:

@@ -11,22 +11,21 @@ from __future__ import annotations
 
 import torch
 
-QMAX = 127.0
+from moe_compile.quant.common import INT8_QMAX as QMAX, quantize_per_token_int8  # noqa: F401  QMAX: callers' name
 
 
 def quantize(x: torch.Tensor, q_out: torch.Tensor | None = None, s_out: torch.Tensor | None = None):
-    """x [n, H] float -> (q [n, H] int8, s [n] fp32); writes into ``q_out`` / ``s_out`` when given."""
-    xf = x.float()
-    s = xf.abs().amax(dim=1) / QMAX  # [n]
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    q = torch.round(xf / s[:, None]).clamp_(-QMAX, QMAX)  # [n, H]
-    if q_out is None:
-        q_out = torch.empty(x.shape, dtype=torch.int8)
-    q_out.copy_(q)
+    """x [n, H] float -> (q [n, H] int8, s [n] fp32); writes into ``q_out`` / ``s_out`` when given.
+
+    The numbers are ``common.quantize_per_token_int8``'s (the a8 formats' activation quantizer)."""
+    q, s = quantize_per_token_int8(x)  # [n, H] int8, [n, 1]
+    s = s[:, 0]
+    if q_out is not None:
+        q = q_out.copy_(q)
     if s_out is None:
-        return q_out, s
+        return q, s
     s_out.copy_(s)
-    return q_out, s_out
+    return q, s_out
 
 
 def dequantize(q: torch.Tensor, s: torch.Tensor, dtype=torch.float32) -> torch.Tensor:

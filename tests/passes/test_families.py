@@ -1,4 +1,5 @@
-"""Every pattern family of DESIGN §6, written as model code does, against the model's own eager."""
+"""Every pattern family (docs/architecture.md#pattern-families), written as model code does, against the
+model's own eager."""
 
 import pytest
 import torch
@@ -29,7 +30,8 @@ def test_family_matches_eager(family, cls, kwargs, dtype):
 
 
 def test_sorted_family_bf16():
-    # torch._grouped_mm traces only in bf16 on CPU (DESIGN §13), so family B is a bf16 model.
+    # torch._grouped_mm traces only in bf16 on CPU (docs/architecture.md#facts-about-the-stack), so family B
+    # is a bf16 model.
     model = zoo.SortedMoE().to(torch.bfloat16)
     x = torch.randn(2, 9, 64, dtype=torch.bfloat16)
     want = model(x)

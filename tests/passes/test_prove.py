@@ -23,7 +23,8 @@ def _proof(attrs_true: FFNAttrs, candidates: list[FFNAttrs], dtype=torch.bfloat1
         return fused_moe_reference(x_.float(), ids, g.float(), w32, attrs_true).to(dtype)
 
     hyps = [prove.Hypothesis(w, a, ((), (), ())) for a in candidates]
-    best, err, tol = prove.run_proof(region, x, torch.int64, torch.empty(0, dtype=dtype), [], [], hyps, K, E, None)
+    best, err, tol = prove.run_proof(region, x, torch.empty(9, K, dtype=torch.int64), torch.empty(9, K, dtype=dtype), [], [], hyps,
+                                     K, E, None)
     return (best.attrs if best else None), err, tol
 
 

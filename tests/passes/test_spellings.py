@@ -1,4 +1,4 @@
-"""More spellings of the same MoE (DESIGN §6): other matmul forms, combines and router forms."""
+"""More spellings of the same MoE (docs/architecture.md#pattern-families): other matmul forms, combines and router forms."""
 
 import torch
 import torch.nn as nn
