@@ -201,10 +201,12 @@ def run_moe_pass(gm: fx.GraphModule, example_inputs, min_experts: int = 1, save_
     report = Report(skipped=skipped, graphs=1)
     if not matches:
         return report
+    # Planned before the rewrite and outside its guard: an explicit quant= the device cannot run is
+    # the user's error to see, not a skip.
+    plans = [_quant_plan(match.spec, quant, budget_db) for match in matches]
     backup = _copy_graph(gm.graph)
     try:
-        for match in matches:
-            plan = _quant_plan(match.spec, quant, budget_db)
+        for match, plan in zip(matches, plans):
             if plan.policy:
                 match.replace_with_fused_op(gm.graph, Deps(gm.graph), save_fc1, quant=plan)
             else:
