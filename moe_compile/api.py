@@ -90,13 +90,15 @@ def explain(module_or_fn, *example_inputs, **options) -> Report:
     from moe_compile.compiler import collecting_reports, copy_module, record, rewrite_graph
 
     cfg = MoEConfig.from_options(options)
-    needs_flags = []
+    needs_flags, split = [], []
 
     def explain_backend(gm, inputs):
         original = copy_module(gm)
         report = rewrite_graph(gm, inputs, cfg)
         if report.rewritten and (line := _data_dependent_line(original)) is not None:
             needs_flags.append(line)
+        reason = getattr(gm, "compile_subgraph_reason", None)  # Dynamo's: why this graph ended where it did
+        split.append(bool(getattr(reason, "graph_break", False)))
         record(report)
         if any(r.variant == "auto" for r in report.rewritten):
             return gm.forward  # quant="auto" chooses on a real call: this run is the one it measures
@@ -109,7 +111,7 @@ def explain(module_or_fn, *example_inputs, **options) -> Report:
         except Exception as exc:  # noqa: BLE001 — Dynamo could not trace it at all: that is the answer
             report.skipped.append(_dynamo_refusal("Dynamo failed to trace this", exc))
         else:
-            if report.graphs > 1:
+            if len(split) != 1 or any(split):  # a graph break, or frames skipped around sub-graphs
                 report.skipped += _first_split(module_or_fn, example_inputs)
     torch._dynamo.reset()
     if needs_flags:
@@ -152,11 +154,17 @@ def _dynamo_refusal(what: str, exc: Exception) -> Skipped:
     frame = frames[-1] if frames else None
     where = f" at {frame.filename}:{frame.lineno}: {(frame.line or '').strip()}" if frame else ""
     text = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-    return Skipped(f"{what}{where} ({text}); an MoE cut there is not rewritten: {_fix_for(str(exc))}")
+    line = (frame.line or "").strip() if frame else ""
+    return Skipped(f"{what}{where} ({text}); an MoE cut there is not rewritten: {_fix_for(str(exc), line)}")
 
 
-def _fix_for(message: str) -> str:
-    """The change a user makes for Dynamo's most common reasons to split an MoE block."""
+def _fix_for(message: str, line: str = "") -> str:
+    """The change a user makes for Dynamo's most common reasons to split an MoE block (``line``:
+    the user's code where Dynamo stopped)."""
+    if line.startswith(("for ", "while ")) and "data-dependent" in message:
+        return ("loop over range(num_experts) instead of a data-dependent set of experts (HF transformers' "
+                "experts_implementation='eager' iterates `expert_hit`: load the model with experts_implementation="
+                "'grouped_mm' or 'batched_mm')")
     if "bincount" in message:
         return ("Dynamo cannot trace torch.bincount: count with torch.histc(ids.float(), bins=E, min=0, max=E - 1), "
                 "or drop the counts and the `if counts[i] == 0: continue` they serve (the fused op handles experts "

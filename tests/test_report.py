@@ -47,6 +47,29 @@ class SkipsByCounts(zoo.DeepSeekOfficialMoE):
         return (y + self.shared_experts(x)).view(shape)
 
 
+class LoopsOverHitExperts(zoo.GatheredMoE):
+    """HF transformers' ``experts_implementation="eager"``: a loop over the experts that got tokens."""
+
+    def forward(self, hidden_states):
+        x = hidden_states.view(-1, hidden_states.shape[-1])
+        weights, ids = torch.topk(self.gate(x).softmax(-1), self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(ids, num_classes=self.w1.shape[0]).permute(2, 1, 0)  # [E, K, T]
+        expert_hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in expert_hit:
+            e = expert_idx[0]
+            top, tok = torch.where(mask[e])
+            h = F.silu(x[tok] @ self.w1[e].t()) * (x[tok] @ self.w3[e].t())
+            out.index_add_(0, tok, (h @ self.w2[e].t()) * weights[tok, top, None])
+        return out.view(hidden_states.shape)
+
+
+def test_loop_over_hit_experts_named_with_its_fix():
+    report = moe_compile.explain(LoopsOverHitExperts(), torch.randn(1, 5, 64))
+    (split,) = [s.reason for s in report.skipped if "one graph at" in s.reason]
+    assert "for expert_idx in expert_hit:" in split and "experts_implementation='grouped_mm'" in split, split
+
+
 def test_data_dependent_branch_named_with_its_fix():
     for model, line in ((SkipsEmptyExperts(experts=4), "if tok.numel() == 0:"), (SkipsByCounts(), "if counts[i] == 0:")):
         report = moe_compile.explain(model, torch.randn(1, 5, 64))
