@@ -201,8 +201,8 @@ def run_moe_pass(gm: fx.GraphModule, example_inputs, min_experts: int = 1, save_
     report = Report(skipped=skipped, graphs=1)
     if not matches:
         return report
-    # Planned before the rewrite and outside its guard: an explicit quant= the device cannot run is
-    # the user's error to see, not a skip.
+    # Planned before rewriting, outside the net below: an explicit variant this device cannot run is
+    # the user's error to see (quant/plan.py names the variants it runs), not a skip.
     plans = [_quant_plan(match.spec, quant, budget_db) for match in matches]
     backup = _copy_graph(gm.graph)
     try:
