@@ -11,7 +11,7 @@ from moe_compile import compiler, zoo
 from moe_compile.api import capture_flags
 from moe_compile.config import split_options
 from moe_compile.passes import lift, pipeline
-from moe_compile.passes.dead_code import remove_dead_splits
+from moe_compile.passes.dead_code import live_before, remove_dead_splits
 from tests.conftest import TOL, rel_err, run_compiled
 
 
@@ -124,9 +124,14 @@ def test_dead_host_reads_and_their_checks_are_removed():
     nonneg = graph.call_function(__import__("operator").ge, (n, 0))
     nonneg.meta["example_value"] = True
     graph.call_function(torch._check, (nonneg,))
-    graph.call_method("add_", (x, 1))  # in place: kept
-    graph.call_function(torch.rand, ((2,),))  # random: kept (the generator advances as in eager)
+    region = graph.call_function(torch.split, (x, n))  # what a rewrite replaces: the only reader of n
+    noise = graph.call_function(torch.rand, ((2,),))
+    graph.call_method("add_", (x, noise))  # in place
+    graph.call_function(torch._C._set_grad_enabled, (False,))  # never had a reader: not the rewrite's to remove
+    graph.call_method("sum", (x,))  # a dead value the graph held already: left as it was
     graph.output(graph.call_function(torch.mul, (x, 2)))
-    assert remove_dead_splits(graph) == 4  # item, _check_is_size, ge, _check
-    assert [n.target for n in graph.nodes if n.op == "call_method"] == ["add_"]
-    assert torch.rand in [n.target for n in graph.nodes]
+    was_live = live_before(graph)
+    graph.erase_node(region)  # the rewrite
+    assert remove_dead_splits(graph, was_live) == 4  # item, _check_is_size, ge, _check
+    assert [n.target for n in graph.nodes if n.op == "call_method"] == ["add_", "sum"]
+    assert {torch.rand, torch._C._set_grad_enabled} <= {n.target for n in graph.nodes}
