@@ -9,6 +9,7 @@ with a message that lists what is accepted.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -95,7 +96,8 @@ class MoEConfig:
         unknown = sorted(set(merged) - set(cls.field_names()))
         if unknown:
             raise ValueError(
-                f"unknown moe_compile option(s) {unknown}; valid options are {list(cls.field_names())}"
+                f"unknown moe_compile option(s) {unknown}{_did_you_mean(unknown)}; valid options are "
+                f"{list(cls.field_names())}"
             )
         if "dump" in merged and merged["dump"] is not None:
             merged["dump"] = os.fspath(merged["dump"])
@@ -104,3 +106,53 @@ class MoEConfig:
     def dump_dir(self) -> str | None:
         """The dump directory in effect: the option, else the environment variable, else None."""
         return self.dump or os.environ.get(DUMP_ENV) or None
+
+
+def split_options(options: Mapping[str, Any] | None = None, mode: str | None = None) -> tuple[dict, dict]:
+    """(moe_compile's options, Inductor's config patches) from ``torch.compile``'s ``options=`` and
+    ``mode=``: a key that is a ``MoEConfig`` field is moe_compile's; one that names an Inductor
+    config entry (``max_autotune``, ``"triton.cudagraphs"``, ...), or comes from ``mode``
+    (``torch._inductor.list_mode_options``), goes to Inductor when it compiles the rewritten graph.
+    Anything else — a misspelt ``verfy`` in particular — is an error naming the closest options."""
+    own, inductor, unknown = {}, {}, []
+    if mode not in (None, "default"):
+        inductor.update(_mode_options(mode))
+    for key, value in dict(options or {}).items():
+        if key in MoEConfig.field_names():
+            own[key] = value
+        elif _is_inductor_option(key):
+            inductor[key.replace("-", "_")] = value
+        else:
+            unknown.append(key)
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) {sorted(unknown)}{_did_you_mean(unknown)}; valid options are moe_compile's "
+            f"{list(MoEConfig.field_names())}, and any torch._inductor.config entry (e.g. 'max_autotune') is "
+            f"passed to Inductor"
+        )
+    return own, inductor
+
+
+def _did_you_mean(unknown) -> str:
+    hints = [f"{key!r} -> {close[0]!r}" for key in unknown
+             if (close := difflib.get_close_matches(key, MoEConfig.field_names(), n=1, cutoff=0.6))]
+    return f" (did you mean moe_compile's {', '.join(hints)}?)" if hints else ""
+
+
+def _inductor_keys() -> frozenset[str]:
+    from torch._inductor import config as inductor_config  # imported when options are read, not at import
+
+    return frozenset(inductor_config.get_config_copy())
+
+
+def _is_inductor_option(key: str) -> bool:
+    return isinstance(key, str) and key.replace("-", "_") in _inductor_keys()
+
+
+def _mode_options(mode: str) -> dict:
+    import torch._inductor
+
+    try:
+        return dict(torch._inductor.list_mode_options(mode))
+    except RuntimeError as exc:
+        raise ValueError(f"torch.compile mode={mode!r} is unknown to Inductor: {exc}") from None

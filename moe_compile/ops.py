@@ -179,6 +179,12 @@ def _fused_moe_infer(*args) -> torch.Tensor:
     if torch.is_grad_enabled() and _needs_grad(args):  # torch alone would warn at backward, grads missing
         raise RuntimeError("moe_compile::fused_moe_infer has no backward; call moe_compile::fused_moe (or "
                            "run under torch.no_grad()) where gradients must flow through the MoE")
+    if not args[0].is_cuda:  # a plain CPU decode step straight to its kernel: see cpu_decode.decode_args
+        from moe_compile.kernels.cpu import decode as cpu_decode
+
+        y = cpu_decode.decode_args(args, torch.get_num_threads())
+        if y is not None:
+            return y
     return run_experts(*parse_op_args(args))
 
 

@@ -97,15 +97,21 @@ def same_shape(a, b) -> bool:
     return a is not None and b is not None and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
 
 
-def find_output(deps: Deps, downs, T, hidden_sizes) -> fx.Node:
+OUTPUT_CANDIDATES = 8  # [T, H] values tried as the combined output, in graph order
+
+
+def find_outputs(deps: Deps, downs, T, hidden_sizes) -> list[fx.Node]:
+    """The first [T, H] values depending on every expert, in graph order.  The first is usually
+    the combined output; at K = 1 (or T*K = T) the expert-sorted rows are [T, H] too, and the
+    combine that undoes the permutation comes later: cut_region keeps the first closed region."""
     def is_combined(node) -> bool:
         shape = value_shape(node)
         return bool(shape) and len(shape) == 2 and _same(shape[0], T) and any(_same(shape[1], h) for h in hidden_sizes)
 
-    output = deps.first_reached_by_all(list(downs), is_combined)
-    if output is None:
+    outputs = deps.reached_by_all(list(downs), is_combined, OUTPUT_CANDIDATES)
+    if not outputs:
         raise Refusal("no [T, H] value combines the outputs of all experts", downs[0])
-    return output
+    return outputs
 
 
 def tokens_of(shape) -> object:
@@ -151,7 +157,11 @@ def find_weights(deps: Deps, output, params, ids, T, K, E) -> tuple[fx.Node, boo
     / [E, T] matrix.  Neither depends on a permutation of the ids (a ``weights.view(-1)[order]``
     copy is the region's work).  With K == E the two shapes agree: a matrix scattered from the ids
     is dense, anything else (``scores.gather(1, ids)``, top-k values) per-slot weights."""
-    excluded = deps.descendants(params) | _permutations(deps, ids)
+    from_params = deps.descendants(params)
+    # Not routing either: buffers the experts accumulate into (``out = zeros_like(x)``: [T, H] looks
+    # like a dense [T, E] matrix when H == E) — whatever a param-dependent in-place op writes.
+    accumulators = {n for n in deps.ancestors([output]) if any(m in from_params for m in deps.mutations_of(n))}
+    excluded = from_params | accumulators | _permutations(deps, ids)
     scattered = _scattered_from(deps, ids) if _same(K, E) else set()
     best = None
     for node in deps.ancestors([output]):
@@ -180,9 +190,14 @@ def find_weights(deps: Deps, output, params, ids, T, K, E) -> tuple[fx.Node, boo
 def cut_region(graph: fx.Graph, deps: Deps, topk, downs, params, K: int, E: int, hidden_sizes) -> Region:
     ids = topk_indices(topk)
     T = tokens_of(shape_of(ids))
-    output = find_output(deps, downs, T, hidden_sizes)
-    weights, dense, dense_t = find_weights(deps, output, params, ids, T, K, E)
-    return cut_between(graph, deps, ids, weights, output, params, dense, dense_t)
+    first_refusal = None
+    for output in find_outputs(deps, downs, T, hidden_sizes):
+        try:
+            weights, dense, dense_t = find_weights(deps, output, params, ids, T, K, E)
+            return cut_between(graph, deps, ids, weights, output, params, dense, dense_t)
+        except Refusal as refusal:
+            first_refusal = first_refusal or refusal
+    raise first_refusal
 
 
 def cut_between(graph, deps: Deps, ids, weights, output, params, dense=False, dense_t=False,

@@ -1,0 +1,183 @@
+"""The quantized prefill kernel (qgemm.c): the integer tiles' int32 sums exactly against an int64
+matmul, the panel dequantization exactly against the format's meaning, the per-token quantizer bit
+for bit, and whole MoE calls against a plain-torch reference of the quantized MoE, on both ISAs
+(AVX2 always, AVX-512 where the CPU has it), T in {17, 64, 513}, odd expert loads, empty experts
+and dropped ids."""
+
+import pytest
+import torch
+
+from moe_compile import quant
+from moe_compile.ir import FFNAttrs
+from moe_compile.kernels.cpu import qgemm
+from moe_compile.quant.common import quantize_per_token_int8, unpack_nibbles
+
+pytestmark = pytest.mark.skipif(not qgemm.available(), reason=f"{qgemm.unavailable_reason('a8w8-int')}")
+
+
+def _isas(fmt):
+    best = qgemm.best_isa(fmt) if qgemm.available() else qgemm.ISA_AVX2
+    return [qgemm.ISA_AVX2] + ([qgemm.ISA_AVX512] if best == qgemm.ISA_AVX512 else [])
+
+
+INT_FORMATS = ["a8w8-int", "a8w4-int"]
+FLOAT_FORMATS = ["w4-int", "mxfp4", "w8-int", "w16"]
+CASES = [(f, isa) for f in INT_FORMATS + FLOAT_FORMATS for isa in _isas(f)]
+
+
+# ---- weights in each format (moe_compile.quant: the contract's canonical tensors) ----
+
+def make_weight(fmt, E, N, K, gen):
+    """W ~ N(0, 0.05) packed by ``moe_compile.quant`` (default groups: 32 for w-int and MX)."""
+    return quant.pack(fmt, torch.randn(E, N, K, generator=gen) * 0.05)
+
+
+def integers(w):
+    """Signed integer q [E, N, K] (int32) of an a8 weight."""
+    if w.data.dtype == torch.int8:
+        return w.data.to(torch.int32)
+    return unpack_nibbles(w.data).to(torch.int32) - 8
+
+
+# ---- the pieces ----
+
+@pytest.mark.parametrize("fmt,isa", [(f, i) for f in INT_FORMATS for i in _isas(f)])
+@pytest.mark.parametrize("M", [1, 7, 13])
+def test_integer_tiles_are_exact(fmt, isa, M):
+    # Extreme codes included: activations -127 / 127 / 0 and weights at both ends of their range
+    # (a pair of products 2 * 127 * 127 sits just under vpmaddubsw's int16 saturation).
+    gen = torch.Generator().manual_seed(M)
+    K, N = 136, 64  # K: 17 groups of 8 (the 4-bit tile's step); N: two AVX-512 32-column units
+    w = make_weight(fmt, 2, N, K, gen)
+    qa = torch.randint(-127, 128, (M, K), generator=gen, dtype=torch.int8)
+    qa[0, :8] = torch.tensor([-127, 127, 0, -127, 127, 127, -127, -127], dtype=torch.int8)
+    if fmt == "a8w8-int":
+        w.data[1, 0, :] = 127
+        w.data[1, 1, :] = -127
+    p = qgemm.pack(w)
+    want = qa.long() @ integers(w)[1].long().t()
+    got = qgemm.int_matmul(qa, p, 1, isa)
+    assert torch.equal(got.long(), want)
+
+
+@pytest.mark.parametrize("fmt,isa", [(f, i) for f in FLOAT_FORMATS for i in _isas(f)])
+def test_panel_dequantization_is_exact(fmt, isa):
+    # The kernel's fp32 panel equals quant.dequantize bit for bit (q * s of exactly representable
+    # factors; e2m1 * 2^k; bf16 widened), every code and mxfp4's e8m0 ends (0: 2^-127) included.
+    gen = torch.Generator().manual_seed(1)
+    w = make_weight(fmt, 2, 32, 64, gen)
+    if fmt in ("w4-int", "mxfp4"):
+        w.data[1, :8] = torch.arange(256, dtype=torch.uint8).reshape(8, 32)  # every pair of nibbles
+    if fmt == "mxfp4":
+        w.scale[1, 0, 0], w.scale[1, 0, 1], w.scale[1, 1, 0] = 0, 254, 1
+    got = qgemm.dequantized_rows(qgemm.pack(w), 1, isa)
+    torch.testing.assert_close(got, quant.dequantize(w)[1], rtol=0, atol=0)
+
+
+def test_quantizer_matches_per_token_int8_bit_for_bit():
+    # A zero row (scale 1), halves that round to even, tails past the 32-wide vector loop.
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(9, 77, generator=gen) * 3
+    x[3] = 0
+    x[4, :4] = torch.tensor([127.0, 0.5, 1.5, -2.5])  # s = 1: exact halves
+    q, s, total = qgemm.quantize_rows(x)
+    q_ref, s_ref = quantize_per_token_int8(x)
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref[:, 0])
+    assert torch.equal(total, q_ref.sum(-1, dtype=torch.int32))
+
+
+# ---- whole calls ----
+
+H, F = 64, 96  # two 32-column FC2 units; six 16-feature panels, three 32-wide scale groups along F
+
+
+def make_case(T, E, K, fmt, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen)
+    ids = torch.rand(T, E, generator=gen).argsort(1)[:, :K].contiguous() if K <= E else torch.randint(0, E, (T, K))
+    g = torch.softmax(torch.randn(T, K, generator=gen), 1)
+    return x, ids, g, make_weight(fmt, E, 2 * F, H, gen), make_weight(fmt, E, H, F, gen)
+
+
+def tolerance(fmt, w2, ref):
+    """fp32 formats: the tiles sum in another order and the SiLU's e^x is a polynomial (~2e-7
+    relative), ~1e-6 relative.  a8 formats: the same fp32 SwiGLU differs in its last bits, and
+    where a value sits on a rounding boundary of FC2's re-quantization one code moves by 1: y
+    moves by s_a * |w2| <= (max|act| / 127) * max|w2| * g per flip (the int32 sums themselves
+    are exact: test_integer_tiles_are_exact)."""
+    if not fmt.startswith("a8"):
+        return dict(rtol=2e-5, atol=2e-5 * float(ref.abs().max()))
+    w2max = float(w2.scale.max()) * (127 if fmt == "a8w8-int" else 8)
+    return dict(rtol=1e-5, atol=2 * w2max * float(ref.abs().max()) / 127 + 1e-6)
+
+
+@pytest.mark.parametrize("fmt,isa", CASES)
+@pytest.mark.parametrize("T", [17, 64, 513])
+def test_matches_reference(fmt, isa, T):
+    E, K = 6, 3
+    x, ids, g, w1, w2 = make_case(T, E, K, fmt, seed=T)
+    attrs = FFNAttrs()
+    ref = quant.reference_moe(x, ids, g, w1, w2, attrs)
+    y = qgemm.run(x, ids, g, w1, w2, attrs, {}, isa=isa, threads=2)
+    torch.testing.assert_close(y, ref, **tolerance(fmt, w2, ref))
+    assert (y - ref).abs().max() < 0.02 * ref.abs().max()  # and never more than a few flips' worth
+
+
+@pytest.mark.parametrize("fmt,isa", CASES)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_odd_routes_between_and_clamp(fmt, isa, threads):
+    # Expert 0 and E-1 get no rows, one token goes twice to one expert, ids outside [0, E) are
+    # dropped, the routing weight sits between the SwiGLU and FC2, the SwiGLU is clamped; three
+    # threads split the units unevenly.
+    T, E, K = 37, 6, 3
+    x, _, g, w1, w2 = make_case(T, E, K, fmt, seed=7)
+    ids = torch.randint(1, E - 1, (T, K))
+    ids[0] = torch.tensor([2, 2, -1])
+    ids[1, 0], ids[2, 2] = E, 4
+    attrs = FFNAttrs(limit=0.7, weight_on="between")
+    ref = quant.reference_moe(x, ids, g, w1, w2, attrs)
+    y = qgemm.run(x, ids, g, w1, w2, attrs, {}, isa=isa, threads=threads)
+    torch.testing.assert_close(y, ref, **tolerance(fmt, w2, ref))
+
+
+@pytest.mark.parametrize("fmt,isa", [(f, i) for f in ("a8w8-int", "w4-int") for i in _isas(f)])
+def test_experts_in_chunks_of_rows(fmt, isa, monkeypatch):
+    # Rows of one expert run CHUNK_ROWS at a time (5 here): each chunk adds into y on its own.
+    monkeypatch.setattr(qgemm, "CHUNK_ROWS", 5)
+    x, ids, g, w1, w2 = make_case(29, 4, 2, fmt, seed=3)
+    attrs = FFNAttrs()
+    ref = quant.reference_moe(x, ids, g, w1, w2, attrs)
+    torch.testing.assert_close(qgemm.run(x, ids, g, w1, w2, attrs, {}, isa=isa), ref, **tolerance(fmt, w2, ref))
+
+
+def test_pack_cache_holds_one_pack_per_weight():
+    x, ids, g, w1, w2 = make_case(20, 4, 2, "a8w4-int")
+    cache = {}
+    y1 = qgemm.run(x, ids, g, w1, w2, FFNAttrs(), cache)
+    y2 = qgemm.run(x, ids, g, w1, w2, FFNAttrs(), cache)
+    assert torch.equal(y1, y2) and len(cache) == 2
+    # a8w4: the panels hold the canonical bytes (two codes a byte) and the fp32 scales, nothing more.
+    assert sum(p.nbytes for p in cache.values()) == sum(w.data.nbytes + w.scale.nbytes for w in (w1, w2))
+
+
+def test_refuses_what_it_does_not_compute():
+    x, ids, g, w1, w2 = make_case(20, 4, 2, "a8w8-int")
+    with pytest.raises(ValueError, match="SwiGLU"):
+        qgemm.run(x, ids, g, w1, w2, FFNAttrs(weight_on="input"), {})
+    with pytest.raises(ValueError, match="fp32"):
+        qgemm.run(x.double(), ids, g, w1, w2, FFNAttrs(), {})
+    assert qgemm.unavailable_reason("mxfp8") is not None and qgemm.unavailable_reason("a8w8-int") is None
+
+
+def test_isa_switch(monkeypatch):
+    monkeypatch.setenv("MOE_COMPILE_FUSED_ISA", "avx2")
+    qgemm._asked_isa.cache_clear()
+    try:
+        assert qgemm.best_isa("a8w8-int") == qgemm.ISA_AVX2
+        monkeypatch.setenv("MOE_COMPILE_FUSED_ISA", "sse")
+        qgemm._asked_isa.cache_clear()
+        with pytest.raises(ValueError, match="use one of"):
+            qgemm.best_isa("a8w8-int")
+    finally:
+        monkeypatch.delenv("MOE_COMPILE_FUSED_ISA")
+        qgemm._asked_isa.cache_clear()
