@@ -441,44 +441,74 @@ ALWAYS_INLINE void SFX(dequant)(const int fmt, const uint8_t *row, int64_t k, SF
 #endif
 }
 
+/* One 2V-element chunk at element k of NW weight rows into R rows' accumulators: dequantize once,
+ * FMA into acc[w][r][j0] (first vector) and acc[w][r][j1] (second). */
+ALWAYS_INLINE void SFX(chunk)(const int fmt, const int NW, const int R, const uint8_t *const *rows,
+                              const float *const *x, int64_t k, const SFX(gscale) *gs, vf acc[2][RMAX][4],
+                              const int j0, const int j1) {
+    vf w0[2], w1[2];
+    _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) SFX(dequant)(fmt, rows[w], k, gs[w], &w0[w], &w1[w]);
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
+        vf x0 = VLOAD(x[r] + k), x1 = VLOAD(x[r] + k + V);
+        _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) {
+            acc[w][r][j0] = VFMA(w0[w], x0, acc[w][r][j0]);
+            acc[w][r][j1] = VFMA(w1[w], x1, acc[w][r][j1]);
+        }
+    }
+}
+
 /* NW weight rows (1 or 2) against R x rows, both compile-time: the loop every format and row count
- * is instantiated from.  With few accumulators (NW R <= 4) each chunk's two vectors accumulate
- * apart, so enough FMA chains are in flight; with more they share one. */
+ * is instantiated from.  Accumulator chains per (weight row, x row): 4 for one x row, 2 for two,
+ * else 1, so that at least 8 FMA chains are in flight where the registers allow (an FMA's latency
+ * is 4 cycles, two issue per cycle).  Groups of 32 (the default and MX's) run one flat loop, two
+ * groups an iteration; other groups a loop per group. */
 ALWAYS_INLINE void SFX(dot_body)(const int fmt, const int NW, const int R, const qweight_t *wt,
                                  const uint8_t *const *rows, const uint8_t *const *scales, const float *const *x,
                                  float *out) {
-    enum { NA_MAX = 2 };
-    const int NA = NW * R <= 4 ? 2 : 1;
-    vf acc[2][RMAX][NA_MAX];
+    const int NA = R == 1 ? 4 : R == 2 ? 2 : 1;
+    vf acc[2][RMAX][4];
     _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w)
         _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)
-            _Pragma("GCC unroll 2") for (int j = 0; j < NA; ++j) acc[w][r][j] = VZERO();
+            _Pragma("GCC unroll 4") for (int j = 0; j < NA; ++j) acc[w][r][j] = VZERO();
     const int64_t K = wt->k, G = has_scales(fmt) ? wt->group : K, blocks = K / (2 * V) * (2 * V);
     float sbuf[2][SEG];
-    for (int64_t g0 = 0; g0 * G < blocks; g0 += SEG) {
-        int64_t ng = (K / G - g0) < SEG ? K / G - g0 : SEG;
-        if (has_scales(fmt))
-            for (int w = 0; w < NW; ++w) convert_scales(fmt, scales[w], g0, ng, sbuf[w]);
-        for (int64_t g = 0; g < ng; ++g) {
-            SFX(gscale) gs[2];
-            _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) gs[w] = SFX(group_setup)(fmt, has_scales(fmt) ? sbuf[w][g] : 1.f);
-            int64_t k1 = (g0 + g + 1) * G < blocks ? (g0 + g + 1) * G : blocks;
-            for (int64_t k = (g0 + g) * G; k < k1; k += 2 * V) {
-                vf w0[2], w1[2];
-                _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) SFX(dequant)(fmt, rows[w], k, gs[w], &w0[w], &w1[w]);
-                _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
-                    vf x0 = VLOAD(x[r] + k), x1 = VLOAD(x[r] + k + V);
-                    _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) {
-                        acc[w][r][0] = VFMA(w0[w], x0, acc[w][r][0]);
-                        acc[w][r][NA - 1] = VFMA(w1[w], x1, acc[w][r][NA - 1]);
-                    }
+    SFX(gscale) gs[2], gs2[2];
+    if (!has_scales(fmt)) {
+        _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) gs[w] = SFX(group_setup)(fmt, 1.f);
+        int64_t k = 0;
+        for (; NA == 4 && k + 4 * V <= blocks; k += 4 * V) {
+            SFX(chunk)(fmt, NW, R, rows, x, k, gs, acc, 0, 1);
+            SFX(chunk)(fmt, NW, R, rows, x, k + 2 * V, gs, acc, 2, 3);
+        }
+        for (; k < blocks; k += 2 * V) SFX(chunk)(fmt, NW, R, rows, x, k, gs, acc, 0, NA - 1);
+    }
+    for (int64_t seg = 0; has_scales(fmt) && seg < K; seg += SEG * G) { /* K is whole groups of 32 */
+        int64_t end = seg + SEG * G < K ? seg + SEG * G : K;
+        _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) convert_scales(fmt, scales[w], seg / G, (end - seg) / G, sbuf[w]);
+        if (G == 32) {
+            for (int64_t k = seg; k < end; k += 64) { /* two groups: K / 32 may be odd */
+                const int two = k + 64 <= end;
+                _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) {
+                    gs[w] = SFX(group_setup)(fmt, sbuf[w][(k - seg) >> 5]);
+                    gs2[w] = SFX(group_setup)(fmt, sbuf[w][((k - seg) >> 5) + two]);
                 }
+                _Pragma("GCC unroll 2") for (int c = 0; c < 32; c += 2 * V) SFX(chunk)(fmt, NW, R, rows, x, k + c, gs, acc, 0, NA > 1);
+                if (two)
+                    _Pragma("GCC unroll 2") for (int c = 32; c < 64; c += 2 * V)
+                        SFX(chunk)(fmt, NW, R, rows, x, k + c, gs2, acc, NA - 1 - (NA > 1), NA - 1);
+            }
+        } else {
+            for (int64_t k0 = seg; k0 < end; k0 += G) {
+                _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) gs[w] = SFX(group_setup)(fmt, sbuf[w][(k0 - seg) / G]);
+                for (int64_t k = k0; k < k0 + G; k += 2 * V) SFX(chunk)(fmt, NW, R, rows, x, k, gs, acc, 0, NA - 1);
             }
         }
     }
     _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w)
         _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
-            float sum = VHSUM(NA == 2 ? VADD(acc[w][r][0], acc[w][r][1]) : acc[w][r][0]);
+            vf v = acc[w][r][0];
+            _Pragma("GCC unroll 4") for (int j = 1; j < NA; ++j) v = VADD(v, acc[w][r][j]);
+            float sum = VHSUM(v);
             for (int64_t k = blocks; k < K; ++k) sum += element(fmt, rows[w], k) * x[r][k]; /* w16 tails */
             out[w * R + r] = sum;
         }
