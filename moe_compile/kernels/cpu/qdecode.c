@@ -108,7 +108,15 @@ static void convert_scales(int64_t fmt, const uint8_t *s, int64_t g0, int64_t n,
         const uint16_t *h = (const uint16_t *)s + g0;
         for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
         for (; i < n; ++i) out[i] = _cvtsh_ss(h[i]);
-    } else {
+    } else { /* 2^(b - 127) is b in the exponent bits; 0 and 255 patched to 2^-127 and NaN */
+        const __m256i zero = _mm256_setzero_si256(), ones = _mm256_set1_epi32(255);
+        for (; i + 8 <= n; i += 8) {
+            __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(s + g0 + i)));
+            __m256i f = _mm256_slli_epi32(b, 23);
+            f = _mm256_blendv_epi8(f, _mm256_set1_epi32(0x00400000), _mm256_cmpeq_epi32(b, zero));
+            f = _mm256_blendv_epi8(f, _mm256_set1_epi32(0x7FC00000), _mm256_cmpeq_epi32(b, ones));
+            _mm256_storeu_ps(out + i, _mm256_castsi256_ps(f));
+        }
         for (; i < n; ++i) out[i] = e8m0_float(s[g0 + i]);
     }
 }
