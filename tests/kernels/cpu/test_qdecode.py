@@ -103,6 +103,18 @@ def test_limit_weight_on_and_dropped_ids(fmt, isa, limit, weight_on):
         assert h.abs().max() > limit
 
 
+# Group sizes: 32 (one flat loop), 64 / 128 / 256 (a loop per group); on AVX-512 the 4-bit loops
+# read 128-element blocks with one scale per lane, the last K mod 128 elements 32 at a time.
+@needs_kernel
+@pytest.mark.parametrize("fmt,isa", list(itertools.product(["w8-int", "w4-int"], ISAS)))
+@pytest.mark.parametrize("group", [32, 64, 128, 256])
+def test_group_sizes(fmt, isa, group):
+    x, ids, g, w1, w2 = _case(fmt, 2, H=512, F=256, E=3, K=2, seed=group, group=group)
+    _check(x, ids, g, w1, w2, FFNAttrs(), isa)
+    x, ids, g, w1, w2 = _case(fmt, 2, H=416, F=160, E=3, K=2, seed=group, group=32)  # 416 = 3 * 128 + 32
+    _check(x, ids, g, w1, w2, FFNAttrs(), isa)
+
+
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS)
 def test_all_slots_dropped_and_w16_tails(isa):
