@@ -155,6 +155,17 @@ def test_nan_codes_propagate(isa):
     assert torch.isnan(got[1, 5]) and not torch.isnan(got[1, :5]).any() and not torch.isnan(got[1, 6:]).any()
 
 
+def test_check_call_reads_shapes_only():
+    # The dispatcher asks before packing: roles given as (fmt, shape, group) only, no tensors.
+    Role = dataclasses.make_dataclass("Role", ["fmt", "shape", "group"])
+    x = torch.empty(0, 64)
+    assert qdecode.check_call(x, Role("w4-int", (4, 64, 64), 32), Role("w4-int", (4, 64, 32), 32), FFNAttrs()) is None
+    with pytest.raises(ValueError, match="multiple of 32"):
+        qdecode.check_call(x, Role("w8-int", (4, 64, 64), 16), Role("w8-int", (4, 64, 32), 32), FFNAttrs())
+    with pytest.raises(ValueError, match="at most 16"):
+        qdecode.check_call(torch.empty(17, 64), Role("w16", (4, 64, 64), 64), Role("w16", (4, 64, 32), 32), FFNAttrs())
+
+
 def test_unavailable_formats_say_why():
     for fmt in ("a8w8-int", "a8w4-int", "a8w8-fp8"):
         assert "qgemm" in qdecode.unavailable_reason(fmt)
