@@ -251,11 +251,19 @@ def _measure(x, ids, weights, w, attrs, budget, tag, reg) -> str:
             kernel = mod.__name__.rsplit(".", 1)[-1]
             cands.append(selection.Candidate(fmt, sqnr_db(ref.float(), y.float()), ms, f"kernels/cpu/{kernel}"))
     sel = selection.choose(tag, reg, x.shape[0], budget, cands)
-    for c in cands:  # candidates not kept give their packs back
-        if c.fmt not in ("none", sel.chosen):
-            _PACKS.pop((c.fmt, tuple(t.data_ptr() for t in _tensors(w))), None)
+    _release_unkept(tag, sel.chosen, [c.fmt for c in cands], w)
     if sel.chosen != "none":
         _drop_fp32_packs(w)
         sel = dataclasses.replace(sel, packed_bytes=layer_pack(w, attrs, sel.chosen).nbytes())
     selection.record(sel)
     return sel.chosen
+
+
+def _release_unkept(tag: str, chosen: str, tried, w: ExpertWeights) -> None:
+    """Give back the packs of the formats tried that neither this choice nor the layer's other
+    regime's choice keeps."""
+    kept = {chosen} | {fmt for key, fmt in _CHOICES.items() if key[0] == tag}
+    ptrs = tuple(t.data_ptr() for t in _tensors(w))
+    for fmt in tried:
+        if fmt not in kept:
+            _PACKS.pop((fmt, ptrs), None)
