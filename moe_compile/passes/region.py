@@ -164,6 +164,7 @@ def find_weights(deps: Deps, output, params, ids, T, K, E) -> tuple[fx.Node, boo
     accumulators = {n for n in deps.ancestors([output]) if any(m in from_params for m in deps.mutations_of(n))}
     excluded = from_params | accumulators | _permutations(deps, ids)
     scattered = _scattered_from(deps, ids) if _same(K, E) else set()
+    from_ids = deps.descendants([ids])  # a dense mask zero outside the top-k is built from the ids
     best = None
     for node in deps.ancestors([output]):
         if node in excluded or dtype_of(node) is None or not dtype_of(node).is_floating_point:
@@ -171,13 +172,13 @@ def find_weights(deps: Deps, output, params, ids, T, K, E) -> tuple[fx.Node, boo
         shape = shape_of(node)
         if shape is None or len(shape) < 2:
             continue
-        if len(shape) == 2 and _same(shape[0], E) and _same(shape[1], T) and not _same(T, E):
+        if len(shape) == 2 and _same(shape[0], E) and _same(shape[1], T) and not _same(T, E) and node in from_ids:
             kind = (True, True)
         elif not _same(tokens_of(shape), T):
             continue
         elif _same(shape[-1], K) and not (_same(K, E) and node in scattered):
             kind = (False, False)
-        elif _same(shape[-1], E):
+        elif _same(shape[-1], E) and node in from_ids:  # not x [T, H] (nor x[None]) when H == E
             kind = (True, False)
         else:
             continue
