@@ -253,7 +253,9 @@ def selected_by(deps: Deps, topk: fx.Node, ffn_outputs: set[fx.Node]) -> set[fx.
         ins = deps.inputs(node)
         if any(i in reached and i not in after for i in ins):
             reached.add(node)
-        if (node in reached and node in ffn_outputs) or any(i in after for i in ins):
+        # reading any FFN's output is after it, reached or not (dense experts run on every token
+        # before the mask: ``einsum("eth,te->th", out, mask)`` is reached through the mask only)
+        if (node in reached and node in ffn_outputs) or any(i in after or i in ffn_outputs for i in ins):
             after.add(node)
     return reached
 

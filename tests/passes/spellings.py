@@ -9,9 +9,10 @@ semantics cover it (the backend must then rewrite it) or why not (capacity-limit
 expert-choice routing: tokens are dropped or experts choose tokens, which the op does not express;
 those must be refused with a reason, never approximated).
 
-Families (DESIGN §6 and torchtitan 0.3.0, tests/passes/titan.py):
+Families (docs/architecture.md#pattern-families and torchtitan 0.3.0, tests/passes/titan.py):
   loop_list     HF v4: ModuleList experts, one-hot mask, ``where(mask[e])``, ``index_add_``
   loop_stacked  stacked weights sliced per expert ``w[e]``, ``where(ids == e)``, ``y[idx] +=``
+  loop_cast     ModuleList experts held in bf16 under an fp32 router: ``expert(x[tok].to(bf16)).to(fp32)``
   split         sorted rows split by counts per expert; the permutation feeds dispatch and combine
                 (``x[tok].split(counts)`` ... ``y.index_add_(0, tok, ...)``)
   sort_scatter  ``torch.sort`` of the flat ids, grouped GEMMs, ``scatter_add_`` combine
@@ -36,8 +37,8 @@ import torch.nn.functional as F
 
 from tests.passes import titan
 
-FAMILIES = ("loop_list", "loop_stacked", "split", "sort_scatter", "gathered", "dense_in", "dense_out", "titan",
-            "capacity", "expert_choice")
+FAMILIES = ("loop_list", "loop_stacked", "loop_cast", "split", "sort_scatter", "gathered", "dense_in", "dense_out",
+            "titan", "capacity", "expert_choice")
 ROUTERS = ("softmax_renorm", "softmax", "sigmoid_group", "softplus_sqrt", "logits_softmax")
 ACTIVATIONS = ("silu_mul", "torch_mul", "sigmoid_spelled", "gptoss_addcmul", "gptoss_add")
 EXPERT_COUNTS = (1, 2, 3, 8, 16, 64)
@@ -61,6 +62,10 @@ class Case:
         dt = str(self.dtype).replace("torch.", "")
         return (f"{self.family}-{self.router}-E{self.experts}-K{self.top_k}-{'sh' if self.shared else 'nosh'}-"
                 f"{dt}-L{self.layers}-{self.activation}-T{self.tokens}-H{self.hidden}")
+
+
+def computes_in_bf16(case: Case) -> bool:
+    return case.dtype == torch.bfloat16 or case.family in ("titan", "loop_cast")
 
 
 def covered(case: Case) -> bool | str | None:
@@ -96,7 +101,7 @@ def random_cases(seed: int, n: int) -> list[Case]:
         activation = rng.choice(ACTIVATIONS if family in ("loop_list", "loop_stacked", "split", "gathered") else
                                 ("silu_mul",))
         # grouped GEMMs trace only in bf16 (torch 2.13's meta): sort_scatter runs in bf16, titan casts itself
-        dtype = {"sort_scatter": torch.bfloat16, "titan": torch.float32}.get(
+        dtype = {"sort_scatter": torch.bfloat16, "titan": torch.float32, "loop_cast": torch.float32}.get(
             family, rng.choice((torch.float32, torch.float32, torch.bfloat16)))
         out.append(Case(family, router, E, K, rng.random() < 0.3, dtype, rng.choice((1, 1, 2)), activation,
                         rng.choice((1, 5, 13)), rng.choice((8, 16, 32, 32))))
@@ -184,7 +189,7 @@ class Block(nn.Module):
         H, F_, E, K = case.hidden, FFN, case.experts, case.top_k
         self.case, self.E, self.K = case, E, K
         self.router = Router(case.router, H, E, K)
-        if case.family == "loop_list":
+        if case.family in ("loop_list", "loop_cast"):
             self.experts = nn.ModuleList([Expert(H, F_, case.activation) for _ in range(E)])
         else:
             self.w_gate = nn.Parameter(torch.randn(E, F_, H) / H**0.5)
@@ -214,6 +219,15 @@ class Block(nn.Module):
         for e in range(self.E):
             top, tok = torch.where(mask[e])
             out.index_add_(0, tok, (self.experts[e](x[tok]) * weights[tok, top, None]).to(x.dtype))
+        return out
+
+    def _loop_cast(self, x):  # experts in bf16 (build() casts them), x and router in fp32
+        weights, ids = self.router(x)
+        out = torch.zeros_like(x)
+        for e in range(self.E):
+            tok, top = torch.where(ids == e)
+            y = self.experts[e](x[tok].to(torch.bfloat16)).to(x.dtype)
+            out.index_add_(0, tok, y * weights[tok, top, None])
         return out
 
     def _loop_stacked(self, x):
@@ -331,5 +345,8 @@ def build(case: Case) -> tuple[nn.Module, torch.Tensor]:
     model = Stack(case)
     if case.family != "titan":  # torchtitan holds fp32 master weights and casts itself
         model = model.to(case.dtype)
+    if case.family == "loop_cast":
+        for block in model.blocks:
+            block.experts.to(torch.bfloat16)
     x = torch.randn(1, case.tokens, case.hidden, dtype=torch.float32 if case.family == "titan" else case.dtype)
     return model, x

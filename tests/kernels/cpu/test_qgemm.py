@@ -4,19 +4,22 @@ for bit, and whole MoE calls against a plain-torch reference of the quantized Mo
 (AVX2 always, AVX-512 where the CPU has it), T in {17, 64, 513}, odd expert loads, empty experts
 and dropped ids."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from moe_compile import quant
 from moe_compile.ir import FFNAttrs
 from moe_compile.kernels.cpu import qgemm
+from moe_compile.quant import w16
 from moe_compile.quant.common import quantize_per_token_int8, unpack_nibbles
 
 pytestmark = pytest.mark.skipif(not qgemm.available(), reason=f"{qgemm.unavailable_reason('a8w8-int')}")
 
 
 def _isas(fmt):
-    best = qgemm.best_isa(fmt) if qgemm.available() else qgemm.ISA_AVX2
+    best = qgemm.best_isa(fmt.split("-fp16")[0]) if qgemm.available() else qgemm.ISA_AVX2
     return [qgemm.ISA_AVX2] + ([qgemm.ISA_AVX512] if best == qgemm.ISA_AVX512 else [])
 
 
@@ -60,12 +63,13 @@ def test_integer_tiles_are_exact(fmt, isa, M):
     assert torch.equal(got.long(), want)
 
 
-@pytest.mark.parametrize("fmt,isa", [(f, i) for f in FLOAT_FORMATS for i in _isas(f)])
+@pytest.mark.parametrize("fmt,isa", [(f, i) for f in FLOAT_FORMATS + ["w16-fp16"] for i in _isas(f)])
 def test_panel_dequantization_is_exact(fmt, isa):
     # The kernel's fp32 panel equals quant.dequantize bit for bit (q * s of exactly representable
     # factors; e2m1 * 2^k; bf16 widened), every code and mxfp4's e8m0 ends (0: 2^-127) included.
     gen = torch.Generator().manual_seed(1)
-    w = make_weight(fmt, 2, 32, 64, gen)
+    w = (make_weight(fmt, 2, 32, 64, gen) if fmt != "w16-fp16"
+         else w16.pack(torch.randn(2, 32, 64, generator=gen), torch.float16))
     if fmt in ("w4-int", "mxfp4"):
         w.data[1, :8] = torch.arange(256, dtype=torch.uint8).reshape(8, 32)  # every pair of nibbles
     if fmt == "mxfp4":
@@ -167,6 +171,19 @@ def test_refuses_what_it_does_not_compute():
     with pytest.raises(ValueError, match="fp32"):
         qgemm.run(x.double(), ids, g, w1, w2, FFNAttrs(), {})
     assert qgemm.unavailable_reason("mxfp8") is not None and qgemm.unavailable_reason("a8w8-int") is None
+
+
+@pytest.mark.parametrize("fmt,H_,F_,group,match", [
+    ("a8w8-int", 48, 64, 48, "H=48 must be a multiple of 32"),  # FC2's 32-column units
+    ("w4-int", 64, 40, 8, "F=40 of 16"),  # FC1's 16-row panels
+    ("w4-int", 64, 64, 1, "even for 4 bits"),  # a group must hold whole bytes of two codes
+])
+def test_refuses_shapes_the_tiles_do_not_divide(fmt, H_, F_, group, match):
+    # What kernels/cpu/quant.py asks before choosing this kernel: a clear reason, never a wrong y.
+    w1 = SimpleNamespace(fmt=fmt, shape=(2, 2 * F_, H_), group=group)
+    w2 = SimpleNamespace(fmt=fmt, shape=(2, H_, F_), group=group)
+    with pytest.raises(ValueError, match=match):
+        qgemm.check_call(torch.empty(0, H_), w1, w2, FFNAttrs())
 
 
 def test_isa_switch(monkeypatch):
