@@ -64,6 +64,7 @@ def test_explicit_variant_rewrites_and_runs_it(stand_in, fmt, floor):
         got, report = run_compiled(block, x, quant=fmt)
     (r,) = report.rewritten
     assert r.variant == fmt and f"variant={fmt}" in str(report)
+    assert f"quant {fmt}: fixed by the option" in str(report) and "MiB)" in str(report)  # packed bytes
     assert stand_in.RUNS == {fmt: 1}
     assert sqnr_db(want, out(got)) >= floor  # tiny random HF weights: Gaussian, per-layer floors below the MoE test's
 

@@ -216,7 +216,10 @@ def run(x, ids, weights, w: ExpertWeights, attrs: FFNAttrs, quant: str, accuracy
     fmt = quant if quant != "auto" else _auto_choice(x, ids, weights, w, attrs, accuracy_db, tag, reg)
     if fmt == "none":
         return _unquantized(x, ids, weights, w, attrs)
-    return _run_format(fmt, reg, x, ids, weights, w, attrs)
+    y = _run_format(fmt, reg, x, ids, weights, w, attrs)
+    if quant != "auto":
+        selection.note_packed(tag, layer_pack(w, attrs, fmt).nbytes())
+    return y
 
 
 def _auto_choice(x, ids, weights, w, attrs, budget, tag, reg) -> str:
