@@ -15,6 +15,9 @@ Side by side in one process, timed round-robin (``harness.time_interleaved``), p
             and CPU_REPACK buffers) and f16; skipped when the library is absent.
   roof      one dense fp32 ``torch.mm`` [T*K, H] x [H, 3F] (the experts' FLOPs).
 
+Clock: wall time (default), or with ``--clock cpu`` this process's CPU time per call (on a machine
+other processes load, with ``--threads 1``: each variant's cost on one core, free of time slicing).
+
 Inputs as the llama.cpp peer's driver draws them: W ~ normal(0, 0.02), x ~ normal(0, 1), K
 distinct random experts per token, softmax weights.  Each variant's error is reported against the
 fp32 op (max |y - ref| / max |ref|).  Ratios: ``x fp32`` = fp32 time / variant time (> 1: faster).
@@ -29,7 +32,9 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import statistics
 import sys
+import time
 
 import torch
 
@@ -93,7 +98,22 @@ def simd_flags() -> str:
 
 # ---- one cell ----
 
-def cell(shape: str, T: int, repeats: int, lib, formats) -> list[dict]:
+def time_rounds(fns: dict, repeats: int, clock) -> dict:
+    """``harness.time_interleaved`` on ``clock``: round-robin rounds, the first variant rotating."""
+    names, samples = list(fns), {k: [] for k in fns}
+    with torch.no_grad():
+        for k in names:
+            fns[k](), fns[k]()
+        for r in range(repeats):
+            for i in range(len(names)):
+                k = names[(r + i) % len(names)]
+                t0 = clock()
+                fns[k]()
+                samples[k].append(clock() - t0)
+    return {k: harness.Timing(statistics.median(v), min(v), max(v), len(v), v) for k, v in samples.items()}
+
+
+def cell(shape: str, T: int, repeats: int, lib, formats, clock) -> list[dict]:
     from moe_compile import quant
     from moe_compile.ir import FFNAttrs
     from moe_compile.kernels.cpu import qgemm
@@ -126,7 +146,7 @@ def cell(shape: str, T: int, repeats: int, lib, formats) -> list[dict]:
         ref = outputs["fp32"]()
         errs = {k: harness.max_rel_err(f(), ref) for k, f in outputs.items()}
     load_before = harness.load_average()
-    times = harness.time_interleaved(fns, warmup=2, repeats=repeats)
+    times = time_rounds(fns, repeats, clock)
     for wh, h, _ in handles:
         lib.peer_free(h)
         lib.peer_weights_free(wh)
@@ -135,7 +155,7 @@ def cell(shape: str, T: int, repeats: int, lib, formats) -> list[dict]:
     best_llama = min(llama, key=llama.get) if llama else None
     rows = []
     for k, t in times.items():
-        rows.append(dict(shape=shape, T=T, variant=k, ms=round(t.median_s * 1e3, 3), spread_ms=t.spread,
+        rows.append(dict(shape=shape, H=H, F=F, E=E, K=K, T=T, variant=k, ms=round(t.median_s * 1e3, 3), spread_ms=t.spread,
                          x_fp32=round(base / t.median_s, 3),
                          x_best_llama=round(llama[best_llama] / t.median_s, 3) if best_llama else None,
                          best_llama=best_llama, rel_err_vs_fp32=float(f"{errs.get(k, 0.0):.2e}"),
@@ -152,6 +172,9 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: this process's CPU time per call (time.process_time, all its threads): on a "
+                         "loaded machine, with --threads 1, what each variant costs a core, free of time slicing")
     ap.add_argument("--out", help="directory for quant_prefill_<date>.md / .json")
     a = ap.parse_args(argv)
     harness.setup_threads(a.threads)
@@ -161,7 +184,7 @@ def main(argv=None):
     avx2 = os.environ.get("MOE_COMPILE_FUSED_ISA", "").lower() == "avx2"
     lib, peer = (None, "--no-peer") if a.no_peer else peer_lib(avx2)
     info = harness.machine_info()
-    info.update(flags=simd_flags(), isa={f: qgemm.best_isa(f) for f in a.formats}, emulated_avx2=avx2, peer=peer,
+    info.update(flags=simd_flags(), isa={f: qgemm.best_isa(f) for f in a.formats}, emulated_avx2=avx2, peer=peer, clock=a.clock,
                 peer_ggml=lib.peer_system_info().decode() if lib is not None else None,
                 env={k: os.environ[k] for k in ("MOE_COMPILE_FUSED_ISA", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
                                                "ATEN_CPU_CAPABILITY") if k in os.environ})
@@ -169,7 +192,7 @@ def main(argv=None):
     rows = []
     for shape in a.shapes:
         for T in a.tokens:
-            got = cell(shape, T, a.repeats, lib, a.formats)
+            got = cell(shape, T, a.repeats, lib, a.formats, time.process_time if a.clock == "cpu" else time.perf_counter)
             for r in got:
                 print(r, flush=True)
             rows += got
@@ -177,7 +200,7 @@ def main(argv=None):
     table = harness.markdown_table(headers, [[r["shape"], r["T"], r["variant"], r["ms"], r["spread_ms"], r["x_fp32"],
                                               r["x_best_llama"], r["rel_err_vs_fp32"], r["packed_MiB"]] for r in rows])
     print(table)
-    harness.write_outputs(a.out, f"quant_prefill_{info['date']}{'_avx2' if avx2 else ''}",
+    harness.write_outputs(a.out, f"quant_prefill_{info['date']}{'_avx2' if avx2 else ''}_{a.clock}{a.threads}t",
                           f"{info}\n\n{table}", {"machine": info, "rows": rows})
 
 

@@ -17,13 +17,11 @@ def capture_flags():
 
 def empty_cache() -> dict:
     """Give back the CPU memory the fused op keeps between calls: expert weights packed for oneDNN
-    (``kernels/cpu_prepack``), stacked weight gradients' buffers (``kernels/cpu_grad_cache``) and
+    (``kernels/cpu/prepack.py``), stacked weight gradients' buffers (``kernels/cpu/grad_cache.py``) and
     quantized packs with quant="auto"'s choices (``kernels/cpu/quant.py``).
     Returns the bytes each held before.  Nothing is lost: packs are rebuilt and buffers made
     afresh when later calls need them; a gradient still alive keeps its memory until freed."""
-    from moe_compile.kernels.cpu import grad_cache as cpu_grad_cache, prepack as cpu_prepack
-
-    from moe_compile.kernels.cpu import quant as cpu_quant
+    from moe_compile.kernels.cpu import grad_cache as cpu_grad_cache, prepack as cpu_prepack, quant as cpu_quant
 
     held = {"packed_weights": cpu_prepack.stats()["bytes"], "gradient_buffers": cpu_grad_cache.held_bytes(),
             "quantized_weights": cpu_quant.stats()["bytes"]}
@@ -90,13 +88,15 @@ def explain(module_or_fn, *example_inputs, **options) -> Report:
     from moe_compile.compiler import collecting_reports, copy_module, record, rewrite_graph
 
     cfg = MoEConfig.from_options(options)
-    needs_flags = []
+    needs_flags, split = [], []
 
     def explain_backend(gm, inputs):
         original = copy_module(gm)
         report = rewrite_graph(gm, inputs, cfg)
         if report.rewritten and (line := _data_dependent_line(original)) is not None:
             needs_flags.append(line)
+        reason = getattr(gm, "compile_subgraph_reason", None)  # Dynamo's: why this graph ended where it did
+        split.append(bool(getattr(reason, "graph_break", False)))
         record(report)
         if any(r.variant == "auto" for r in report.rewritten):
             return gm.forward  # quant="auto" chooses on a real call: this run is the one it measures
@@ -104,9 +104,13 @@ def explain(module_or_fn, *example_inputs, **options) -> Report:
 
     with collecting_reports() as report, capture_flags(), torch.no_grad():
         torch._dynamo.reset()
-        torch.compile(module_or_fn, backend=explain_backend)(*example_inputs)
-        if report.graphs > 1:
-            report.skipped += _first_split(module_or_fn, example_inputs)
+        try:
+            torch.compile(module_or_fn, backend=explain_backend)(*example_inputs)
+        except Exception as exc:  # noqa: BLE001 — Dynamo could not trace it at all: that is the answer
+            report.skipped.append(_dynamo_refusal("Dynamo failed to trace this", exc))
+        else:
+            if len(split) != 1 or any(split):  # a graph break, or frames skipped around sub-graphs
+                report.skipped += _first_split(module_or_fn, example_inputs)
     torch._dynamo.reset()
     if needs_flags:
         report.notes.append(Note(NEEDS_FLAGS.format(line=needs_flags[0])))
@@ -138,17 +142,31 @@ def _first_split(fn, example_inputs) -> list[Skipped]:
     try:
         torch.compile(fn, backend=lambda gm, inputs: gm.forward, fullgraph=True)(*example_inputs)
     except Exception as exc:  # noqa: BLE001 — Dynamo's refusal (Unsupported, UserError, ...) is the answer
-        frames = getattr(exc, "real_stack", None) or []
-        frame = frames[-1] if frames else None
-        where = f" at {frame.filename}:{frame.lineno}: {(frame.line or '').strip()}" if frame else ""
-        text = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        return [Skipped(f"Dynamo could not capture this in one graph{where} ({text}); an MoE cut there is not "
-                        f"rewritten: {_fix_for(str(exc))}")]
+        return [_dynamo_refusal("Dynamo could not capture this in one graph", exc)]
     return []
 
 
-def _fix_for(message: str) -> str:
-    """The change a user makes for Dynamo's most common reasons to split an MoE block."""
+def _dynamo_refusal(what: str, exc: Exception) -> Skipped:
+    """A skip naming the user's line Dynamo stopped at (its ``real_stack``), its reason and the fix."""
+    frames = getattr(exc, "real_stack", None) or []
+    frame = frames[-1] if frames else None
+    where = f" at {frame.filename}:{frame.lineno}: {(frame.line or '').strip()}" if frame else ""
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    line = (frame.line or "").strip() if frame else ""
+    return Skipped(f"{what}{where} ({text}); an MoE cut there is not rewritten: {_fix_for(str(exc), line)}")
+
+
+def _fix_for(message: str, line: str = "") -> str:
+    """The change a user makes for Dynamo's most common reasons to split an MoE block (``line``:
+    the user's code where Dynamo stopped)."""
+    if line.startswith(("for ", "while ")) and "data-dependent" in message:
+        return ("loop over range(num_experts) instead of a data-dependent set of experts (HF transformers' "
+                "experts_implementation='eager' iterates `expert_hit`: load the model with experts_implementation="
+                "'grouped_mm' or 'batched_mm')")
+    if "bincount" in message:
+        return ("Dynamo cannot trace torch.bincount: count with torch.histc(ids.float(), bins=E, min=0, max=E - 1), "
+                "or drop the counts and the `if counts[i] == 0: continue` they serve (the fused op handles experts "
+                "that receive no tokens)")
     if "data-dependent" in message or "Data-dependent" in message:
         return ("remove the data-dependent branch (e.g. `if tok.numel() == 0: continue`, `if counts[i] == 0: "
                 "continue`): the fused op handles experts that receive no tokens")

@@ -67,10 +67,19 @@ CPU_KINDS = (
 )
 
 
+_TRITON_QUANT = ("w8-int", "w4-int", "mxfp4", "a8w8-int", "a8w4-int")  # kernels/triton/quant_gemm.py
+
+
 def _cuda_variants(quant: tuple[str, ...]) -> tuple[Variant, ...]:
-    """GPU quantized variants are not built in this package yet: listed as absent, never chosen."""
-    return (Variant("a16w16", "kernels/triton (bf16/fp16)", True),) + tuple(
-        Variant(f, "", False, "Triton variant not built") for f in quant)
+    """GPU quantized variants: the Triton GEMMs of quant_gemm.py are interpreter-tested only and not
+    dispatched (unverified: never chosen, an explicit request is refused); the rest are absent."""
+    rows = [Variant("a16w16", "kernels/triton (bf16/fp16)", True)]
+    for f in quant:
+        if f in _TRITON_QUANT:
+            rows.append(Variant(f, "kernels/triton/quant_gemm.py", False, "TRITON_INTERPRET=1 only, not dispatched"))
+        else:
+            rows.append(Variant(f, "", False, "Triton variant not built"))
+    return tuple(rows)
 
 
 CUDA_KINDS = {

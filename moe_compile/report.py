@@ -57,7 +57,9 @@ class Rewritten:
 
         made = selection.recorded(self.quant_tag)
         if self.variant != "auto":
-            return f"\n    quant {self.variant}: fixed by the option (layer {self.quant_tag})"
+            held = selection.packed_bytes(self.quant_tag)
+            packed = f", packed {held / 2**20:.2f} MiB" if held else ", packed on the first call"
+            return f"\n    quant {self.variant}: fixed by the option (layer {self.quant_tag}{packed})"
         if not made:
             return (f"\n    quant auto (layer {self.quant_tag}): chosen per regime (decode T <= 16, prefill) on the "
                     f"first real call; run the model once and print the report again to see the choice")

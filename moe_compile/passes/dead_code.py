@@ -4,7 +4,8 @@ A region's split sizes (``counts.tolist()``, ``n.item()``) are often computed ou
 and read only by it.  Once the region is one fused-op call they are dead, but Dynamo's graph still
 holds the host reads and the ``torch._check`` / ``_check_is_size`` calls it added for the unbacked
 sizes they produce; the inner compiler then reasons about sizes nothing uses and can fail on them
-(``GuardOnDataDependentSymNode: u0 < 0``).  This pass erases, to a fixed point:
+(``GuardOnDataDependentSymNode: u0 < 0``).  This pass erases, to a fixed point, among the
+nodes the rewrite left without their readers:
 
 * a check (``torch._check``, ``_check_is_size``, ``sym_constrain_range*``, ``_assert_scalar``)
   whose inputs are scalars read by checks only (and by arithmetic feeding checks only);
@@ -30,22 +31,40 @@ _COLLECTIVE_HINTS = ("c10d", "distributed", "all_to_all", "all_reduce", "all_gat
 _RANDOM_HINTS = ("rand", "bernoulli", "normal", "multinomial", "dropout", "poisson", "exponential")
 
 
-def remove_dead_splits(graph: fx.Graph) -> int:
-    """Erase the dead host reads, checks and pure nodes a rewrite left; returns how many."""
+def live_before(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes read by something other than a check: taken before a rewrite, so that
+    ``remove_dead_splits`` erases only what the rewrite made dead, never what the graph held
+    already (grad-mode switches, a user's own unused values)."""
+    return {n for n in graph.nodes if any(not _is_check(u) for u in n.users)}
+
+
+def remove_dead_splits(graph: fx.Graph, was_live: set[fx.Node]) -> int:
+    """Erase the host reads, checks and pure nodes that were live before the rewrite and are dead
+    now (``was_live``: ``live_before(graph)`` then); returns how many."""
     removed = 0
     changed = True
     while changed:
         changed = False
         for node in reversed(list(graph.nodes)):
-            if _is_check(node) and all(_feeds_only_checks(arg) for arg in node.all_input_nodes):
+            inputs = node.all_input_nodes
+            if _is_check(node) and inputs and all(_from_live(i, was_live) and _feeds_only_checks(i) for i in inputs):
                 graph.erase_node(node)
-            elif not node.users and _is_pure(node):
+            elif not node.users and _is_pure(node) and _from_live(node, was_live):
                 graph.erase_node(node)
             else:
                 continue
             removed += 1
             changed = True
     return removed
+
+
+def _from_live(node: fx.Node, was_live: set[fx.Node], depth: int = 0) -> bool:
+    """Live before the rewrite, or scalar arithmetic on such values (``u0 >= 0`` for a check)."""
+    if node in was_live:
+        return True
+    inputs = node.all_input_nodes
+    return (depth < 8 and node.op == "call_function" and _is_scalar(node) and bool(inputs)
+            and all(_from_live(i, was_live, depth + 1) for i in inputs))
 
 
 def _is_check(node: fx.Node) -> bool:

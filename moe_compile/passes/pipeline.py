@@ -29,7 +29,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from moe_compile.passes import dense, expert_parallel, gathered, loop, sorted as sorted_family
 from moe_compile.passes.clusters import find_clusters, gemm_operands, group_by_topk, is_id_source, is_topk, unrecognised_experts
-from moe_compile.passes.dead_code import remove_dead_splits
+from moe_compile.passes.dead_code import live_before, remove_dead_splits
 from moe_compile.passes.graph import Deps, is_view_like, source_line, target_name
 from moe_compile.passes.lift import GraphValues
 from moe_compile.passes.region import Refusal
@@ -201,16 +201,18 @@ def run_moe_pass(gm: fx.GraphModule, example_inputs, min_experts: int = 1, save_
     report = Report(skipped=skipped, graphs=1)
     if not matches:
         return report
-    backup = _copy_graph(gm.graph)
+    # Planned before rewriting, outside the net below: an explicit variant this device cannot run is
+    # the user's error to see (quant/plan.py names the variants it runs), not a skip.
+    plans = [_quant_plan(match.spec, quant, budget_db) for match in matches]
+    backup, was_live = _copy_graph(gm.graph), live_before(gm.graph)
     try:
-        for match in matches:
-            plan = _quant_plan(match.spec, quant, budget_db)
+        for match, plan in zip(matches, plans):
             if plan.policy:
                 match.replace_with_fused_op(gm.graph, Deps(gm.graph), save_fc1, quant=plan)
             else:
                 match.replace_with_fused_op(gm.graph, Deps(gm.graph), save_fc1)
             report.rewritten.append(_rewritten_entry(match, plan))
-        remove_dead_splits(gm.graph)
+        remove_dead_splits(gm.graph, was_live)
         gm.graph.lint()
         gm.recompile()
     except Exception as exc:  # noqa: BLE001 — put the graph back: a half-rewritten graph is never run

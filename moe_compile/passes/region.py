@@ -269,9 +269,27 @@ def cut_between(graph, deps: Deps, ids, weights, output, params, dense=False, de
                       "dropped; the fused op keeps every routed token — not rewritten", capped)
     buffer = _root_buffer(output)
     _absorb_dead_ends(graph, deps, nodes, stop | set(frontier))
+    shared = _sizes_used_outside(nodes, deps)
+    nodes -= shared
+    extra += sorted((n for n in shared if any(u in nodes for u in n.users)), key=deps.order.get)
     _check_closed(deps, nodes, output, buffer)
     ordered = sorted(nodes, key=deps.order.get)
     return Region(x, ids, weights, dense, dense_t, output, buffer, ordered, list(params), extra)
+
+
+def _is_size(node: fx.Node) -> bool:
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool) and not is_inplace(node)
+
+
+def _sizes_used_outside(nodes: set, deps: Deps) -> set:
+    """Size computations of the region that later code reads too, computed from sizes only: they
+    stay in the graph as the region's inputs.  Dynamo computes a symbolic size once and reuses it,
+    so with dynamic shapes the next layer's ``arange(T * K)`` reads this layer's ``T * K``."""
+    wanted = [n for n in nodes if _is_size(n) and any(u not in nodes for u in n.users)]
+    inside = deps.ancestors(wanted, stop=lambda n: n not in nodes)
+    inside &= nodes
+    return inside if all(_is_size(n) for n in inside) else set()
 
 
 def _slice(deps: Deps, output, stop: set, router: set):

@@ -77,6 +77,17 @@ def _write_dump(folder: str, sel: Selection) -> None:
         json.dump(dataclasses.asdict(sel), fh, indent=2, default=str)
 
 
+_PACKED: dict = {}  # tag -> bytes of an explicit variant's packs (auto's are in its Selection)
+
+
+def note_packed(tag: str, nbytes: int) -> None:
+    _PACKED[tag] = nbytes
+
+
+def packed_bytes(tag: str) -> int:
+    return _PACKED.get(tag, 0)
+
+
 def recorded(tag: str) -> dict:
     """{regime: Selection} made so far for a layer."""
     return dict(_RECORDED.get(tag, {}))
@@ -84,3 +95,4 @@ def recorded(tag: str) -> dict:
 
 def clear() -> None:
     _RECORDED.clear()
+    _PACKED.clear()

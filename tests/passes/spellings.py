@@ -9,7 +9,7 @@ semantics cover it (the backend must then rewrite it) or why not (capacity-limit
 expert-choice routing: tokens are dropped or experts choose tokens, which the op does not express;
 those must be refused with a reason, never approximated).
 
-Families (DESIGN §6 and torchtitan 0.3.0, tests/passes/titan.py):
+Families (docs/architecture.md#pattern-families and torchtitan 0.3.0, tests/passes/titan.py):
   loop_list     HF v4: ModuleList experts, one-hot mask, ``where(mask[e])``, ``index_add_``
   loop_stacked  stacked weights sliced per expert ``w[e]``, ``where(ids == e)``, ``y[idx] +=``
   loop_cast     ModuleList experts held in bf16 under an fp32 router: ``expert(x[tok].to(bf16)).to(fp32)``

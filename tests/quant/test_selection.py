@@ -64,6 +64,7 @@ def test_explicit_variant_rewrites_and_runs_it(stand_in, fmt, floor):
         got, report = run_compiled(block, x, quant=fmt)
     (r,) = report.rewritten
     assert r.variant == fmt and f"variant={fmt}" in str(report)
+    assert f"quant {fmt}: fixed by the option" in str(report) and "MiB)" in str(report)  # packed bytes
     assert stand_in.RUNS == {fmt: 1}
     assert sqnr_db(want, out(got)) >= floor  # tiny random HF weights: Gaussian, per-layer floors below the MoE test's
 
@@ -159,3 +160,16 @@ def test_dump_gets_the_auto_choice(stand_in, tmp_path):
         compiled(torch.randn(1, 4, H))
     files = [p.name for p in tmp_path.rglob("quant_*_decode.txt")]
     assert files and "chose" in next(tmp_path.rglob("quant_*_decode.txt")).read_text()
+
+
+def test_auto_keeps_the_packs_of_both_regimes_choices(stand_in):
+    """Prefill's measurement gives back what it tried, but not the format decode chose earlier."""
+    from moe_compile.ir import ExpertWeights, FFNAttrs
+
+    E, F = 4, 64
+    w = ExpertWeights((torch.randn(E, 2 * F, H),), (), (torch.randn(E, H, F),))
+    for fmt in ("w4-int", "w8-int", "mxfp4", "w16"):
+        cpu_quant.layer_pack(w, FFNAttrs(), fmt)
+    cpu_quant._CHOICES[("both", "decode", (), ())] = "w4-int"
+    cpu_quant._release_unkept("both", "w8-int", ["none", "w4-int", "w8-int", "mxfp4", "w16"], w)
+    assert sorted(k[0] for k in cpu_quant._PACKS) == ["w4-int", "w8-int"]

@@ -57,8 +57,14 @@ enum { SEG = 256 };
  * scales scale + (e N + n) (k / group) scale_bytes. */
 typedef struct {
     const uint8_t *data, *scale;
-    int64_t fmt, n, k, group;
+    int64_t fmt, n, k, group, layout; /* layout: how its x rows are held (LAYOUT_*) */
 } qweight_t;
+
+/* How a weight's input rows (x for FC1, the activations for FC2) are held, see the header:
+ * NATURAL as they are; PAIRED each 2V block as V evens then V odds; T8 (AVX-512, 4-bit) each
+ * 128-element block as 8 vectors, vector j holding elements j, j+8, .., j+120, and the tail (K
+ * mod 128, whole 32-element groups) PAIRED. */
+enum { LAYOUT_NATURAL, LAYOUT_PAIRED, LAYOUT_T8 };
 
 static int64_t row_bytes(const qweight_t *w) {
     return w->fmt == FMT_W4 || w->fmt == FMT_MXFP4 ? w->k / 2 : w->fmt == FMT_BF16 || w->fmt == FMT_FP16 ? 2 * w->k : w->k;
@@ -75,8 +81,13 @@ static const uint8_t *scales_at(const qweight_t *w, int64_t e, int64_t n) {
     return has_scales(w->fmt) ? w->scale + (e * w->n + n) * per_row * bytes : NULL;
 }
 
-/* Whether a format's lanes hold elements 2j / 2j+1 (so x is read paired). */
-static int paired(int64_t fmt) { return fmt == FMT_BF16 || fmt == FMT_W4 || fmt == FMT_MXFP4; }
+/* The layout a weight's loops read its input in on this ISA.  T8 needs each 16-lane vector's
+ * lanes to see whole groups per lane of a 128 block: groups dividing 128 or multiples of it. */
+static int64_t layout_of(int64_t fmt, int64_t group, int64_t isa) {
+    int four_bit = fmt == FMT_W4 || fmt == FMT_MXFP4;
+    if (four_bit && isa == ISA_AVX512 && (128 % group == 0 || group % 128 == 0)) return LAYOUT_T8;
+    return four_bit || fmt == FMT_BF16 ? LAYOUT_PAIRED : LAYOUT_NATURAL;
+}
 
 static float bits_float(uint32_t b) {
     float f;
@@ -108,7 +119,15 @@ static void convert_scales(int64_t fmt, const uint8_t *s, int64_t g0, int64_t n,
         const uint16_t *h = (const uint16_t *)s + g0;
         for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
         for (; i < n; ++i) out[i] = _cvtsh_ss(h[i]);
-    } else {
+    } else { /* 2^(b - 127) is b in the exponent bits; 0 and 255 patched to 2^-127 and NaN */
+        const __m256i zero = _mm256_setzero_si256(), ones = _mm256_set1_epi32(255);
+        for (; i + 8 <= n; i += 8) {
+            __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(s + g0 + i)));
+            __m256i f = _mm256_slli_epi32(b, 23);
+            f = _mm256_blendv_epi8(f, _mm256_set1_epi32(0x00400000), _mm256_cmpeq_epi32(b, zero));
+            f = _mm256_blendv_epi8(f, _mm256_set1_epi32(0x7FC00000), _mm256_cmpeq_epi32(b, ones));
+            _mm256_storeu_ps(out + i, _mm256_castsi256_ps(f));
+        }
         for (; i < n; ++i) out[i] = e8m0_float(s[g0 + i]);
     }
 }
@@ -121,11 +140,15 @@ static float element(int64_t fmt, const uint8_t *row, int64_t k) {
     return fmt == FMT_BF16 ? bits_float((uint32_t)h << 16) : _cvtsh_ss(h);
 }
 
-/* dst = src (n floats), each whole block of 2V elements stored paired (V evens, then V odds)
- * when `pair`; the tail as it is. */
-static void pair_copy(float *dst, const float *src, int64_t n, int64_t v, int pair) {
+/* dst = src (n floats from element `at` of a row on) in `layout` (`at` a multiple of 128 for T8;
+ * n a whole number of blocks but at the row's end). */
+static void layout_copy(float *dst, const float *src, int64_t n, int64_t v, int64_t layout) {
     int64_t i = 0;
-    if (pair)
+    if (layout == LAYOUT_T8)
+        for (; i + 128 <= n; i += 128)
+            for (int64_t j = 0; j < 8; ++j)
+                for (int64_t l = 0; l < 16; ++l) dst[i + 16 * j + l] = src[i + 8 * l + j];
+    if (layout != LAYOUT_NATURAL)
         for (; i + 2 * v <= n; i += 2 * v)
             for (int64_t j = 0; j < v; ++j) dst[i + j] = src[i + 2 * j], dst[i + v + j] = src[i + 2 * j + 1];
     for (; i < n; ++i) dst[i] = src[i];
@@ -209,14 +232,13 @@ static void fc1_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t
         }
     }
     /* SwiGLU of the features just computed, 2V at a time so each block is stored paired for FC2. */
-    int pair = paired(s->w2.fmt);
     for (int64_t r = lo; r < hi; ++r) {
         const float *hr = s->h + r * 2 * s->F;
-        float g = s->between ? s->gates[s->slot[r]] : 1.f, blk[32];
-        for (int64_t c = f0; c < f1; c += 2 * s->v) {
-            int64_t m = f1 - c < 2 * s->v ? f1 - c : 2 * s->v;
+        float g = s->between ? s->gates[s->slot[r]] : 1.f, blk[128];
+        for (int64_t c = f0; c < f1; c += 128) {
+            int64_t m = f1 - c < 128 ? f1 - c : 128;
             swiglu_span(blk, hr + c, hr + s->F + c, 0, m, limit, g);
-            pair_copy(s->a + r * s->F + c, blk, m, s->v, pair);
+            layout_copy(s->a + r * s->F + c, blk, m, s->v, s->w2.layout);
         }
     }
 }
@@ -245,7 +267,7 @@ static void fc2_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t
 
 static void run_parts(const step_t *s, float limit, int64_t part, int64_t parts) {
     int64_t f0, f1, n0, n1;
-    split(s->F, 32, part, parts, &f0, &f1);
+    split(s->F, 128, part, parts, &f0, &f1); /* whole T8 blocks of FC2's input per thread */
     for (int64_t e = 0; e < s->E && f0 < f1; ++e)
         if (s->start[e + 1] > s->start[e]) fc1_part(s, e, s->start[e], s->start[e + 1], f0, f1, limit);
 #pragma omp barrier
@@ -257,7 +279,7 @@ static void run_parts(const step_t *s, float limit, int64_t part, int64_t parts)
 static qweight_t role(const int64_t *plan, int which, int64_t n, int64_t k) {
     const int64_t *f = plan + P_ROLES + which * W_FIELDS;
     qweight_t w = {(const uint8_t *)(intptr_t)f[W_DATA], (const uint8_t *)(intptr_t)f[W_SCALE], f[W_FMT], n, k,
-                   f[W_GROUP]};
+                   f[W_GROUP], LAYOUT_NATURAL};
     return w;
 }
 
@@ -278,6 +300,7 @@ int moe_qdecode_run(const int64_t *plan, float limit, int64_t nparts) {
             return -2;
     }
     s.v = isa == ISA_AVX512 ? 16 : 8;
+    s.w1.layout = layout_of(s.w1.fmt, s.w1.group, isa), s.w2.layout = layout_of(s.w2.fmt, s.w2.group, isa);
     s.dot = isa == ISA_AVX512 ? dot_512 : dot_2;
     s.rmax = isa == ISA_AVX512 ? RMAX_512 : RMAX_2;
     int64_t *start = calloc((size_t)s.E + 2, sizeof(int64_t)), *tok = malloc((size_t)(2 * s.S + 1) * sizeof(int64_t));
@@ -297,7 +320,7 @@ int moe_qdecode_run(const int64_t *plan, float limit, int64_t nparts) {
         }
     s.start = start, s.tok = tok, s.slot = slot;
     s.xp = xp, s.h = xp + s.T * s.H, s.a = s.h + 2 * s.S * s.F;
-    for (int64_t t = 0; t < s.T; ++t) pair_copy(s.xp + t * s.H, x + t * s.H, s.H, s.v, paired(s.w1.fmt));
+    for (int64_t t = 0; t < s.T; ++t) layout_copy(s.xp + t * s.H, x + t * s.H, s.H, s.v, s.w1.layout);
 #pragma omp parallel num_threads(nparts)
     run_parts(&s, limit, omp_get_thread_num(), omp_get_num_threads());
     status = 0;
@@ -441,44 +464,126 @@ ALWAYS_INLINE void SFX(dequant)(const int fmt, const uint8_t *row, int64_t k, SF
 #endif
 }
 
+/* One 2V-element chunk at element k of NW weight rows into R rows' accumulators: dequantize once,
+ * FMA into acc[w][r][j0] (first vector) and acc[w][r][j1] (second). */
+ALWAYS_INLINE void SFX(chunk)(const int fmt, const int NW, const int R, const uint8_t *const *rows,
+                              const float *const *x, int64_t k, const SFX(gscale) *gs, vf acc[2][RMAX][4],
+                              const int j0, const int j1) {
+    vf w0[2], w1[2];
+    _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) SFX(dequant)(fmt, rows[w], k, gs[w], &w0[w], &w1[w]);
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
+        vf x0 = VLOAD(x[r] + k), x1 = VLOAD(x[r] + k + V);
+        _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) {
+            acc[w][r][j0] = VFMA(w0[w], x0, acc[w][r][j0]);
+            acc[w][r][j1] = VFMA(w1[w], x1, acc[w][r][j1]);
+        }
+    }
+}
+
+#if QDECODE_ISA == 512
+/* One 128-element block (64 bytes) of NW 4-bit rows in the T8 layout: lane i of the 32-bit view
+ * holds bytes 4i..4i+3, i.e. elements 8i..8i+7; shifted right by 4j its low nibble is element 8i+j,
+ * looked up in the unscaled table (vpermps reads the low 4 bits).  No byte-widening shuffle, one
+ * table per format: the per-lane group scales `sv` multiply each row's partial sums once per block
+ * (a lane's 8 elements share their group).  Partial chains: 2 for up to two x rows, else 1. */
+ALWAYS_INLINE void t8_block(const int NW, const int R, const uint8_t *const *rows, const float *const *x,
+                            int64_t k, __m512 tbl, const __m512 *sv, vf acc[2][RMAX][4]) {
+    const int NP = R <= 2 ? 2 : 1;
+    __m512i d[2];
+    vf p[2][RMAX][2];
+    _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) d[w] = _mm512_loadu_si512((const void *)(rows[w] + k / 2));
+    _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j) {
+        vf wj[2];
+        _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w)
+            wj[w] = _mm512_permutexvar_ps(j ? _mm512_srli_epi32(d[w], 4 * j) : d[w], tbl);
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
+            vf xj = VLOAD(x[r] + k + 16 * j);
+            _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) {
+                const int c = NP == 2 ? (j & 1) : 0;
+                p[w][r][c] = j < NP ? VMUL(wj[w], xj) : VFMA(wj[w], xj, p[w][r][c]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w)
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)
+            _Pragma("GCC unroll 2") for (int c = 0; c < NP; ++c) acc[w][r][c] = VFMA(p[w][r][c], sv[w], acc[w][r][c]);
+}
+#endif
+
 /* NW weight rows (1 or 2) against R x rows, both compile-time: the loop every format and row count
- * is instantiated from.  With few accumulators (NW R <= 4) each chunk's two vectors accumulate
- * apart, so enough FMA chains are in flight; with more they share one. */
+ * is instantiated from.  Accumulator chains per (weight row, x row): 4 for one x row, 2 for two,
+ * else 1, so that at least 8 FMA chains are in flight where the registers allow (an FMA's latency
+ * is 4 cycles, two issue per cycle).  Groups of 32 (the default and MX's) run one flat loop, two
+ * groups an iteration; other groups a loop per group. */
 ALWAYS_INLINE void SFX(dot_body)(const int fmt, const int NW, const int R, const qweight_t *wt,
                                  const uint8_t *const *rows, const uint8_t *const *scales, const float *const *x,
                                  float *out) {
-    enum { NA_MAX = 2 };
-    const int NA = NW * R <= 4 ? 2 : 1;
-    vf acc[2][RMAX][NA_MAX];
+    const int NA = R == 1 ? 4 : R == 2 ? 2 : 1;
+    vf acc[2][RMAX][4];
     _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w)
         _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)
-            _Pragma("GCC unroll 2") for (int j = 0; j < NA; ++j) acc[w][r][j] = VZERO();
+            _Pragma("GCC unroll 4") for (int j = 0; j < NA; ++j) acc[w][r][j] = VZERO();
     const int64_t K = wt->k, G = has_scales(fmt) ? wt->group : K, blocks = K / (2 * V) * (2 * V);
-    float sbuf[2][SEG];
-    for (int64_t g0 = 0; g0 * G < blocks; g0 += SEG) {
-        int64_t ng = (K / G - g0) < SEG ? K / G - g0 : SEG;
-        if (has_scales(fmt))
-            for (int w = 0; w < NW; ++w) convert_scales(fmt, scales[w], g0, ng, sbuf[w]);
-        for (int64_t g = 0; g < ng; ++g) {
-            SFX(gscale) gs[2];
-            _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) gs[w] = SFX(group_setup)(fmt, has_scales(fmt) ? sbuf[w][g] : 1.f);
-            int64_t k1 = (g0 + g + 1) * G < blocks ? (g0 + g + 1) * G : blocks;
-            for (int64_t k = (g0 + g) * G; k < k1; k += 2 * V) {
-                vf w0[2], w1[2];
-                _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) SFX(dequant)(fmt, rows[w], k, gs[w], &w0[w], &w1[w]);
-                _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
-                    vf x0 = VLOAD(x[r] + k), x1 = VLOAD(x[r] + k + V);
-                    _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) {
-                        acc[w][r][0] = VFMA(w0[w], x0, acc[w][r][0]);
-                        acc[w][r][NA - 1] = VFMA(w1[w], x1, acc[w][r][NA - 1]);
-                    }
+    float sbuf[2][SEG + 16]; /* + 16: T8 reads a whole vector of scales from any group */
+    SFX(gscale) gs[2], gs2[2];
+    if (!has_scales(fmt)) {
+        _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) gs[w] = SFX(group_setup)(fmt, 1.f);
+        int64_t k = 0;
+        for (; NA == 4 && k + 4 * V <= blocks; k += 4 * V) {
+            SFX(chunk)(fmt, NW, R, rows, x, k, gs, acc, 0, 1);
+            SFX(chunk)(fmt, NW, R, rows, x, k + 2 * V, gs, acc, 2, 3);
+        }
+        for (; k < blocks; k += 2 * V) SFX(chunk)(fmt, NW, R, rows, x, k, gs, acc, 0, NA - 1);
+    }
+    for (int64_t seg = 0; has_scales(fmt) && seg < K; seg += SEG * G) { /* K is whole groups of 32 */
+        int64_t end = seg + SEG * G < K ? seg + SEG * G : K;
+        _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) convert_scales(fmt, scales[w], seg / G, (end - seg) / G, sbuf[w]);
+#if QDECODE_ISA == 512
+        if ((fmt == FMT_W4 || fmt == FMT_MXFP4) && wt->layout == LAYOUT_T8) {
+            /* lane i of a block starting at k reads group (k + 8 i) / G: (k - seg) / G + 8 i / G */
+            const __m512i lane_group = _mm512_srlv_epi32(_mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96,
+                                                                             104, 112, 120),
+                                                         _mm512_set1_epi32(__builtin_ctzll((uint64_t)G)));
+            const __m512 tbl = fmt == FMT_W4 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                                             : _mm512_loadu_ps(E2M1);
+            int64_t k = seg;
+            for (; k + 128 <= end; k += 128) {
+                __m512 sv[2];
+                _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w)
+                    sv[w] = _mm512_permutexvar_ps(lane_group, _mm512_loadu_ps(sbuf[w] + (k - seg) / G));
+                t8_block(NW, R, rows, x, k, tbl, sv, acc);
+            }
+            for (; k < end; k += 2 * V) { /* the row's last K mod 128 elements, PAIRED */
+                _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) gs[w] = SFX(group_setup)(fmt, sbuf[w][(k - seg) / G]);
+                SFX(chunk)(fmt, NW, R, rows, x, k, gs, acc, 0, NA > 1);
+            }
+            continue;
+        }
+#endif
+        if (G == 32) {
+            for (int64_t k = seg; k < end; k += 64) { /* two groups: K / 32 may be odd */
+                const int two = k + 64 <= end;
+                _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) {
+                    gs[w] = SFX(group_setup)(fmt, sbuf[w][(k - seg) >> 5]);
+                    gs2[w] = SFX(group_setup)(fmt, sbuf[w][((k - seg) >> 5) + two]);
                 }
+                _Pragma("GCC unroll 2") for (int c = 0; c < 32; c += 2 * V) SFX(chunk)(fmt, NW, R, rows, x, k + c, gs, acc, 0, NA > 1);
+                if (two)
+                    _Pragma("GCC unroll 2") for (int c = 32; c < 64; c += 2 * V)
+                        SFX(chunk)(fmt, NW, R, rows, x, k + c, gs2, acc, NA - 1 - (NA > 1), NA - 1);
+            }
+        } else {
+            for (int64_t k0 = seg; k0 < end; k0 += G) {
+                _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) gs[w] = SFX(group_setup)(fmt, sbuf[w][(k0 - seg) / G]);
+                for (int64_t k = k0; k < k0 + G; k += 2 * V) SFX(chunk)(fmt, NW, R, rows, x, k, gs, acc, 0, NA - 1);
             }
         }
     }
     _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w)
         _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
-            float sum = VHSUM(NA == 2 ? VADD(acc[w][r][0], acc[w][r][1]) : acc[w][r][0]);
+            vf v = acc[w][r][0];
+            _Pragma("GCC unroll 4") for (int j = 1; j < NA; ++j) v = VADD(v, acc[w][r][j]);
+            float sum = VHSUM(v);
             for (int64_t k = blocks; k < K; ++k) sum += element(fmt, rows[w], k) * x[r][k]; /* w16 tails */
             out[w * R + r] = sum;
         }

@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import weakref
 
 import torch
 
@@ -61,6 +62,12 @@ def unavailable_reason(fmt: str) -> str | None:
                 "and runs in the qgemm kernel")
     if fmt not in SERVED:
         return f"unknown format {fmt!r}; qdecode serves {SERVED}"
+    return _kernel_reason()
+
+
+@functools.cache
+def _kernel_reason() -> str | None:
+    """Why the kernel cannot run on this machine (asked once), or None."""
     if _KERNEL.lib() is None:
         return f"qdecode kernel unavailable: {_KERNEL.error()}"
     if _KERNEL.lib().moe_qdecode_best_isa() == 0:
@@ -91,29 +98,65 @@ def _format_code(w) -> int:
     return _FORMATS[w.fmt]
 
 
-def _check_weight(w, name: str, n: int, k: int) -> None:
-    """The layout the C side reads: [E, n, k'] contiguous data, contiguous scales, whole groups."""
+def _check_role(w, name: str, n: int, k: int) -> None:
+    """What a role's format, logical shape and group must be (no tensor read: ``check_call``)."""
     reason = unavailable_reason(w.fmt)
     if reason is not None:
         raise ValueError(f"qdecode: {name}: {reason}")
-    E = w.shape[0]
     if tuple(w.shape[1:]) != (n, k):
         raise ValueError(f"qdecode: {name} must be logically [E, {n}, {k}], got {tuple(w.shape)}")
+    if w.fmt != "w16" and (w.group % GROUP_MULTIPLE or k % w.group):
+        raise ValueError(f"qdecode: {name} group {w.group} must be a multiple of {GROUP_MULTIPLE} dividing {k}")
+
+
+def check_call(x: torch.Tensor, w1, w2, attrs: FFNAttrs) -> None:
+    """Raise ValueError saying why ``run`` cannot take a call of these rows, roles (anything with
+    ``fmt``, ``shape``, ``group``) and attributes; return None when it can.  Reads no weight data."""
+    T, H = x.shape
+    E, F2, _ = w1.shape
+    if T > MAX_ROWS:
+        raise ValueError(f"qdecode serves at most {MAX_ROWS} tokens per call, got {T} (prefill: qgemm)")
+    if attrs.activation != "silu" or attrs.weight_on not in ("output", "between"):
+        raise ValueError(f"qdecode runs SwiGLU experts weighted on the output or between, got activation="
+                         f"{attrs.activation!r} weight_on={attrs.weight_on!r}")
+    _check_role(w1, "w1 (FC1)", F2, H)
+    _check_role(w2, "w2 (FC2)", H, F2 // 2)
+    if w2.shape[0] != E:
+        raise ValueError(f"qdecode: w1 has {E} experts, w2 {w2.shape[0]}")
+
+
+def _check_weight(w, name: str, n: int, k: int) -> None:
+    """The tensors the C side reads: [E, n, k'] contiguous CPU data, contiguous scales."""
+    E = w.shape[0]
     packed_k = k // 2 if w.fmt in ("w4-int", "mxfp4") else k
     if tuple(w.data.shape) != (E, n, packed_k) or not w.data.is_contiguous() or w.data.device.type != "cpu":
         raise ValueError(f"qdecode: {name} data must be contiguous CPU [{E}, {n}, {packed_k}], got "
                          f"{tuple(w.data.shape)} on {w.data.device}")
     if w.fmt != "w16":
-        groups = k // w.group if w.group and k % w.group == 0 else -1
-        if w.group % GROUP_MULTIPLE or groups < 0:
-            raise ValueError(f"qdecode: {name} group {w.group} must be a multiple of {GROUP_MULTIPLE} dividing {k}")
+        groups = k // w.group
         if w.scale.numel() != E * n * groups or not w.scale.is_contiguous():
             raise ValueError(f"qdecode: {name} scale must be contiguous [{E}, {n}, {groups}], got {tuple(w.scale.shape)}")
 
 
-def _role_fields(w) -> list[int]:
+# Weights already checked: id -> (weak reference, the C side's fields).  Checking a weight's
+# shapes, dtypes and strides costs ~3-7 us a call, 5-8% of a 4-bit Mixtral decode step's roof;
+# a QuantWeight is frozen, so once is enough (the weak reference tells a reused id apart).
+_CHECKED: dict[int, tuple] = {}
+
+
+def _role_fields(w, name: str, n: int, k: int) -> list[int]:
+    """[data, scale, format code, group] of a weight, checked the first time it is seen."""
+    hit = _CHECKED.get(id(w))
+    if hit is not None and hit[0]() is w and hit[2] == (n, k):
+        return hit[1]
+    _check_weight(w, name, n, k)
     scale = w.scale.data_ptr() if w.fmt != "w16" else 0
-    return [w.data.data_ptr(), scale, _format_code(w), w.group if w.fmt != "w16" else w.shape[2]]
+    fields = [w.data.data_ptr(), scale, _format_code(w), w.group if w.fmt != "w16" else w.shape[2]]
+    if len(_CHECKED) > 4096:  # weights of dropped models: forget their entries
+        for key in [key for key, (ref, _, _) in _CHECKED.items() if ref() is None]:
+            del _CHECKED[key]
+    _CHECKED[id(w)] = (weakref.ref(w), fields, (n, k))
+    return fields
 
 
 def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, attrs: FFNAttrs, pack_cache=None,
@@ -126,24 +169,17 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, attrs
     T, H = x.shape
     E, F2, _ = w1.shape
     F = F2 // 2
-    if T > MAX_ROWS:
-        raise ValueError(f"qdecode serves at most {MAX_ROWS} tokens per call, got {T} (prefill: qgemm)")
-    if attrs.activation != "silu" or attrs.weight_on not in ("output", "between"):
-        raise ValueError(f"qdecode runs SwiGLU experts weighted on the output or between, got activation="
-                         f"{attrs.activation!r} weight_on={attrs.weight_on!r}")
+    check_call(x, w1, w2, attrs)
     if not (x.dtype == weights.dtype == torch.float32 and x.is_contiguous() and weights.is_contiguous()):
         raise ValueError(f"qdecode: x and weights must be contiguous fp32, got {x.dtype} / {weights.dtype}")
     if ids.dtype != torch.int64 or not ids.is_contiguous() or ids.shape != weights.shape or ids.shape[0] != T:
         raise ValueError(f"qdecode: ids must be contiguous int64 [T, K] like weights {tuple(weights.shape)}, "
                          f"got {ids.dtype} {tuple(ids.shape)}")
-    _check_weight(w1, "w1 (FC1)", 2 * F, H)
-    _check_weight(w2, "w2 (FC2)", H, F)
-    if w2.shape[0] != E:
-        raise ValueError(f"qdecode: w1 has {E} experts, w2 {w2.shape[0]}")
+    fields = _role_fields(w1, "w1 (FC1)", 2 * F, H) + _role_fields(w2, "w2 (FC2)", H, F)
     isa = isa or best_isa()
     y = torch.zeros(T, H, dtype=torch.float32)
     plan = [x.data_ptr(), T, H, F, ids.data_ptr(), ids.shape[1], E, weights.data_ptr(), y.data_ptr(),
-            int(attrs.weight_on == "between"), isa, *_role_fields(w1), *_role_fields(w2)]
+            int(attrs.weight_on == "between"), isa, *fields]
     status = _KERNEL.lib().moe_qdecode_run((ctypes.c_int64 * len(plan))(*plan), attrs.limit, torch.get_num_threads())
     if status == -1:
         raise MemoryError("qdecode: could not allocate its scratch")

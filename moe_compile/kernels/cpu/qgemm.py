@@ -200,6 +200,12 @@ def check_call(x, w1, w2, attrs: FFNAttrs) -> None:
                          f"(got activation={attrs.activation!r}, weight_on={attrs.weight_on!r})")
     if H % H_MULTIPLE or (N1 // 2) % F_MULTIPLE:
         raise ValueError(f"qgemm: H={H} must be a multiple of {H_MULTIPLE} and F={N1 // 2} of {F_MULTIPLE}")
+    if w1.fmt in INTEGER or w1.fmt == "w16":
+        return
+    for w, K in ((w1, H), (w2, N1 // 2)):  # the panels' scales step a whole group (of byte pairs for 4 bits)
+        if w.group < 1 or K % w.group or (w.fmt != "w8-int" and w.group % 2):
+            raise ValueError(f"qgemm: {w.fmt} needs a group that divides K={K} (and is even for 4 bits), "
+                             f"got {w.group}")
 
 
 def _scratch(fmt: str, T: int, H: int, F: int, chunk: int):

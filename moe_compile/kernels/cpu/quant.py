@@ -216,7 +216,10 @@ def run(x, ids, weights, w: ExpertWeights, attrs: FFNAttrs, quant: str, accuracy
     fmt = quant if quant != "auto" else _auto_choice(x, ids, weights, w, attrs, accuracy_db, tag, reg)
     if fmt == "none":
         return _unquantized(x, ids, weights, w, attrs)
-    return _run_format(fmt, reg, x, ids, weights, w, attrs)
+    y = _run_format(fmt, reg, x, ids, weights, w, attrs)
+    if quant != "auto":
+        selection.note_packed(tag, layer_pack(w, attrs, fmt).nbytes())
+    return y
 
 
 def _auto_choice(x, ids, weights, w, attrs, budget, tag, reg) -> str:
@@ -251,11 +254,19 @@ def _measure(x, ids, weights, w, attrs, budget, tag, reg) -> str:
             kernel = mod.__name__.rsplit(".", 1)[-1]
             cands.append(selection.Candidate(fmt, sqnr_db(ref.float(), y.float()), ms, f"kernels/cpu/{kernel}"))
     sel = selection.choose(tag, reg, x.shape[0], budget, cands)
-    for c in cands:  # candidates not kept give their packs back
-        if c.fmt not in ("none", sel.chosen):
-            _PACKS.pop((c.fmt, tuple(t.data_ptr() for t in _tensors(w))), None)
+    _release_unkept(tag, sel.chosen, [c.fmt for c in cands], w)
     if sel.chosen != "none":
         _drop_fp32_packs(w)
         sel = dataclasses.replace(sel, packed_bytes=layer_pack(w, attrs, sel.chosen).nbytes())
     selection.record(sel)
     return sel.chosen
+
+
+def _release_unkept(tag: str, chosen: str, tried, w: ExpertWeights) -> None:
+    """Give back the packs of the formats tried that neither this choice nor the layer's other
+    regime's choice keeps."""
+    kept = {chosen} | {fmt for key, fmt in _CHOICES.items() if key[0] == tag}
+    ptrs = tuple(t.data_ptr() for t in _tensors(w))
+    for fmt in tried:
+        if fmt not in kept:
+            _PACKS.pop((fmt, ptrs), None)

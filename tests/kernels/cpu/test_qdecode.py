@@ -103,6 +103,18 @@ def test_limit_weight_on_and_dropped_ids(fmt, isa, limit, weight_on):
         assert h.abs().max() > limit
 
 
+# Group sizes: 32 (one flat loop), 64 / 128 / 256 (a loop per group); on AVX-512 the 4-bit loops
+# read 128-element blocks with one scale per lane, the last K mod 128 elements 32 at a time.
+@needs_kernel
+@pytest.mark.parametrize("fmt,isa", list(itertools.product(["w8-int", "w4-int"], ISAS)))
+@pytest.mark.parametrize("group", [32, 64, 128, 256])
+def test_group_sizes(fmt, isa, group):
+    x, ids, g, w1, w2 = _case(fmt, 2, H=512, F=256, E=3, K=2, seed=group, group=group)
+    _check(x, ids, g, w1, w2, FFNAttrs(), isa)
+    x, ids, g, w1, w2 = _case(fmt, 2, H=416, F=160, E=3, K=2, seed=group, group=32)  # 416 = 3 * 128 + 32
+    _check(x, ids, g, w1, w2, FFNAttrs(), isa)
+
+
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS)
 def test_all_slots_dropped_and_w16_tails(isa):
@@ -141,6 +153,17 @@ def test_nan_codes_propagate(isa):
     w2.scale[1, 5, 0] = 255  # expert 1, output column 5
     got = qdecode.run(x, ids, g, w1, w2, FFNAttrs(), None, isa=isa)
     assert torch.isnan(got[1, 5]) and not torch.isnan(got[1, :5]).any() and not torch.isnan(got[1, 6:]).any()
+
+
+def test_check_call_reads_shapes_only():
+    # The dispatcher asks before packing: roles given as (fmt, shape, group) only, no tensors.
+    Role = dataclasses.make_dataclass("Role", ["fmt", "shape", "group"])
+    x = torch.empty(0, 64)
+    assert qdecode.check_call(x, Role("w4-int", (4, 64, 64), 32), Role("w4-int", (4, 64, 32), 32), FFNAttrs()) is None
+    with pytest.raises(ValueError, match="multiple of 32"):
+        qdecode.check_call(x, Role("w8-int", (4, 64, 64), 16), Role("w8-int", (4, 64, 32), 32), FFNAttrs())
+    with pytest.raises(ValueError, match="at most 16"):
+        qdecode.check_call(torch.empty(17, 64), Role("w16", (4, 64, 64), 64), Role("w16", (4, 64, 32), 32), FFNAttrs())
 
 
 def test_unavailable_formats_say_why():
