@@ -197,6 +197,28 @@ for _key in ("CPU", "CUDA"):
     _INFER_LIB.impl("fused_moe_infer", _fused_moe_infer, _key)
 torch.library.register_fake(INFER_OP_NAME, lib=_INFER_LIB)(_fused_moe_fake)
 
+# ``fused_moe_quant``: ``fused_moe_infer`` plus the quantization the passes chose (inference only,
+# CPU): ``quant`` a format name or "auto", ``accuracy_db`` auto's budget, ``tag`` the layer's name
+# in explain() (module path and graph).  ``kernels/cpu/quant.py`` packs and dispatches.
+QUANT_OP_NAME = "moe_compile::fused_moe_quant"
+_INFER_LIB.define(QUANT_OP_NAME.split("::")[1] + op_args_schema()[:-1] + ", str quant, float accuracy_db, str tag) -> Tensor")
+
+
+def _fused_moe_quant(*args) -> torch.Tensor:
+    *op_args, quant, accuracy_db, tag = args
+    x, topk_ids, topk_weights, w, attrs = parse_op_args(op_args)
+    from moe_compile.kernels.cpu import quant as cpu_quant
+
+    return cpu_quant.run(x, topk_ids, topk_weights, w, attrs, quant, accuracy_db, tag)
+
+
+def _fused_moe_quant_fake(*args):
+    return parse_op_args(args[:-3])[0].new_empty(args[0].shape)
+
+
+_INFER_LIB.impl("fused_moe_quant", _fused_moe_quant, "CPU")
+torch.library.register_fake(QUANT_OP_NAME, lib=_INFER_LIB)(_fused_moe_quant_fake)
+
 # Under torch.autocast the op behaves like the Linears it replaces: floating inputs (activations,
 # routing weights, expert weights) are cast to the autocast dtype and the op runs with autocast off;
 # the result comes back in x's own dtype, as the replaced regions accumulate into ``zeros_like(x)``

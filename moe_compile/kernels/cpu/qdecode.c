@@ -1,0 +1,653 @@
+/* Quantized MoE decode on CPU: a whole decode step (T <= 16 tokens) on packed weights in one call,
+ * the weights streamed once and dequantized in registers: FC1 -> SwiGLU -> FC2 -> weighted combine.
+ *
+ * Shapes:   T tokens, H hidden, F expert FFN width, E experts, K experts per token, S = T*K slots.
+ *           x [T, H] fp32, ids [T, K] int64, gates [T, K] fp32, y [T, H] fp32 (zeroed by the host).
+ *           FC1 [E, 2F, H] (gate rows 0..F-1, up rows F..2F-1), FC2 [E, H, F], in one of the
+ *           formats of moe_compile/quant (the host's docstring has the table); a row's reduction
+ *           dimension is contiguous, its group scales are [E, N, K/G] beside it.
+ *
+ * Why: decode reads each touched expert's weights once, so it runs at the speed the weights stream
+ * from memory; a 4-bit weight is an eighth of fp32's bytes, but only if dequantizing keeps up.  The
+ * loops here spend a few vector operations per 16 or 32 weights and none per weight and token:
+ *   - 4-bit: 16 bytes are zero-extended into 16 (AVX-512) 32-bit lanes, each lane holding two
+ *     nibbles; the low nibble (element 2j) and, after one shift, the high (element 2j+1) index a
+ *     16-entry table of the format's values already multiplied by the group's scale (vpermps
+ *     reads only the index's low 4 bits).  AVX2's vpermps has 8 entries: w4-int converts the
+ *     nibble (u - 8) s as one FMA of u, mxfp4 looks up |value| and sets the sign bit.
+ *   - bf16: a 32-bit lane holding two bf16 values is both of them as fp32, one shifted left 16
+ *     bits, the other with its low half masked off.
+ *   - int8 / fp16: sign-extend and convert / vcvtph2ps, then times the group scale.
+ *   So a lane's weight is element 2j or 2j+1 of the row: x (and FC2's input) is held "paired",
+ *   each block of 2V elements (V = lanes) stored as its V even elements then its V odd ones; the
+ *   order of a dot product's terms is all that changes.  Formats whose lanes hold consecutive
+ *   elements (int8, fp16, fp8) read x as it is.
+ * Rows:     every weight row is dotted with all of its expert's tokens at once (up to RMAX_* per
+ *           pass, x in L1), so the dequantizing is paid once per weight, not once per token.
+ * Threads:  both phases split every touched expert's output rows over the OpenMP threads (torch's
+ *           own, as skinny.c): FC1 by features (gate row n and up row F+n together, then that
+ *           feature's SwiGLU, no barrier needed), FC2 by output columns of y (each owned by one
+ *           thread, so a token's K experts never race).  One barrier between the phases.
+ * ISA:      AVX2 + FMA + F16C everywhere; the same loops for AVX-512 (F, BW, DQ, VL) compiled for
+ *           that target alone and run only where the CPU has it.  The per-ISA part is written once
+ *           below and included twice (this file includes itself with QDECODE_ISA defined).
+ *
+ * Built by moe_compile/kernels/cpu/qdecode.py with `cc -O3 -mavx2 -mfma` on first use.
+ */
+#ifndef QDECODE_ISA /* ------------------------------------------------ shared part, compiled once */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+
+#pragma GCC target("f16c")
+
+/* Weight formats (qdecode.py: _FORMATS). */
+enum { FMT_BF16 = 1, FMT_FP16, FMT_W8, FMT_W4, FMT_MXFP4, FMT_MXFP8, FMT_COUNT };
+enum { ISA_AVX2 = 2, ISA_AVX512 = 512 };
+/* Group scales of one weight row converted to fp32 SEG at a time (a stack buffer per row). */
+enum { SEG = 256 };
+
+#define ALWAYS_INLINE __attribute__((always_inline)) static inline
+
+/* One role (FC1 or FC2) of all experts: row n of expert e is data + (e N + n) row_bytes, its
+ * scales scale + (e N + n) (k / group) scale_bytes. */
+typedef struct {
+    const uint8_t *data, *scale;
+    int64_t fmt, n, k, group, layout; /* layout: how its x rows are held (LAYOUT_*) */
+} qweight_t;
+
+/* How a weight's input rows (x for FC1, the activations for FC2) are held, see the header:
+ * NATURAL as they are; PAIRED each 2V block as V evens then V odds; T8 (AVX-512, 4-bit) each
+ * 128-element block as 8 vectors, vector j holding elements j, j+8, .., j+120, and the tail (K
+ * mod 128, whole 32-element groups) PAIRED. */
+enum { LAYOUT_NATURAL, LAYOUT_PAIRED, LAYOUT_T8 };
+
+static int64_t row_bytes(const qweight_t *w) {
+    return w->fmt == FMT_W4 || w->fmt == FMT_MXFP4 ? w->k / 2 : w->fmt == FMT_BF16 || w->fmt == FMT_FP16 ? 2 * w->k : w->k;
+}
+
+static int has_scales(int64_t fmt) { return fmt != FMT_BF16 && fmt != FMT_FP16; }
+
+static const uint8_t *row_at(const qweight_t *w, int64_t e, int64_t n) {
+    return w->data + (e * w->n + n) * row_bytes(w);
+}
+
+static const uint8_t *scales_at(const qweight_t *w, int64_t e, int64_t n) {
+    int64_t per_row = w->k / w->group, bytes = w->fmt == FMT_W8 || w->fmt == FMT_W4 ? 2 : 1;
+    return has_scales(w->fmt) ? w->scale + (e * w->n + n) * per_row * bytes : NULL;
+}
+
+/* The layout a weight's loops read its input in on this ISA.  T8 needs each 16-lane vector's
+ * lanes to see whole groups per lane of a 128 block: groups dividing 128 or multiples of it. */
+static int64_t layout_of(int64_t fmt, int64_t group, int64_t isa) {
+    int four_bit = fmt == FMT_W4 || fmt == FMT_MXFP4;
+    if (four_bit && isa == ISA_AVX512 && (128 % group == 0 || group % 128 == 0)) return LAYOUT_T8;
+    return four_bit || fmt == FMT_BF16 ? LAYOUT_PAIRED : LAYOUT_NATURAL;
+}
+
+static float bits_float(uint32_t b) {
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+/* e8m0 (OCP MX): 2^(b - 127); 0 is 2^-127 (a subnormal fp32), 255 is NaN. */
+static float e8m0_float(uint8_t b) {
+    return bits_float(b == 255 ? 0x7FC00000u : b == 0 ? 0x00400000u : (uint32_t)b << 23);
+}
+
+/* e4m3fn (OCP FP8): bias 7, subnormals at exponent 0, S.1111.111 is NaN, no infinities. */
+static float e4m3_float(uint8_t c) {
+    int e = (c >> 3) & 15, m = c & 7;
+    float v = (e == 15 && m == 7) ? bits_float(0x7FC00000u)
+              : e == 0            ? (float)m * (1.f / 512.f)
+                                  : bits_float((uint32_t)(e + 120) << 23 | (uint32_t)m << 20);
+    return c & 0x80 ? -v : v;
+}
+
+/* The OCP e2m1 values of the 16 codes (sign in bit 3). */
+static const float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+/* Scales g0 .. g0 + n - 1 of a row as fp32 (fp16 for the int formats, e8m0 for MX). */
+static void convert_scales(int64_t fmt, const uint8_t *s, int64_t g0, int64_t n, float *out) {
+    int64_t i = 0;
+    if (fmt == FMT_W8 || fmt == FMT_W4) {
+        const uint16_t *h = (const uint16_t *)s + g0;
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+        for (; i < n; ++i) out[i] = _cvtsh_ss(h[i]);
+    } else { /* 2^(b - 127) is b in the exponent bits; 0 and 255 patched to 2^-127 and NaN */
+        const __m256i zero = _mm256_setzero_si256(), ones = _mm256_set1_epi32(255);
+        for (; i + 8 <= n; i += 8) {
+            __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(s + g0 + i)));
+            __m256i f = _mm256_slli_epi32(b, 23);
+            f = _mm256_blendv_epi8(f, _mm256_set1_epi32(0x00400000), _mm256_cmpeq_epi32(b, zero));
+            f = _mm256_blendv_epi8(f, _mm256_set1_epi32(0x7FC00000), _mm256_cmpeq_epi32(b, ones));
+            _mm256_storeu_ps(out + i, _mm256_castsi256_ps(f));
+        }
+        for (; i < n; ++i) out[i] = e8m0_float(s[g0 + i]);
+    }
+}
+
+/* Element k of a weight row, one at a time: the tails of rows whose length is not a whole number
+ * of 2V-element blocks (only w16, whose group is the whole row). */
+static float element(int64_t fmt, const uint8_t *row, int64_t k) {
+    uint16_t h;
+    memcpy(&h, row + 2 * k, 2);
+    return fmt == FMT_BF16 ? bits_float((uint32_t)h << 16) : _cvtsh_ss(h);
+}
+
+/* dst = src (n floats from element `at` of a row on) in `layout` (`at` a multiple of 128 for T8;
+ * n a whole number of blocks but at the row's end). */
+static void layout_copy(float *dst, const float *src, int64_t n, int64_t v, int64_t layout) {
+    int64_t i = 0;
+    if (layout == LAYOUT_T8)
+        for (; i + 128 <= n; i += 128)
+            for (int64_t j = 0; j < 8; ++j)
+                for (int64_t l = 0; l < 16; ++l) dst[i + 16 * j + l] = src[i + 8 * l + j];
+    if (layout != LAYOUT_NATURAL)
+        for (; i + 2 * v <= n; i += 2 * v)
+            for (int64_t j = 0; j < v; ++j) dst[i + j] = src[i + 2 * j], dst[i + v + j] = src[i + 2 * j + 1];
+    for (; i < n; ++i) dst[i] = src[i];
+}
+
+/* Output rows [lo, hi) of part `part` of `parts`, the split points multiples of `align`. */
+static void split(int64_t n, int64_t align, int64_t part, int64_t parts, int64_t *lo, int64_t *hi) {
+    int64_t step = (n / parts + align - 1) / align * align;
+    *lo = part * step < n ? part * step : n;
+    *hi = part == parts - 1 || (part + 1) * step > n ? n : (part + 1) * step;
+}
+
+/* dot(nw weight rows, nr x rows): out[w * nr + r] = row_w . x_r over k elements.  One per ISA. */
+typedef void (*dot_fn)(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales,
+                       const float *const *x, int nr, float *out);
+
+#define QDECODE_ISA 2
+#pragma GCC push_options
+#include "qdecode.c"
+#pragma GCC pop_options
+#undef QDECODE_ISA
+
+#define QDECODE_ISA 512
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")
+#include "qdecode.c"
+#pragma GCC pop_options
+#undef QDECODE_ISA
+
+/* The widest ISA this CPU runs the loops in: ISA_AVX512, ISA_AVX2, or 0 (no F16C / FMA). */
+int64_t moe_qdecode_best_isa(void) {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c")) return 0;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")
+        && __builtin_cpu_supports("avx512vl"))
+        return ISA_AVX512;
+    return ISA_AVX2;
+}
+
+/* Plan fields (int64 each; pointers as integers), then W_FIELDS for FC1 and for FC2. */
+enum { P_X, P_T, P_H, P_F, P_IDS, P_K, P_E, P_GATES, P_Y, P_BETWEEN, P_ISA, P_ROLES };
+enum { W_DATA, W_SCALE, W_FMT, W_GROUP, W_FIELDS };
+
+typedef struct {
+    int64_t T, H, F, K, E, S, between, v;
+    const float *gates;
+    float *y, *xp, *h, *a;             /* xp [T, H] x paired for FC1; h [S, 2F]; a [S, F] paired for FC2 */
+    const int64_t *start, *tok, *slot; /* start [E + 1] over the sorted slots; token and slot (t*K+k) of each */
+    qweight_t w1, w2;
+    dot_fn dot;
+    int rmax;
+} step_t;
+
+/* Rows of x (or a) for sorted slots lo .. lo + n - 1, padded up to a kernel's row count with the
+ * first row (results for the padding are dropped). */
+static int gather_rows(const float *base, int64_t ld, const int64_t *index, int64_t lo, int64_t n, int rmax,
+                       const float **rows) {
+    int nr = (int)n;
+    for (int r = 0; r < nr; ++r) rows[r] = base + (index ? index[lo + r] : lo + r) * ld;
+    int padded = nr <= 4 ? nr : nr <= 6 ? 6 : 8;
+    padded = padded > rmax ? rmax : padded;
+    for (int r = nr; r < padded; ++r) rows[r] = rows[0];
+    return padded;
+}
+
+/* FC1 + SwiGLU of this thread's features [f0, f1) of expert e's slots [lo, hi). */
+static void fc1_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t f0, int64_t f1, float limit) {
+    const float *rows[16];
+    float out[32];
+    for (int64_t r0 = lo; r0 < hi; r0 += s->rmax) {
+        int64_t n = hi - r0 < s->rmax ? hi - r0 : s->rmax;
+        int nr = gather_rows(s->xp, s->H, s->tok, r0, n, s->rmax, rows);
+        for (int64_t f = f0; f < f1; ++f) {
+            const uint8_t *w[2] = {row_at(&s->w1, e, f), row_at(&s->w1, e, s->F + f)};
+            const uint8_t *sc[2] = {scales_at(&s->w1, e, f), scales_at(&s->w1, e, s->F + f)};
+            s->dot(&s->w1, w, sc, rows, nr, out);
+            for (int64_t r = 0; r < n; ++r) {
+                s->h[(r0 + r) * 2 * s->F + f] = out[r];
+                s->h[(r0 + r) * 2 * s->F + s->F + f] = out[nr + r];
+            }
+        }
+    }
+    /* SwiGLU of the features just computed, 2V at a time so each block is stored paired for FC2. */
+    for (int64_t r = lo; r < hi; ++r) {
+        const float *hr = s->h + r * 2 * s->F;
+        float g = s->between ? s->gates[s->slot[r]] : 1.f, blk[128];
+        for (int64_t c = f0; c < f1; c += 128) {
+            int64_t m = f1 - c < 128 ? f1 - c : 128;
+            swiglu_span(blk, hr + c, hr + s->F + c, 0, m, limit, g);
+            layout_copy(s->a + r * s->F + c, blk, m, s->v, s->w2.layout);
+        }
+    }
+}
+
+/* FC2 of this thread's output columns [n0, n1) of expert e's slots [lo, hi), added into y. */
+static void fc2_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t n0, int64_t n1) {
+    const float *rows[16];
+    float out[32];
+    for (int64_t r0 = lo; r0 < hi; r0 += s->rmax) {
+        int64_t n = hi - r0 < s->rmax ? hi - r0 : s->rmax;
+        int nr = gather_rows(s->a, s->F, NULL, r0, n, s->rmax, rows);
+        for (int64_t c = n0; c < n1; c += 2) {
+            int64_t c2 = c + 1 < n1 ? c + 1 : c; /* an odd count: the last row twice, once kept */
+            const uint8_t *w[2] = {row_at(&s->w2, e, c), row_at(&s->w2, e, c2)};
+            const uint8_t *sc[2] = {scales_at(&s->w2, e, c), scales_at(&s->w2, e, c2)};
+            s->dot(&s->w2, w, sc, rows, nr, out);
+            for (int64_t r = 0; r < n; ++r) {
+                float g = s->between ? 1.f : s->gates[s->slot[r0 + r]];
+                float *yr = s->y + s->tok[r0 + r] * s->H;
+                yr[c] += g * out[r];
+                if (c2 != c) yr[c2] += g * out[nr + r];
+            }
+        }
+    }
+}
+
+static void run_parts(const step_t *s, float limit, int64_t part, int64_t parts) {
+    int64_t f0, f1, n0, n1;
+    split(s->F, 128, part, parts, &f0, &f1); /* whole T8 blocks of FC2's input per thread */
+    for (int64_t e = 0; e < s->E && f0 < f1; ++e)
+        if (s->start[e + 1] > s->start[e]) fc1_part(s, e, s->start[e], s->start[e + 1], f0, f1, limit);
+#pragma omp barrier
+    split(s->H, 2, part, parts, &n0, &n1);
+    for (int64_t e = 0; e < s->E && n0 < n1; ++e)
+        if (s->start[e + 1] > s->start[e]) fc2_part(s, e, s->start[e], s->start[e + 1], n0, n1);
+}
+
+static qweight_t role(const int64_t *plan, int which, int64_t n, int64_t k) {
+    const int64_t *f = plan + P_ROLES + which * W_FIELDS;
+    qweight_t w = {(const uint8_t *)(intptr_t)f[W_DATA], (const uint8_t *)(intptr_t)f[W_SCALE], f[W_FMT], n, k,
+                   f[W_GROUP], LAYOUT_NATURAL};
+    return w;
+}
+
+/* A decode step.  Returns 0; -1 when its scratch (a few hundred KiB at most) could not be
+ * allocated, -2 for an ISA this CPU lacks or a format / shape the loops do not take (nothing
+ * computed either way). */
+int moe_qdecode_run(const int64_t *plan, float limit, int64_t nparts) {
+    step_t s = {.T = plan[P_T], .H = plan[P_H], .F = plan[P_F], .K = plan[P_K], .E = plan[P_E],
+                .between = plan[P_BETWEEN], .gates = (const float *)(intptr_t)plan[P_GATES],
+                .y = (float *)(intptr_t)plan[P_Y]};
+    s.S = s.T * s.K;
+    s.w1 = role(plan, 0, 2 * s.F, s.H), s.w2 = role(plan, 1, s.H, s.F);
+    int64_t isa = plan[P_ISA];
+    if ((isa != ISA_AVX2 && isa != ISA_AVX512) || isa > moe_qdecode_best_isa()) return -2;
+    for (int i = 0; i < 2; ++i) {
+        const qweight_t *w = i ? &s.w2 : &s.w1;
+        if (w->fmt < 1 || w->fmt >= FMT_COUNT || (has_scales(w->fmt) && (w->group % 32 || w->k % w->group)))
+            return -2;
+    }
+    s.v = isa == ISA_AVX512 ? 16 : 8;
+    s.w1.layout = layout_of(s.w1.fmt, s.w1.group, isa), s.w2.layout = layout_of(s.w2.fmt, s.w2.group, isa);
+    s.dot = isa == ISA_AVX512 ? dot_512 : dot_2;
+    s.rmax = isa == ISA_AVX512 ? RMAX_512 : RMAX_2;
+    int64_t *start = calloc((size_t)s.E + 2, sizeof(int64_t)), *tok = malloc((size_t)(2 * s.S + 1) * sizeof(int64_t));
+    float *xp = aligned_alloc(64, (size_t)((s.T * s.H + 2 * s.S * s.F + s.S * s.F) * 4 + 64) / 64 * 64);
+    int status = -1;
+    if (!start || !tok || !xp) goto done;
+    const int64_t *ids = (const int64_t *)(intptr_t)plan[P_IDS];
+    const float *x = (const float *)(intptr_t)plan[P_X];
+    for (int64_t i = 0; i < s.S; ++i) /* a counting sort of the slots by expert; ids outside [0, E) dropped */
+        if (ids[i] >= 0 && ids[i] < s.E) ++start[ids[i] + 2];
+    for (int64_t e = 0; e < s.E; ++e) start[e + 2] += start[e + 1];
+    int64_t *slot = tok + s.S;
+    for (int64_t i = 0; i < s.S; ++i)
+        if (ids[i] >= 0 && ids[i] < s.E) {
+            int64_t p = start[ids[i] + 1]++;
+            tok[p] = i / s.K, slot[p] = i;
+        }
+    s.start = start, s.tok = tok, s.slot = slot;
+    s.xp = xp, s.h = xp + s.T * s.H, s.a = s.h + 2 * s.S * s.F;
+    for (int64_t t = 0; t < s.T; ++t) layout_copy(s.xp + t * s.H, x + t * s.H, s.H, s.v, s.w1.layout);
+#pragma omp parallel num_threads(nparts)
+    run_parts(&s, limit, omp_get_thread_num(), omp_get_num_threads());
+    status = 0;
+done:
+    free(start), free(tok), free(xp);
+    return status;
+}
+
+#else /* ------------------------------------------------------------- per-ISA part (QDECODE_ISA) */
+
+#if QDECODE_ISA == 512
+#define SFX(name) name##_512
+#define V 16
+#define vf __m512
+#define VZERO() _mm512_setzero_ps()
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSET1(f) _mm512_set1_ps(f)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
+#define VADD(a, b) _mm512_add_ps(a, b)
+#define VHSUM(v) _mm512_reduce_add_ps(v)
+/* Rows of x per pass: 2 weight rows x 8 x rows = 16 accumulators of the 32 zmm registers. */
+enum { RMAX_512 = 8 };
+#define RMAX RMAX_512
+#else
+#define SFX(name) name##_2
+#define V 8
+#define vf __m256
+#define VZERO() _mm256_setzero_ps()
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSET1(f) _mm256_set1_ps(f)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VMUL(a, b) _mm256_mul_ps(a, b)
+#define VADD(a, b) _mm256_add_ps(a, b)
+static inline float SFX(hsum)(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#define VHSUM(v) SFX(hsum)(v)
+/* 2 weight rows x 4 x rows = 8 accumulators of the 16 ymm registers. */
+enum { RMAX_2 = 4 };
+#define RMAX RMAX_2
+#endif
+
+/* What a group's scale turns into for the loop (a scaled lookup table, or the scale itself). */
+typedef struct {
+    vf t, u;
+} SFX(gscale);
+
+ALWAYS_INLINE SFX(gscale) SFX(group_setup)(const int fmt, float s) {
+    SFX(gscale) g;
+#if QDECODE_ISA == 512
+    if (fmt == FMT_W4) {
+        g.t = VMUL(_mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7), VSET1(s)), g.u = g.t;
+    } else if (fmt == FMT_MXFP4) {
+        g.t = VMUL(_mm512_loadu_ps(E2M1), VSET1(s)), g.u = g.t;
+    }
+#else
+    if (fmt == FMT_W4) {
+        g.t = VSET1(s), g.u = VSET1(-8.f * s); /* (u - 8) s = fma(u, s, -8 s), exact: it is representable */
+    } else if (fmt == FMT_MXFP4) {
+        g.t = VMUL(_mm256_loadu_ps(E2M1), VSET1(s)), g.u = g.t; /* |value| * s; the sign from bit 3 */
+    }
+#endif
+    else {
+        g.t = VSET1(s), g.u = g.t;
+    }
+    return g;
+}
+
+/* Elements k .. k + 2V - 1 of a row as two vectors of fp32 weights (paired or in order, see the
+ * header), scaled by the group's scale. */
+ALWAYS_INLINE void SFX(dequant)(const int fmt, const uint8_t *row, int64_t k, SFX(gscale) g, vf *w0, vf *w1) {
+#if QDECODE_ISA == 512
+    if (fmt == FMT_W4 || fmt == FMT_MXFP4) {
+        __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + k / 2)));
+        *w0 = _mm512_permutexvar_ps(d, g.t);
+        *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), g.t);
+    } else if (fmt == FMT_W8) {
+        *w0 = VMUL(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + k)))), g.t);
+        *w1 = VMUL(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + k + 16)))), g.t);
+    } else if (fmt == FMT_BF16) {
+        __m512i b = _mm512_loadu_si512((const void *)(row + 2 * k));
+        *w0 = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+        *w1 = _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32((int)0xFFFF0000u)));
+    } else if (fmt == FMT_FP16) {
+        *w0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 2 * k)));
+        *w1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 2 * k + 32)));
+    } else { /* FMT_MXFP8: e4m3 bits placed in an fp32 (exponent 2^-120 off, subnormals included), then scaled */
+        __m512i d0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + k)));
+        __m512i d1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + k + 16)));
+        const __m512i mag = _mm512_set1_epi32(0x7F), sign = _mm512_set1_epi32((int)0x80000000u);
+        const __m512 two120 = _mm512_set1_ps(0x1p120f), nan = _mm512_set1_ps(__builtin_nanf(""));
+        __m512i m0 = _mm512_and_si512(d0, mag), m1 = _mm512_and_si512(d1, mag);
+        __m512i b0 = _mm512_ternarylogic_epi32(_mm512_slli_epi32(m0, 20), _mm512_slli_epi32(d0, 24), sign, 0xF8);
+        __m512i b1 = _mm512_ternarylogic_epi32(_mm512_slli_epi32(m1, 20), _mm512_slli_epi32(d1, 24), sign, 0xF8);
+        *w0 = VMUL(VMUL(_mm512_castsi512_ps(b0), two120), g.t);
+        *w1 = VMUL(VMUL(_mm512_castsi512_ps(b1), two120), g.t);
+        *w0 = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(m0, mag), *w0, nan);
+        *w1 = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(m1, mag), *w1, nan);
+    }
+#else
+    if (fmt == FMT_W4) {
+        __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + k / 2)));
+        *w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(d, _mm256_set1_epi32(15))), g.t, g.u);
+        *w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(d, 4)), g.t, g.u);
+    } else if (fmt == FMT_MXFP4) {
+        __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + k / 2)));
+        __m256i dh = _mm256_srli_epi32(d, 4);
+        const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
+        __m256 s0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(d, 28), sign));
+        __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(dh, 28)); /* dh < 16: bits 28..30 hold its 3 low bits */
+        s1 = _mm256_and_ps(s1, _mm256_castsi256_ps(sign));
+        *w0 = _mm256_xor_ps(_mm256_permutevar8x32_ps(g.t, d), s0);
+        *w1 = _mm256_xor_ps(_mm256_permutevar8x32_ps(g.t, dh), s1);
+    } else if (fmt == FMT_W8) {
+        *w0 = VMUL(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + k)))), g.t);
+        *w1 = VMUL(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + k + 8)))), g.t);
+    } else if (fmt == FMT_BF16) {
+        __m256i b = _mm256_loadu_si256((const __m256i *)(row + 2 * k));
+        *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+        *w1 = _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int)0xFFFF0000u)));
+    } else if (fmt == FMT_FP16) {
+        *w0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * k)));
+        *w1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * k + 16)));
+    } else { /* FMT_MXFP8, as the AVX-512 branch */
+        __m256i d0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + k)));
+        __m256i d1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + k + 8)));
+        const __m256i mag = _mm256_set1_epi32(0x7F), sign = _mm256_set1_epi32((int)0x80000000u);
+        const __m256 two120 = _mm256_set1_ps(0x1p120f), nan = _mm256_set1_ps(__builtin_nanf(""));
+        __m256i m0 = _mm256_and_si256(d0, mag), m1 = _mm256_and_si256(d1, mag);
+        __m256i b0 = _mm256_or_si256(_mm256_slli_epi32(m0, 20), _mm256_and_si256(_mm256_slli_epi32(d0, 24), sign));
+        __m256i b1 = _mm256_or_si256(_mm256_slli_epi32(m1, 20), _mm256_and_si256(_mm256_slli_epi32(d1, 24), sign));
+        *w0 = VMUL(VMUL(_mm256_castsi256_ps(b0), two120), g.t);
+        *w1 = VMUL(VMUL(_mm256_castsi256_ps(b1), two120), g.t);
+        *w0 = _mm256_blendv_ps(*w0, nan, _mm256_castsi256_ps(_mm256_cmpeq_epi32(m0, mag)));
+        *w1 = _mm256_blendv_ps(*w1, nan, _mm256_castsi256_ps(_mm256_cmpeq_epi32(m1, mag)));
+    }
+#endif
+}
+
+/* One 2V-element chunk at element k of NW weight rows into R rows' accumulators: dequantize once,
+ * FMA into acc[w][r][j0] (first vector) and acc[w][r][j1] (second). */
+ALWAYS_INLINE void SFX(chunk)(const int fmt, const int NW, const int R, const uint8_t *const *rows,
+                              const float *const *x, int64_t k, const SFX(gscale) *gs, vf acc[2][RMAX][4],
+                              const int j0, const int j1) {
+    vf w0[2], w1[2];
+    _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) SFX(dequant)(fmt, rows[w], k, gs[w], &w0[w], &w1[w]);
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
+        vf x0 = VLOAD(x[r] + k), x1 = VLOAD(x[r] + k + V);
+        _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) {
+            acc[w][r][j0] = VFMA(w0[w], x0, acc[w][r][j0]);
+            acc[w][r][j1] = VFMA(w1[w], x1, acc[w][r][j1]);
+        }
+    }
+}
+
+#if QDECODE_ISA == 512
+/* One 128-element block (64 bytes) of NW 4-bit rows in the T8 layout: lane i of the 32-bit view
+ * holds bytes 4i..4i+3, i.e. elements 8i..8i+7; shifted right by 4j its low nibble is element 8i+j,
+ * looked up in the unscaled table (vpermps reads the low 4 bits).  No byte-widening shuffle, one
+ * table per format: the per-lane group scales `sv` multiply each row's partial sums once per block
+ * (a lane's 8 elements share their group).  Partial chains: 2 for up to two x rows, else 1. */
+ALWAYS_INLINE void t8_block(const int NW, const int R, const uint8_t *const *rows, const float *const *x,
+                            int64_t k, __m512 tbl, const __m512 *sv, vf acc[2][RMAX][4]) {
+    const int NP = R <= 2 ? 2 : 1;
+    __m512i d[2];
+    vf p[2][RMAX][2];
+    _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) d[w] = _mm512_loadu_si512((const void *)(rows[w] + k / 2));
+    _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j) {
+        vf wj[2];
+        _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w)
+            wj[w] = _mm512_permutexvar_ps(j ? _mm512_srli_epi32(d[w], 4 * j) : d[w], tbl);
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
+            vf xj = VLOAD(x[r] + k + 16 * j);
+            _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) {
+                const int c = NP == 2 ? (j & 1) : 0;
+                p[w][r][c] = j < NP ? VMUL(wj[w], xj) : VFMA(wj[w], xj, p[w][r][c]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w)
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)
+            _Pragma("GCC unroll 2") for (int c = 0; c < NP; ++c) acc[w][r][c] = VFMA(p[w][r][c], sv[w], acc[w][r][c]);
+}
+#endif
+
+/* NW weight rows (1 or 2) against R x rows, both compile-time: the loop every format and row count
+ * is instantiated from.  Accumulator chains per (weight row, x row): 4 for one x row, 2 for two,
+ * else 1, so that at least 8 FMA chains are in flight where the registers allow (an FMA's latency
+ * is 4 cycles, two issue per cycle).  Groups of 32 (the default and MX's) run one flat loop, two
+ * groups an iteration; other groups a loop per group. */
+ALWAYS_INLINE void SFX(dot_body)(const int fmt, const int NW, const int R, const qweight_t *wt,
+                                 const uint8_t *const *rows, const uint8_t *const *scales, const float *const *x,
+                                 float *out) {
+    const int NA = R == 1 ? 4 : R == 2 ? 2 : 1;
+    vf acc[2][RMAX][4];
+    _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w)
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)
+            _Pragma("GCC unroll 4") for (int j = 0; j < NA; ++j) acc[w][r][j] = VZERO();
+    const int64_t K = wt->k, G = has_scales(fmt) ? wt->group : K, blocks = K / (2 * V) * (2 * V);
+    float sbuf[2][SEG + 16]; /* + 16: T8 reads a whole vector of scales from any group */
+    SFX(gscale) gs[2], gs2[2];
+    if (!has_scales(fmt)) {
+        _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) gs[w] = SFX(group_setup)(fmt, 1.f);
+        int64_t k = 0;
+        for (; NA == 4 && k + 4 * V <= blocks; k += 4 * V) {
+            SFX(chunk)(fmt, NW, R, rows, x, k, gs, acc, 0, 1);
+            SFX(chunk)(fmt, NW, R, rows, x, k + 2 * V, gs, acc, 2, 3);
+        }
+        for (; k < blocks; k += 2 * V) SFX(chunk)(fmt, NW, R, rows, x, k, gs, acc, 0, NA - 1);
+    }
+    for (int64_t seg = 0; has_scales(fmt) && seg < K; seg += SEG * G) { /* K is whole groups of 32 */
+        int64_t end = seg + SEG * G < K ? seg + SEG * G : K;
+        _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) convert_scales(fmt, scales[w], seg / G, (end - seg) / G, sbuf[w]);
+#if QDECODE_ISA == 512
+        if ((fmt == FMT_W4 || fmt == FMT_MXFP4) && wt->layout == LAYOUT_T8) {
+            /* lane i of a block starting at k reads group (k + 8 i) / G: (k - seg) / G + 8 i / G */
+            const __m512i lane_group = _mm512_srlv_epi32(_mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96,
+                                                                             104, 112, 120),
+                                                         _mm512_set1_epi32(__builtin_ctzll((uint64_t)G)));
+            const __m512 tbl = fmt == FMT_W4 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                                             : _mm512_loadu_ps(E2M1);
+            int64_t k = seg;
+            for (; k + 128 <= end; k += 128) {
+                __m512 sv[2];
+                _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w)
+                    sv[w] = _mm512_permutexvar_ps(lane_group, _mm512_loadu_ps(sbuf[w] + (k - seg) / G));
+                t8_block(NW, R, rows, x, k, tbl, sv, acc);
+            }
+            for (; k < end; k += 2 * V) { /* the row's last K mod 128 elements, PAIRED */
+                _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) gs[w] = SFX(group_setup)(fmt, sbuf[w][(k - seg) / G]);
+                SFX(chunk)(fmt, NW, R, rows, x, k, gs, acc, 0, NA > 1);
+            }
+            continue;
+        }
+#endif
+        if (G == 32) {
+            for (int64_t k = seg; k < end; k += 64) { /* two groups: K / 32 may be odd */
+                const int two = k + 64 <= end;
+                _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) {
+                    gs[w] = SFX(group_setup)(fmt, sbuf[w][(k - seg) >> 5]);
+                    gs2[w] = SFX(group_setup)(fmt, sbuf[w][((k - seg) >> 5) + two]);
+                }
+                _Pragma("GCC unroll 2") for (int c = 0; c < 32; c += 2 * V) SFX(chunk)(fmt, NW, R, rows, x, k + c, gs, acc, 0, NA > 1);
+                if (two)
+                    _Pragma("GCC unroll 2") for (int c = 32; c < 64; c += 2 * V)
+                        SFX(chunk)(fmt, NW, R, rows, x, k + c, gs2, acc, NA - 1 - (NA > 1), NA - 1);
+            }
+        } else {
+            for (int64_t k0 = seg; k0 < end; k0 += G) {
+                _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) gs[w] = SFX(group_setup)(fmt, sbuf[w][(k0 - seg) / G]);
+                for (int64_t k = k0; k < k0 + G; k += 2 * V) SFX(chunk)(fmt, NW, R, rows, x, k, gs, acc, 0, NA - 1);
+            }
+        }
+    }
+    _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w)
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
+            vf v = acc[w][r][0];
+            _Pragma("GCC unroll 4") for (int j = 1; j < NA; ++j) v = VADD(v, acc[w][r][j]);
+            float sum = VHSUM(v);
+            for (int64_t k = blocks; k < K; ++k) sum += element(fmt, rows[w], k) * x[r][k]; /* w16 tails */
+            out[w * R + r] = sum;
+        }
+}
+
+/* One function per (format, row count) with both weight rows; dot_<isa> picks it. */
+#define DOT_FOR(FMT, R)                                                                                      \
+    static void SFX(dot_##FMT##_##R)(const qweight_t *wt, const uint8_t *const *rows,                        \
+                                     const uint8_t *const *scales, const float *const *x, float *out) {      \
+        SFX(dot_body)(FMT, 2, R, wt, rows, scales, x, out);                                                   \
+    }
+#if QDECODE_ISA == 512
+#define DOT_ROWS(FMT) DOT_FOR(FMT, 1) DOT_FOR(FMT, 2) DOT_FOR(FMT, 3) DOT_FOR(FMT, 4) DOT_FOR(FMT, 6) DOT_FOR(FMT, 8)
+#define DOT_CASES(FMT)                                                                                       \
+    switch (nr) {                                                                                            \
+    case 1: SFX(dot_##FMT##_1)(wt, rows, scales, x, out); return;                                            \
+    case 2: SFX(dot_##FMT##_2)(wt, rows, scales, x, out); return;                                            \
+    case 3: SFX(dot_##FMT##_3)(wt, rows, scales, x, out); return;                                            \
+    case 4: SFX(dot_##FMT##_4)(wt, rows, scales, x, out); return;                                            \
+    case 6: SFX(dot_##FMT##_6)(wt, rows, scales, x, out); return;                                            \
+    default: SFX(dot_##FMT##_8)(wt, rows, scales, x, out); return;                                           \
+    }
+#else
+#define DOT_ROWS(FMT) DOT_FOR(FMT, 1) DOT_FOR(FMT, 2) DOT_FOR(FMT, 3) DOT_FOR(FMT, 4)
+#define DOT_CASES(FMT)                                                                                       \
+    switch (nr) {                                                                                            \
+    case 1: SFX(dot_##FMT##_1)(wt, rows, scales, x, out); return;                                            \
+    case 2: SFX(dot_##FMT##_2)(wt, rows, scales, x, out); return;                                            \
+    case 3: SFX(dot_##FMT##_3)(wt, rows, scales, x, out); return;                                            \
+    default: SFX(dot_##FMT##_4)(wt, rows, scales, x, out); return;                                           \
+    }
+#endif
+DOT_ROWS(FMT_BF16)
+DOT_ROWS(FMT_FP16)
+DOT_ROWS(FMT_W8)
+DOT_ROWS(FMT_W4)
+DOT_ROWS(FMT_MXFP4)
+DOT_ROWS(FMT_MXFP8)
+
+/* out[w * nr + r] = row w . x_r for the two rows and nr x rows (nr one of the instantiated counts). */
+static void SFX(dot)(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales,
+                     const float *const *x, int nr, float *out) {
+    switch (wt->fmt) {
+    case FMT_BF16: DOT_CASES(FMT_BF16)
+    case FMT_FP16: DOT_CASES(FMT_FP16)
+    case FMT_W8: DOT_CASES(FMT_W8)
+    case FMT_W4: DOT_CASES(FMT_W4)
+    case FMT_MXFP4: DOT_CASES(FMT_MXFP4)
+    default: DOT_CASES(FMT_MXFP8)
+    }
+}
+
+#undef SFX
+#undef V
+#undef VZERO
+#undef vf
+#undef VLOAD
+#undef VSET1
+#undef VFMA
+#undef VMUL
+#undef VADD
+#undef VHSUM
+#undef RMAX
+#undef DOT_FOR
+#undef DOT_ROWS
+#undef DOT_CASES
+#endif

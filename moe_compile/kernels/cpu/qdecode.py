@@ -1,0 +1,188 @@
+"""Host side of ``qdecode.c``: a quantized MoE decode step (T <= MAX_ROWS tokens) in one C call.
+
+Shapes:  T tokens, H hidden, F expert FFN width, E experts, K experts per token.
+         x [T, H] fp32, ids [T, K] int64, weights [T, K] fp32 -> y [T, H] fp32.
+         w1: ``QuantWeight`` of FC1, logical [E, 2F, H] (gate rows, then up rows);
+         w2: ``QuantWeight`` of FC2, logical [E, H, F].  Formats (``moe_compile.quant``):
+
+  fmt      data                        scale                   element (e, n, k)
+  w16      bf16 / fp16 [E, N, K]       none                    data, fp32 accumulation
+  w8-int   int8 [E, N, K]              fp16 [E, N, K/G]        q * scale
+  w4-int   uint8 [E, N, K/2]           fp16 [E, N, K/G]        (nibble - 8) * scale
+  mxfp4    uint8 [E, N, K/2] e2m1      uint8 e8m0 [E, N, K/32]  e2m1(code) * 2^(scale - 127)
+  mxfp8    uint8 [E, N, K] e4m3fn      uint8 e8m0 [E, N, K/32]  e4m3(code) * 2^(scale - 127)
+
+  (4-bit: byte j of a row holds element 2j in its low nibble, 2j+1 in its high one.)
+
+Every weight is dequantized exactly (the products q * scale are representable in fp32) and
+dotted with fp32 activations, so y equals the format's reference (dequantize, then the fp32 MoE)
+up to the order of the fp32 sums.  The kernel reads the canonical tensors as they are: no
+repacked copy, nothing kept in ``pack_cache``.
+
+``a8w8-int``, ``a8w4-int`` and ``a8w8-fp8`` (activations quantized per token) are not served here
+(``unavailable_reason`` says so): at decode their weights stream no faster than w8-int / w4-int
+ones, and the prefill kernel (``qgemm``) owns their integer tiles.
+
+The C file is built on first use (``cpu_cc``); ``MOE_COMPILE_QDECODE=0`` turns it off.  It runs
+AVX-512 where the CPU has it, AVX2 otherwise; ``MOE_COMPILE_FUSED_ISA=avx2`` (the switch
+``experts.py`` reads) runs the AVX2 loops on an AVX-512 CPU, to measure what AVX2-only CPUs get.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import weakref
+
+import torch
+
+from moe_compile.ir import FFNAttrs
+from moe_compile.kernels.cpu import cc as cpu_cc
+
+ENV = "MOE_COMPILE_QDECODE"
+ISA_ENV = "MOE_COMPILE_FUSED_ISA"  # shared with experts.py: one switch holds every tile to AVX2
+ISA_AVX2, ISA_AVX512 = 2, 512
+_ISA_NAMES = {"avx2": ISA_AVX2, "avx512": ISA_AVX512}
+MAX_ROWS = 16  # tokens per call: decode (the prefill kernel takes more)
+GROUP_MULTIPLE = 32  # scale groups must span whole 32-element blocks (a 16-byte load of 4-bit codes)
+_FORMATS = {"w16-bf16": 1, "w16-fp16": 2, "w8-int": 3, "w4-int": 4, "mxfp4": 5, "mxfp8": 6}  # the C file's FMT_*
+SERVED = ("w16", "w8-int", "w4-int", "mxfp4", "mxfp8")
+_ACTIVATION_QUANTIZED = ("a8w8-int", "a8w4-int", "a8w8-fp8")
+_KERNEL = cpu_cc.Kernel("qdecode", ENV,
+                        {"moe_qdecode_run": ([ctypes.c_void_p, ctypes.c_float, ctypes.c_int64], ctypes.c_int),
+                         "moe_qdecode_best_isa": ([], ctypes.c_int64)},
+                        "quantized decode is not served by qdecode")
+
+
+def unavailable_reason(fmt: str) -> str | None:
+    """None when this CPU runs ``fmt`` here; else why not."""
+    if fmt in _ACTIVATION_QUANTIZED:
+        return (f"qdecode serves weight-only formats {SERVED}; {fmt} quantizes activations per token "
+                "and runs in the qgemm kernel")
+    if fmt not in SERVED:
+        return f"unknown format {fmt!r}; qdecode serves {SERVED}"
+    return _kernel_reason()
+
+
+@functools.cache
+def _kernel_reason() -> str | None:
+    """Why the kernel cannot run on this machine (asked once), or None."""
+    if _KERNEL.lib() is None:
+        return f"qdecode kernel unavailable: {_KERNEL.error()}"
+    if _KERNEL.lib().moe_qdecode_best_isa() == 0:
+        return "qdecode needs AVX2 + FMA + F16C"
+    return None
+
+
+@functools.cache
+def best_isa() -> int:
+    """ISA_AVX512 where the CPU has it (F, BW, DQ, VL), else ISA_AVX2, or what ``MOE_COMPILE_FUSED_ISA``
+    asks for (read once)."""
+    best = int(_KERNEL.lib().moe_qdecode_best_isa())
+    asked = os.environ.get(ISA_ENV, "").lower()
+    if not asked:
+        return best
+    if asked not in _ISA_NAMES:
+        raise ValueError(f"{ISA_ENV}={asked!r}: use one of {sorted(_ISA_NAMES)} (or leave it unset)")
+    if _ISA_NAMES[asked] > best:
+        raise ValueError(f"{ISA_ENV}={asked}: this CPU has no AVX-512 (use avx2 or leave it unset)")
+    return _ISA_NAMES[asked]
+
+
+def _format_code(w) -> int:
+    if w.fmt == "w16":
+        if w.data.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"qdecode: w16 data must be bf16 or fp16, got {w.data.dtype}")
+        return _FORMATS["w16-bf16" if w.data.dtype == torch.bfloat16 else "w16-fp16"]
+    return _FORMATS[w.fmt]
+
+
+def _check_role(w, name: str, n: int, k: int) -> None:
+    """What a role's format, logical shape and group must be (no tensor read: ``check_call``)."""
+    reason = unavailable_reason(w.fmt)
+    if reason is not None:
+        raise ValueError(f"qdecode: {name}: {reason}")
+    if tuple(w.shape[1:]) != (n, k):
+        raise ValueError(f"qdecode: {name} must be logically [E, {n}, {k}], got {tuple(w.shape)}")
+    if w.fmt != "w16" and (w.group % GROUP_MULTIPLE or k % w.group):
+        raise ValueError(f"qdecode: {name} group {w.group} must be a multiple of {GROUP_MULTIPLE} dividing {k}")
+
+
+def check_call(x: torch.Tensor, w1, w2, attrs: FFNAttrs) -> None:
+    """Raise ValueError saying why ``run`` cannot take a call of these rows, roles (anything with
+    ``fmt``, ``shape``, ``group``) and attributes; return None when it can.  Reads no weight data."""
+    T, H = x.shape
+    E, F2, _ = w1.shape
+    if T > MAX_ROWS:
+        raise ValueError(f"qdecode serves at most {MAX_ROWS} tokens per call, got {T} (prefill: qgemm)")
+    if attrs.activation != "silu" or attrs.weight_on not in ("output", "between"):
+        raise ValueError(f"qdecode runs SwiGLU experts weighted on the output or between, got activation="
+                         f"{attrs.activation!r} weight_on={attrs.weight_on!r}")
+    _check_role(w1, "w1 (FC1)", F2, H)
+    _check_role(w2, "w2 (FC2)", H, F2 // 2)
+    if w2.shape[0] != E:
+        raise ValueError(f"qdecode: w1 has {E} experts, w2 {w2.shape[0]}")
+
+
+def _check_weight(w, name: str, n: int, k: int) -> None:
+    """The tensors the C side reads: [E, n, k'] contiguous CPU data, contiguous scales."""
+    E = w.shape[0]
+    packed_k = k // 2 if w.fmt in ("w4-int", "mxfp4") else k
+    if tuple(w.data.shape) != (E, n, packed_k) or not w.data.is_contiguous() or w.data.device.type != "cpu":
+        raise ValueError(f"qdecode: {name} data must be contiguous CPU [{E}, {n}, {packed_k}], got "
+                         f"{tuple(w.data.shape)} on {w.data.device}")
+    if w.fmt != "w16":
+        groups = k // w.group
+        if w.scale.numel() != E * n * groups or not w.scale.is_contiguous():
+            raise ValueError(f"qdecode: {name} scale must be contiguous [{E}, {n}, {groups}], got {tuple(w.scale.shape)}")
+
+
+# Weights already checked: id -> (weak reference, the C side's fields).  Checking a weight's
+# shapes, dtypes and strides costs ~3-7 us a call, 5-8% of a 4-bit Mixtral decode step's roof;
+# a QuantWeight is frozen, so once is enough (the weak reference tells a reused id apart).
+_CHECKED: dict[int, tuple] = {}
+
+
+def _role_fields(w, name: str, n: int, k: int) -> list[int]:
+    """[data, scale, format code, group] of a weight, checked the first time it is seen."""
+    hit = _CHECKED.get(id(w))
+    if hit is not None and hit[0]() is w and hit[2] == (n, k):
+        return hit[1]
+    _check_weight(w, name, n, k)
+    scale = w.scale.data_ptr() if w.fmt != "w16" else 0
+    fields = [w.data.data_ptr(), scale, _format_code(w), w.group if w.fmt != "w16" else w.shape[2]]
+    if len(_CHECKED) > 4096:  # weights of dropped models: forget their entries
+        for key in [key for key, (ref, _, _) in _CHECKED.items() if ref() is None]:
+            del _CHECKED[key]
+    _CHECKED[id(w)] = (weakref.ref(w), fields, (n, k))
+    return fields
+
+
+def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, attrs: FFNAttrs, pack_cache=None,
+        isa: int | None = None) -> torch.Tensor:
+    """y [T, H] of a decode step: sum over each token's K slots of weight * FFN_e(x), FFN_e the
+    SwiGLU of w1 / w2 dequantized (``attrs.limit`` clamps as in ``kernels/reference.py``; the
+    weight multiplies FC2's output, or its input for weight_on "between").  Ids outside [0, E)
+    contribute nothing.  ``pack_cache`` is unused (the canonical tensors are read as they are);
+    ``isa``: force ISA_AVX2 / ISA_AVX512 (tests), default ``best_isa()``."""
+    T, H = x.shape
+    E, F2, _ = w1.shape
+    F = F2 // 2
+    check_call(x, w1, w2, attrs)
+    if not (x.dtype == weights.dtype == torch.float32 and x.is_contiguous() and weights.is_contiguous()):
+        raise ValueError(f"qdecode: x and weights must be contiguous fp32, got {x.dtype} / {weights.dtype}")
+    if ids.dtype != torch.int64 or not ids.is_contiguous() or ids.shape != weights.shape or ids.shape[0] != T:
+        raise ValueError(f"qdecode: ids must be contiguous int64 [T, K] like weights {tuple(weights.shape)}, "
+                         f"got {ids.dtype} {tuple(ids.shape)}")
+    fields = _role_fields(w1, "w1 (FC1)", 2 * F, H) + _role_fields(w2, "w2 (FC2)", H, F)
+    isa = isa or best_isa()
+    y = torch.zeros(T, H, dtype=torch.float32)
+    plan = [x.data_ptr(), T, H, F, ids.data_ptr(), ids.shape[1], E, weights.data_ptr(), y.data_ptr(),
+            int(attrs.weight_on == "between"), isa, *fields]
+    status = _KERNEL.lib().moe_qdecode_run((ctypes.c_int64 * len(plan))(*plan), attrs.limit, torch.get_num_threads())
+    if status == -1:
+        raise MemoryError("qdecode: could not allocate its scratch")
+    if status != 0:
+        raise RuntimeError(f"qdecode: the kernel refused isa={isa}, formats {w1.fmt} / {w2.fmt} (status {status})")
+    return y

@@ -1,0 +1,189 @@
+"""The quantized decode kernel (kernels/cpu/qdecode.c) against each format's reference MoE.
+
+The reference: ``moe_compile.quant.reference_moe`` (the packed weight dequantized, q * scale exact
+in fp32, then the MoE in fp32).  The kernel dequantizes exactly too and sums in fp32 in its own
+order, so the only differences are fp32 rounding of the sums (K <= 256 terms of unit scale, on
+both sides) and the kernels' e^x in the SwiGLU (simd.h, ~2e-7 relative): 1e-5 of the output's
+scale per element.  A wrong nibble, scale, lane order or slot fails it by orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+from moe_compile import quant
+from moe_compile.ir import FFNAttrs
+from moe_compile.kernels.cpu import qdecode
+from moe_compile.quant import QuantWeight, reference_moe, w16 as quant_w16
+from moe_compile.quant.common import pack_nibbles
+
+needs_kernel = pytest.mark.skipif(qdecode.unavailable_reason("w4-int") is not None,
+                                  reason=f"no qdecode kernel: {qdecode.unavailable_reason('w4-int')}")
+ISAS = [qdecode.ISA_AVX2] + ([qdecode.ISA_AVX512] if qdecode.unavailable_reason("w4-int") is None
+                             and qdecode.best_isa() == qdecode.ISA_AVX512 else [])
+
+
+def pack(fmt: str, w: torch.Tensor, group: int = 32, gen: torch.Generator | None = None,
+         random_codes: bool = False) -> QuantWeight:
+    """W [E, N, K] in ``fmt`` (``w16-bf16`` / ``w16-fp16`` name w16's two dtypes) by the format's own
+    pack; ``random_codes``: MX data drawn uniformly over every code but NaN instead (scales kept)."""
+    if fmt.startswith("w16"):
+        return quant_w16.pack(w, torch.bfloat16 if fmt == "w16-bf16" else torch.float16)
+    qw = quant.pack(fmt, w, group if fmt in ("w8-int", "w4-int") else None)
+    if not random_codes:
+        return qw
+    E, N, K = qw.shape
+    if fmt == "mxfp4":
+        data = pack_nibbles(torch.randint(0, 16, (E, N, K), generator=gen))
+        return QuantWeight(fmt, data, qw.scale, qw.group, qw.shape)
+    codes = torch.randint(0, 254, (E, N, K), generator=gen)
+    codes = torch.where(codes >= 127, codes + 1, codes).to(torch.uint8)  # skip 0x7F (NaN); 0xFF never drawn
+    return QuantWeight(fmt, codes, qw.scale, qw.group, qw.shape)
+
+
+def _case(fmt, T, H, F, E, K, seed=0, ids_mode="random", group=32, random_codes=False):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen)
+    w1 = pack(fmt, torch.randn(E, 2 * F, H, generator=gen) / H**0.5, group, gen, random_codes)
+    w2 = pack(fmt, torch.randn(E, H, F, generator=gen) / F**0.5, group, gen, random_codes)
+    if ids_mode == "random":
+        ids = torch.randint(0, E, (T, K), generator=gen)
+    else:  # dropped slots: ids -1 and E (outside [0, E)) mixed in
+        ids = torch.randint(-1, E + 1, (T, K), generator=gen)
+    g = torch.rand(T, K, generator=gen)
+    return x, ids, g, w1, w2
+
+
+FORMATS = ["w16-bf16", "w16-fp16", "w8-int", "w4-int", "mxfp4", "mxfp8"]
+
+
+def _check(x, ids, g, w1, w2, attrs, isa):
+    got = qdecode.run(x, ids, g, w1, w2, attrs, None, isa=isa)
+    want = reference_moe(x, ids, g, w1, w2, attrs)
+    scale = max(want.abs().max().item(), 1e-30)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale)
+    return got, want
+
+
+# Odd E and K, T in {1, 3, 8, 16}: with 7 experts and T = 1 most experts are empty; T = 16 passes
+# 16 rows through one expert for the MX formats' seed (two passes of the 8- or 4-row kernels).
+@needs_kernel
+@pytest.mark.parametrize("fmt,T,isa", list(itertools.product(FORMATS, [1, 3, 8, 16], ISAS)))
+def test_matches_reference(fmt, T, isa):
+    x, ids, g, w1, w2 = _case(fmt, T, H=96, F=64, E=7, K=3, seed=T)
+    _check(x, ids, g, w1, w2, FFNAttrs(), isa)
+
+
+# Every e2m1 / e4m3 code (NaN aside: test_nan_codes_propagate), subnormals and -0 included.
+@needs_kernel
+@pytest.mark.parametrize("fmt,isa", list(itertools.product(["mxfp4", "mxfp8"], ISAS)))
+def test_every_mx_code(fmt, isa):
+    x, ids, g, w1, w2 = _case(fmt, 8, H=256, F=64, E=2, K=2, seed=7, random_codes=True)
+    assert len(torch.unique(w1.data)) == (256 if fmt == "mxfp4" else 254)
+    _check(x, ids, g, w1, w2, FFNAttrs(), isa)
+
+
+# The clamped SwiGLU (limit) and the routing weight between activation and FC2, dropped ids, one
+# token routed to one expert twice, and group 64.
+@needs_kernel
+@pytest.mark.parametrize("fmt,isa", list(itertools.product(FORMATS, ISAS)))
+@pytest.mark.parametrize("limit,weight_on", [(0.7, "output"), (0.0, "between")])
+def test_limit_weight_on_and_dropped_ids(fmt, isa, limit, weight_on):
+    group = 64 if fmt in ("w8-int", "w4-int") else 32
+    x, ids, g, w1, w2 = _case(fmt, 5, H=128, F=64, E=5, K=3, seed=1, ids_mode="dropped", group=group)
+    ids[0] = torch.tensor([-1, 5, 2])  # two dropped slots beside a kept one
+    ids[1] = torch.tensor([4, 4, 0])   # one token, one expert, twice: both slots add
+    got, want = _check(x, ids, g, w1, w2, FFNAttrs(limit=limit, weight_on=weight_on), isa)
+    if limit:
+        h = quant.matmul(x, w1, 2)  # the clamp must bite for the test to mean anything
+        assert h.abs().max() > limit
+
+
+# Group sizes: 32 (one flat loop), 64 / 128 / 256 (a loop per group); on AVX-512 the 4-bit loops
+# read 128-element blocks with one scale per lane, the last K mod 128 elements 32 at a time.
+@needs_kernel
+@pytest.mark.parametrize("fmt,isa", list(itertools.product(["w8-int", "w4-int"], ISAS)))
+@pytest.mark.parametrize("group", [32, 64, 128, 256])
+def test_group_sizes(fmt, isa, group):
+    x, ids, g, w1, w2 = _case(fmt, 2, H=512, F=256, E=3, K=2, seed=group, group=group)
+    _check(x, ids, g, w1, w2, FFNAttrs(), isa)
+    x, ids, g, w1, w2 = _case(fmt, 2, H=416, F=160, E=3, K=2, seed=group, group=32)  # 416 = 3 * 128 + 32
+    _check(x, ids, g, w1, w2, FFNAttrs(), isa)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+def test_all_slots_dropped_and_w16_tails(isa):
+    # H and F not multiples of the 32-element blocks (w16 only: its group is the whole row).
+    x, ids, g, w1, w2 = _case("w16-bf16", 4, H=40, F=21, E=3, K=2, seed=3)
+    _check(x, ids, g, w1, w2, FFNAttrs(), isa)
+    got = qdecode.run(x, torch.full_like(ids, 3), g, w1, w2, FFNAttrs(), None, isa=isa)
+    assert torch.equal(got, torch.zeros_like(x))
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 3])
+def test_thread_counts(threads):
+    # The feature / column split with one thread and with more threads than the rows divide into.
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x, ids, g, w1, w2 = _case("w4-int", 3, H=64, F=96, E=4, K=2, seed=4)
+        _check(x, ids, g, w1, w2, FFNAttrs(), qdecode.best_isa())
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+def test_nan_codes_propagate(isa):
+    # e4m3 0x7F is NaN: the rows it feeds are NaN, as in the reference.  e8m0 255 is NaN too (OCP
+    # MX v1.0; quant packs never write it): the column it scales is NaN, nothing else.
+    x, ids, g, w1, w2 = _case("mxfp8", 2, H=64, F=32, E=2, K=1, seed=5)
+    ids = torch.tensor([[0], [1]])
+    w1.data[0, 0, 3] = 0x7F  # expert 0, gate feature 0: all of token 0's output
+    got = qdecode.run(x, ids, g, w1, w2, FFNAttrs(), None, isa=isa)
+    want = reference_moe(x, ids, g, w1, w2, FFNAttrs())
+    assert torch.isnan(got[0]).all() and not torch.isnan(got[1]).any()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want[1].abs().max().item(), equal_nan=True)
+    w2.scale[1, 5, 0] = 255  # expert 1, output column 5
+    got = qdecode.run(x, ids, g, w1, w2, FFNAttrs(), None, isa=isa)
+    assert torch.isnan(got[1, 5]) and not torch.isnan(got[1, :5]).any() and not torch.isnan(got[1, 6:]).any()
+
+
+def test_check_call_reads_shapes_only():
+    # The dispatcher asks before packing: roles given as (fmt, shape, group) only, no tensors.
+    Role = dataclasses.make_dataclass("Role", ["fmt", "shape", "group"])
+    x = torch.empty(0, 64)
+    assert qdecode.check_call(x, Role("w4-int", (4, 64, 64), 32), Role("w4-int", (4, 64, 32), 32), FFNAttrs()) is None
+    with pytest.raises(ValueError, match="multiple of 32"):
+        qdecode.check_call(x, Role("w8-int", (4, 64, 64), 16), Role("w8-int", (4, 64, 32), 32), FFNAttrs())
+    with pytest.raises(ValueError, match="at most 16"):
+        qdecode.check_call(torch.empty(17, 64), Role("w16", (4, 64, 64), 64), Role("w16", (4, 64, 32), 32), FFNAttrs())
+
+
+def test_unavailable_formats_say_why():
+    for fmt in ("a8w8-int", "a8w4-int", "a8w8-fp8"):
+        assert "qgemm" in qdecode.unavailable_reason(fmt)
+    assert "unknown format" in qdecode.unavailable_reason("w3")
+
+
+@needs_kernel
+def test_bad_input_has_clear_error():
+    x, ids, g, w1, w2 = _case("w4-int", 2, H=64, F=32, E=2, K=2)
+    with pytest.raises(ValueError, match="at most 16 tokens"):
+        qdecode.run(torch.randn(17, 64), ids, g, w1, w2, FFNAttrs())
+    with pytest.raises(ValueError, match="int64"):
+        qdecode.run(x, ids.int(), g, w1, w2, FFNAttrs())
+    with pytest.raises(ValueError, match="weight_on"):
+        qdecode.run(x, ids, g, w1, w2, FFNAttrs(weight_on="input"))
+    bad = dataclasses.replace(w1, group=16, scale=torch.zeros(2, 64, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        qdecode.run(x, ids, g, bad, w2, FFNAttrs())
+    a8 = quant.pack("a8w8-int", torch.randn(2, 64, 64))
+    with pytest.raises(ValueError, match="qgemm"):
+        qdecode.run(x, ids, g, a8, w2, FFNAttrs())
