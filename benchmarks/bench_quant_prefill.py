@@ -155,7 +155,7 @@ def cell(shape: str, T: int, repeats: int, lib, formats, clock) -> list[dict]:
     best_llama = min(llama, key=llama.get) if llama else None
     rows = []
     for k, t in times.items():
-        rows.append(dict(shape=shape, T=T, variant=k, ms=round(t.median_s * 1e3, 3), spread_ms=t.spread,
+        rows.append(dict(shape=shape, H=H, F=F, E=E, K=K, T=T, variant=k, ms=round(t.median_s * 1e3, 3), spread_ms=t.spread,
                          x_fp32=round(base / t.median_s, 3),
                          x_best_llama=round(llama[best_llama] / t.median_s, 3) if best_llama else None,
                          best_llama=best_llama, rel_err_vs_fp32=float(f"{errs.get(k, 0.0):.2e}"),

@@ -164,6 +164,7 @@ def find_weights(deps: Deps, output, params, ids, T, K, E) -> tuple[fx.Node, boo
     accumulators = {n for n in deps.ancestors([output]) if any(m in from_params for m in deps.mutations_of(n))}
     excluded = from_params | accumulators | _permutations(deps, ids)
     scattered = _scattered_from(deps, ids) if _same(K, E) else set()
+    from_ids = deps.descendants([ids])  # a dense mask zero outside the top-k is built from the ids
     best = None
     for node in deps.ancestors([output]):
         if node in excluded or dtype_of(node) is None or not dtype_of(node).is_floating_point:
@@ -171,13 +172,13 @@ def find_weights(deps: Deps, output, params, ids, T, K, E) -> tuple[fx.Node, boo
         shape = shape_of(node)
         if shape is None or len(shape) < 2:
             continue
-        if len(shape) == 2 and _same(shape[0], E) and _same(shape[1], T) and not _same(T, E):
+        if len(shape) == 2 and _same(shape[0], E) and _same(shape[1], T) and not _same(T, E) and node in from_ids:
             kind = (True, True)
         elif not _same(tokens_of(shape), T):
             continue
         elif _same(shape[-1], K) and not (_same(K, E) and node in scattered):
             kind = (False, False)
-        elif _same(shape[-1], E):
+        elif _same(shape[-1], E) and node in from_ids:  # not x [T, H] (nor x[None]) when H == E
             kind = (True, False)
         else:
             continue
@@ -268,9 +269,27 @@ def cut_between(graph, deps: Deps, ids, weights, output, params, dense=False, de
                       "dropped; the fused op keeps every routed token — not rewritten", capped)
     buffer = _root_buffer(output)
     _absorb_dead_ends(graph, deps, nodes, stop | set(frontier))
+    shared = _sizes_used_outside(nodes, deps)
+    nodes -= shared
+    extra += sorted((n for n in shared if any(u in nodes for u in n.users)), key=deps.order.get)
     _check_closed(deps, nodes, output, buffer)
     ordered = sorted(nodes, key=deps.order.get)
     return Region(x, ids, weights, dense, dense_t, output, buffer, ordered, list(params), extra)
+
+
+def _is_size(node: fx.Node) -> bool:
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool) and not is_inplace(node)
+
+
+def _sizes_used_outside(nodes: set, deps: Deps) -> set:
+    """Size computations of the region that later code reads too, computed from sizes only: they
+    stay in the graph as the region's inputs.  Dynamo computes a symbolic size once and reuses it,
+    so with dynamic shapes the next layer's ``arange(T * K)`` reads this layer's ``T * K``."""
+    wanted = [n for n in nodes if _is_size(n) and any(u not in nodes for u in n.users)]
+    inside = deps.ancestors(wanted, stop=lambda n: n not in nodes)
+    inside &= nodes
+    return inside if all(_is_size(n) for n in inside) else set()
 
 
 def _slice(deps: Deps, output, stop: set, router: set):

@@ -29,7 +29,8 @@
  *             AVX2 4 x (8 + 8): vpmaddubsw + vpmaddwd.  a8w8 with the sign trick
  *               (|a| x sign(w, a): pairs stay <= 2 * 127 * 127 < 2^15, no saturation); a8w4 with
  *               the nibbles unsigned as above (pairs <= 2 * 15 * 127).
- *           float: fp32 FMA tiles reading A's rows in place, AVX-512 8 x (16 + 16), AVX2 6 x (8 + 8).
+ *           float: fp32 FMA tiles, AVX-512 8 x (16 + 16) reading A's rows in place, AVX2 6 x (8 + 8)
+ *           reading A tile-packed (x's rows packed per chunk by the team, FC1 writing its output so).
  *           FC1's two blocks are gate and up of the same features, FC2's consecutive columns of y.
  * Threads:  as experts.c: each GEMM splits its column units evenly over the OpenMP team (every
  *           weight read once, each column of y one writer); per chunk of an expert's rows one

@@ -4,6 +4,7 @@ for bit, and whole MoE calls against a plain-torch reference of the quantized Mo
 (AVX2 always, AVX-512 where the CPU has it), T in {17, 64, 513}, odd expert loads, empty experts
 and dropped ids."""
 
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -95,36 +96,52 @@ def test_quantizer_matches_per_token_int8_bit_for_bit():
 H, F = 64, 96  # two 32-column FC2 units; six 16-feature panels, three 32-wide scale groups along F
 
 
+@functools.cache
+def layer_weights(fmt, E):
+    """(FC1, FC2) of E experts in ``fmt``, packed once per module (packing is most of a case's time;
+    the whole-call tests never write into them)."""
+    gen = torch.Generator().manual_seed(E)
+    return make_weight(fmt, E, 2 * F, H, gen), make_weight(fmt, E, H, F, gen)
+
+
 def make_case(T, E, K, fmt, seed=0):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=gen)
     ids = torch.rand(T, E, generator=gen).argsort(1)[:, :K].contiguous() if K <= E else torch.randint(0, E, (T, K))
     g = torch.softmax(torch.randn(T, K, generator=gen), 1)
-    return x, ids, g, make_weight(fmt, E, 2 * F, H, gen), make_weight(fmt, E, H, F, gen)
+    return (x, ids, g, *layer_weights(fmt, E))
 
 
-def tolerance(fmt, w2, ref):
+def assert_matches(fmt, y, ref):
     """fp32 formats: the tiles sum in another order and the SiLU's e^x is a polynomial (~2e-7
-    relative), ~1e-6 relative.  a8 formats: the same fp32 SwiGLU differs in its last bits, and
-    where a value sits on a rounding boundary of FC2's re-quantization one code moves by 1: y
-    moves by s_a * |w2| <= (max|act| / 127) * max|w2| * g per flip (the int32 sums themselves
-    are exact: test_integer_tiles_are_exact)."""
+    relative): ~1e-6 relative.  a8 formats: the int32 sums are exact (test_integer_tiles_are_exact)
+    and the fp32 epilogues match to ~1e-7, but where a SwiGLU value sits within an ulp of a
+    rounding boundary of FC2's per-row re-quantization its code can move by 1: rare (none in these
+    cases when written), and such an element moves by about one step of one FC2 product."""
+    scale = float(ref.abs().max())
     if not fmt.startswith("a8"):
-        return dict(rtol=2e-5, atol=2e-5 * float(ref.abs().max()))
-    w2max = float(w2.scale.max()) * (127 if fmt == "a8w8-int" else 8)
-    return dict(rtol=1e-5, atol=2 * w2max * float(ref.abs().max()) / 127 + 1e-6)
+        torch.testing.assert_close(y, ref, rtol=2e-5, atol=2e-5 * scale)
+        return
+    off = (y - ref).abs() > 1e-5 * scale
+    assert off.float().mean() <= 1e-3, f"{int(off.sum())} of {off.numel()} elements off by more than 1e-5"
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-3 * scale)
 
 
-@pytest.mark.parametrize("fmt,isa", CASES)
-@pytest.mark.parametrize("T", [17, 64, 513])
+# T = 513 for every format in the default run would double its time: the integer formats and
+# w4-int there, the other float formats (the same tile behind another panel decoder) marked slow.
+WIDE_T = [(T, fmt, isa) for T in (17, 64, 513) for fmt, isa in CASES]
+WIDE_T = [pytest.param(*c, marks=pytest.mark.slow) if c[0] == 513 and c[1] in ("mxfp4", "w8-int", "w16") else c
+          for c in WIDE_T]
+
+
+@pytest.mark.parametrize("T,fmt,isa", WIDE_T)
 def test_matches_reference(fmt, isa, T):
     E, K = 6, 3
     x, ids, g, w1, w2 = make_case(T, E, K, fmt, seed=T)
     attrs = FFNAttrs()
     ref = quant.reference_moe(x, ids, g, w1, w2, attrs)
     y = qgemm.run(x, ids, g, w1, w2, attrs, {}, isa=isa, threads=2)
-    torch.testing.assert_close(y, ref, **tolerance(fmt, w2, ref))
-    assert (y - ref).abs().max() < 0.02 * ref.abs().max()  # and never more than a few flips' worth
+    assert_matches(fmt, y, ref)
 
 
 @pytest.mark.parametrize("fmt,isa", CASES)
@@ -141,7 +158,7 @@ def test_odd_routes_between_and_clamp(fmt, isa, threads):
     attrs = FFNAttrs(limit=0.7, weight_on="between")
     ref = quant.reference_moe(x, ids, g, w1, w2, attrs)
     y = qgemm.run(x, ids, g, w1, w2, attrs, {}, isa=isa, threads=threads)
-    torch.testing.assert_close(y, ref, **tolerance(fmt, w2, ref))
+    assert_matches(fmt, y, ref)
 
 
 @pytest.mark.parametrize("fmt,isa", [(f, i) for f in ("a8w8-int", "w4-int") for i in _isas(f)])
@@ -151,7 +168,7 @@ def test_experts_in_chunks_of_rows(fmt, isa, monkeypatch):
     x, ids, g, w1, w2 = make_case(29, 4, 2, fmt, seed=3)
     attrs = FFNAttrs()
     ref = quant.reference_moe(x, ids, g, w1, w2, attrs)
-    torch.testing.assert_close(qgemm.run(x, ids, g, w1, w2, attrs, {}, isa=isa), ref, **tolerance(fmt, w2, ref))
+    assert_matches(fmt, qgemm.run(x, ids, g, w1, w2, attrs, {}, isa=isa), ref)
 
 
 def test_pack_cache_holds_one_pack_per_weight():
