@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -165,7 +166,7 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
 
 
 def write_outputs(out_dir: str | None, stem: str, markdown: str, data: dict) -> None:
-    """Write ``{stem}.md`` and ``{stem}.json`` into ``out_dir`` (if given)."""
+    """Write ``{stem}.md``, ``{stem}.json`` and (with matplotlib) the plot ``{stem}.png`` into ``out_dir``."""
     if not out_dir:
         return
     os.makedirs(out_dir, exist_ok=True)
@@ -173,3 +174,196 @@ def write_outputs(out_dir: str | None, stem: str, markdown: str, data: dict) -> 
         f.write(markdown)
     with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
         json.dump(data, f, indent=2, default=str)
+    plot_results(json.loads(json.dumps(data, default=str)), os.path.join(out_dir, f"{stem}.png"), stem)
+
+
+# ----------------------------------------------------------------------------- plots
+#
+# One picture per results file: moe against its peers and the roof, per shape, across T (or across
+# ranks for expert parallel, or as bars where a benchmark has no T axis).  The panels are read from
+# the JSON every script already writes, so old results can be plotted too:
+#     python benchmarks/harness.py plot benchmarks/results/.../cpu_moe.json
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One subplot: series name -> [(x, median, low, high)] in ``unit``; ``roof`` names the bound."""
+
+    title: str
+    x_label: str
+    unit: str
+    series: dict
+    roof: str | None = "roof"
+    bars: bool = False
+
+
+def _spread(t: dict, scale: float) -> tuple[float, float, float]:
+    """(median, low, high) of a timing dict: ``median_s/min_s/max_s`` or GPU ``ms/p20/p80``."""
+    if "median_s" in t:
+        return t["median_s"] * scale, t.get("min_s", t["median_s"]) * scale, t.get("max_s", t["median_s"]) * scale
+    return t["ms"] * scale / 1e3, t.get("p20", t["ms"]) * scale / 1e3, t.get("p80", t["ms"]) * scale / 1e3
+
+
+def _dims(row: dict) -> str:
+    return f"H={row['H']} F={row['F']} E={row['E']} K={row['K']}"
+
+
+def _cpu_moe_panels(data: dict) -> list[Panel]:
+    panels: dict[str, dict] = {}
+    for row in data["results"]:
+        series = panels.setdefault(f"{row.get('shape', '')} ({_dims(row)})", {})
+        for name, timing in row["times"].items():
+            series.setdefault(name, []).append((row["T"], *_spread(timing, 1e3)))
+        roof = row.get("roof") or {}
+        if "timing" in roof or "time_s" in roof:
+            t = roof.get("timing") or {"median_s": roof["time_s"]}
+            series.setdefault("roof", []).append((row["T"], *_spread(t, 1e3)))
+    return [Panel(title, "tokens T", "ms per call", series) for title, series in panels.items()]
+
+
+def _rows_panels(data: dict) -> list[Panel]:
+    """cpu_train (one row per variant and T) and gpu_moe (one row per shape, variants inside)."""
+    panels: dict[str, dict] = {}
+    for row in data["rows"]:
+        series = panels.setdefault(_dims(row), {})
+        variants = row["results"] if "results" in row else {row["variant"]: row}
+        for name, timing in variants.items():
+            series.setdefault(name, []).append((row["T"], *_spread(timing, 1e3)))
+    return [Panel(title, "tokens T", "ms per call", series) for title, series in panels.items()]
+
+
+def _compile_time_panels(data: dict) -> list[Panel]:
+    s = data["summary"]
+    first = {name: [(name, v["first_call_median_s"], v["first_call_min_s"], v["first_call_max_s"])]
+             for name, v in s.items()}
+    steady = {name: [(name, *(v["steady_call_median_s"] * 1e3,) * 3)] for name, v in s.items()}
+    steady["eager"] = [("eager", *(next(iter(s.values()))["eager_call_median_s"] * 1e3,) * 3)]
+    return [Panel("first call (compile + run)", "", "s", first, None, True),
+            Panel("steady call", "", "ms", steady, None, True)]
+
+
+def _train_gemms_panels(data: dict) -> list[Panel]:
+    series = {name: [(name, *_spread(p["timing"], 1e3))] for name, p in data["passes"].items()}
+    shape = data.get("shape", {})
+    dims = " ".join(f"{k}={v}" for k, v in shape.items()) if isinstance(shape, dict) else str(shape)
+    return [Panel(f"expert GEMMs of one training step ({dims})", "", "ms", series, "roof", True)]
+
+
+def _ep_panels(data: dict) -> list[Panel]:
+    panels: dict[str, dict] = {}
+    for world, shapes in data["results"].items():
+        for shape, variants in shapes.items():
+            series = panels.setdefault(shape, {})
+            for name, seconds in variants.items():
+                # Times only (not row counts), and not each chunking of the sweep: their table has those.
+                if isinstance(seconds, (int, float)) and not re.search(r"^comm_|^recv_|_c\d+$", name):
+                    series.setdefault(name, []).append((int(world), seconds * 1e3, seconds * 1e3, seconds * 1e3))
+    return [Panel(f"{shape}, T={data.get('config', {}).get('tokens', '?')} per rank", "ranks", "ms per call",
+                  series, "compute") for shape, series in panels.items()]
+
+
+def result_panels(data: dict) -> list[Panel]:
+    """The panels of a results JSON, by the shape of its data; [] for a schema not known here."""
+    if isinstance(data.get("results"), list) and data["results"] and "times" in data["results"][0]:
+        return _cpu_moe_panels(data)
+    if isinstance(data.get("rows"), list) and data["rows"] and "T" in data["rows"][0]:
+        return _rows_panels(data)
+    if "summary" in data and "moe_over_default" in data:
+        return _compile_time_panels(data)
+    if "passes" in data and "gemms_ms" in data:
+        return _train_gemms_panels(data)
+    if isinstance(data.get("results"), dict) and "config" in data:
+        return _ep_panels(data)
+    return []
+
+
+def plot_results(data: dict, png_path: str, title: str) -> str | None:
+    """Write the plot of ``data`` to ``png_path``; None (and why, on stdout) when there is none."""
+    panels = result_panels(data)
+    if not panels:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("harness: no plot (pip install matplotlib, or the package's [bench] extra)")
+        return None
+    cols = min(len(panels), 3)
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(max(5.2 * cols, 8.0), 3.9 * rows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        (_draw_bars if panel.bars else _draw_lines)(ax, panel)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    machine = data.get("machine") or data.get("meta") or {}
+    note = ", ".join(str(machine[k]) for k in ("cpu", "date") if isinstance(machine, dict) and machine.get(k))
+    fig.suptitle(f"{title}" + (f" — {note}" if note else ""), fontsize=11)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return png_path
+
+
+_MOE = dict(color="tab:red", linewidth=2.4, zorder=5)  # this project's op: the one red line
+_STYLE = {"moe": _MOE, "triton": _MOE, "fused_symm": _MOE, "roof": dict(color="black", linestyle="--"),
+          "compute": dict(color="black", linestyle="--")}
+_PEER_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:gray",
+                "tab:olive", "tab:cyan")
+
+
+def _draw_lines(ax, panel: Panel) -> None:
+    xs = sorted({p[0] for pts in panel.series.values() for p in pts})
+    peers = iter(_PEER_COLORS * 2)
+    for name, pts in panel.series.items():
+        pts = sorted(pts)
+        style = _STYLE.get(name) or {"color": next(peers)}
+        x = [p[0] for p in pts]
+        y = [p[1] for p in pts]
+        err = [[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]]
+        label = name + (" (bound)" if name == panel.roof else "")
+        ax.errorbar(x, y, yerr=err, marker="o", markersize=4, capsize=2, label=label, **style)
+    if len(xs) > 1 and xs[-1] / max(xs[0], 1) >= 8:
+        ax.set_xscale("log", base=2)
+    if xs:
+        ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_yscale("log")
+    ax.set_xlabel(panel.x_label)
+    ax.set_ylabel(f"{panel.unit} (lower is better)")
+    ax.set_title(panel.title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _draw_bars(ax, panel: Panel) -> None:
+    names = list(panel.series)
+    values = [panel.series[n][0] for n in names]
+    colors = [_STYLE.get(n, {}).get("color", "tab:blue") if n != panel.roof else "grey" for n in names]
+    ax.bar(names, [v[1] for v in values], yerr=[[v[1] - v[2] for v in values], [v[3] - v[1] for v in values]],
+           color=colors, capsize=3)
+    ax.set_ylabel(f"{panel.unit} (lower is better)")
+    ax.set_title(panel.title, fontsize=10)
+    ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Plot benchmark results JSON files (PNG beside each).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plot", help="write FILE.png beside each FILE.json")
+    p.add_argument("files", nargs="+", help="results JSON files")
+    args = parser.parse_args(argv)
+    for path in args.files:
+        with open(path) as f:
+            data = json.load(f)
+        stem = os.path.splitext(path)[0]
+        written = plot_results(data, stem + ".png", os.path.relpath(stem))
+        print(written or f"{path}: no plot for this results format")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,14 +1,13 @@
-"""User surfaces: ``backend(config)``, ``@optimize``, ``explain``."""
+"""User surfaces: ``backend(config)``, ``@optimize``, ``explain``, ``last_report``."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 
-from moe_compile.config import MoEConfig
-from moe_compile.report import Report, Skipped
+from moe_compile.config import MoEConfig, split_options
+from moe_compile.report import Note, Report, Skipped
 
 
 def capture_flags():
@@ -18,35 +17,49 @@ def capture_flags():
 
 def empty_cache() -> dict:
     """Give back the CPU memory the fused op keeps between calls: expert weights packed for oneDNN
-    (``kernels/cpu_prepack``) and stacked weight gradients' buffers (``kernels/cpu_grad_cache``).
+    (``kernels/cpu/prepack.py``), stacked weight gradients' buffers (``kernels/cpu/grad_cache.py``) and
+    quantized packs with quant="auto"'s choices (``kernels/cpu/quant.py``).
     Returns the bytes each held before.  Nothing is lost: packs are rebuilt and buffers made
     afresh when later calls need them; a gradient still alive keeps its memory until freed."""
-    from moe_compile.kernels.cpu import grad_cache as cpu_grad_cache, prepack as cpu_prepack
+    from moe_compile.kernels.cpu import grad_cache as cpu_grad_cache, prepack as cpu_prepack, quant as cpu_quant
 
-    held = {"packed_weights": cpu_prepack.stats()["bytes"], "gradient_buffers": cpu_grad_cache.held_bytes()}
+    held = {"packed_weights": cpu_prepack.stats()["bytes"], "gradient_buffers": cpu_grad_cache.held_bytes(),
+            "quantized_weights": cpu_quant.stats()["bytes"]}
     cpu_prepack.clear()
     cpu_grad_cache.clear()
+    cpu_quant.clear()
     return held
 
 
 def backend(config: MoEConfig | dict | None = None, **options):
-    """A backend callable for ``torch.compile(model, backend=moe_compile.backend(...))``."""
+    """A backend callable for ``torch.compile(model, backend=moe_compile.backend(...))``; options that
+    are not moe_compile's (``mode``, Inductor config entries) go to Inductor, as with ``backend="moe"``."""
     from moe_compile.compiler import compile_graph
 
-    cfg = MoEConfig.from_options(config, **options)
+    cfg, inductor = _config_and_inductor(config, options)
 
     def moe(gm, example_inputs):
-        return compile_graph(gm, example_inputs, cfg)
+        return compile_graph(gm, example_inputs, cfg, inductor)
 
     return moe
 
 
+def _config_and_inductor(config, options: dict) -> tuple[MoEConfig, dict]:
+    mode = options.pop("mode", None)
+    if isinstance(config, MoEConfig):
+        own, inductor = split_options(options, mode)
+        return MoEConfig.from_options(config, **own), inductor
+    own, inductor = split_options({**dict(config or {}), **options}, mode)
+    return MoEConfig.from_options(own), inductor
+
+
 def optimize(fn=None, /, *, dynamic=None, fullgraph=False, **options):
-    """Decorator: ``@optimize`` or ``@optimize(verify=True, dump="dir")`` on ``forward`` or a function."""
-    cfg = MoEConfig.from_options(options)
+    """Decorator: ``@optimize`` or ``@optimize(verify=True, dump="dir")`` on ``forward`` or a function.
+    Options are ``MoEConfig``'s, plus ``mode`` and Inductor config entries (passed to Inductor)."""
+    moe = backend(None, **options)
 
     def decorate(f):
-        compiled = torch.compile(f, backend=backend(cfg), dynamic=dynamic, fullgraph=fullgraph)
+        compiled = torch.compile(f, backend=moe, dynamic=dynamic, fullgraph=fullgraph)
 
         @functools.wraps(f)
         def wrapper(*args, **kwargs):
@@ -62,41 +75,102 @@ def optimize(fn=None, /, *, dynamic=None, fullgraph=False, **options):
 def explain(module_or_fn, *example_inputs, **options) -> Report:
     """What ``backend="moe"`` would rewrite in ``module_or_fn(*example_inputs)``, and why not.
 
-    Traces with Dynamo and runs the MoE pass (including its proof); the rewritten graphs are never
-    executed — the traced function runs once, unmodified, to let Dynamo see every graph.  Dynamo's
-    caches are reset before and after (explain's traces must not linger in them), so functions
-    compiled earlier recompile on their next call.
+    Traces with Dynamo (with the capture flags ``@optimize`` sets) and runs the MoE pass
+    (including its proof); the rewritten graphs are never executed — the traced function runs
+    once, unmodified, to let Dynamo see every graph — except with ``quant="auto"``, whose graphs
+    run rewritten in that one run so that each layer measures its candidates and the report shows
+    what it chose.  Where Dynamo split the function (a graph break, a skipped frame: the model came
+    in several graphs), one more trace with ``fullgraph=True`` finds the first line that split it,
+    and the report names that line and the change that fixes it.  Dynamo's caches are reset before
+    and after (explain's traces must not linger in them), so functions compiled earlier recompile
+    on their next call.
     """
-    from moe_compile.compiler import collecting_reports, rewrite_graph
+    from moe_compile.compiler import collecting_reports, copy_module, record, rewrite_graph
 
     cfg = MoEConfig.from_options(options)
+    needs_flags, split = [], []
 
     def explain_backend(gm, inputs):
-        from moe_compile.compiler import copy_module
-
         original = copy_module(gm)
-        rewrite_graph(gm, inputs, cfg)
+        report = rewrite_graph(gm, inputs, cfg)
+        if report.rewritten and (line := _data_dependent_line(original)) is not None:
+            needs_flags.append(line)
+        reason = getattr(gm, "compile_subgraph_reason", None)  # Dynamo's: why this graph ended where it did
+        split.append(bool(getattr(reason, "graph_break", False)))
+        record(report)
+        if any(r.variant == "auto" for r in report.rewritten):
+            return gm.forward  # quant="auto" chooses on a real call: this run is the one it measures
         return original.forward
 
     with collecting_reports() as report, capture_flags(), torch.no_grad():
         torch._dynamo.reset()
-        torch.compile(module_or_fn, backend=explain_backend)(*example_inputs)
-        breaks = _graph_breaks(module_or_fn, example_inputs)
+        try:
+            torch.compile(module_or_fn, backend=explain_backend)(*example_inputs)
+        except Exception as exc:  # noqa: BLE001 — Dynamo could not trace it at all: that is the answer
+            report.skipped.append(_dynamo_refusal("Dynamo failed to trace this", exc))
+        else:
+            if len(split) != 1 or any(split):  # a graph break, or frames skipped around sub-graphs
+                report.skipped += _first_split(module_or_fn, example_inputs)
     torch._dynamo.reset()
-    report.skipped += breaks
+    if needs_flags:
+        report.notes.append(Note(NEEDS_FLAGS.format(line=needs_flags[0])))
     return report
 
 
-def _graph_breaks(fn, example_inputs) -> list[Skipped]:
-    """Where Dynamo had to split the graph: an MoE cut there cannot be rewritten as one region."""
-    with contextlib.suppress(Exception):
-        out = torch._dynamo.explain(fn)(*example_inputs)
-        result = []
-        for reason in out.break_reasons:
-            frame = reason.user_stack[-1] if reason.user_stack else None
-            where = f" at {frame.filename}:{frame.lineno}: {(frame.line or '').strip()}" if frame else ""
-            text = str(reason.reason).strip().splitlines()[0][:300]
-            result.append(Skipped(f"Dynamo could not capture this in one graph ({text}){where}; an MoE cut here "
-                                  f"is not rewritten"))
-        return result
+NEEDS_FLAGS = ("the rewritten MoE code has data-dependent sizes ({line}): a plain torch.compile(model, backend='moe') "
+               "splits it there unless torch._dynamo.config.capture_dynamic_output_shape_ops = True and "
+               "capture_scalar_outputs = True are set; @moe_compile.optimize sets both (explain() did)")
+
+
+def _data_dependent_line(gm) -> str | None:
+    """The source line of the first node whose value has a size known only at run time
+    (``nonzero``, ``where(mask)``, ``.item()``, ``.tolist()``), or None when there is none."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    from moe_compile.passes.graph import source_line
+
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value")
+        if node.op != "placeholder" and value is not None and free_unbacked_symbols(value):
+            return source_line(node) or node.format_node()
+    return None
+
+
+def _first_split(fn, example_inputs) -> list[Skipped]:
+    """The first line where Dynamo cannot keep ``fn`` in one graph, with the change that fixes it."""
+    torch._dynamo.reset()
+    try:
+        torch.compile(fn, backend=lambda gm, inputs: gm.forward, fullgraph=True)(*example_inputs)
+    except Exception as exc:  # noqa: BLE001 — Dynamo's refusal (Unsupported, UserError, ...) is the answer
+        return [_dynamo_refusal("Dynamo could not capture this in one graph", exc)]
     return []
+
+
+def _dynamo_refusal(what: str, exc: Exception) -> Skipped:
+    """A skip naming the user's line Dynamo stopped at (its ``real_stack``), its reason and the fix."""
+    frames = getattr(exc, "real_stack", None) or []
+    frame = frames[-1] if frames else None
+    where = f" at {frame.filename}:{frame.lineno}: {(frame.line or '').strip()}" if frame else ""
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    line = (frame.line or "").strip() if frame else ""
+    return Skipped(f"{what}{where} ({text}); an MoE cut there is not rewritten: {_fix_for(str(exc), line)}")
+
+
+def _fix_for(message: str, line: str = "") -> str:
+    """The change a user makes for Dynamo's most common reasons to split an MoE block (``line``:
+    the user's code where Dynamo stopped)."""
+    if line.startswith(("for ", "while ")) and "data-dependent" in message:
+        return ("loop over range(num_experts) instead of a data-dependent set of experts (HF transformers' "
+                "experts_implementation='eager' iterates `expert_hit`: load the model with experts_implementation="
+                "'grouped_mm' or 'batched_mm')")
+    if "bincount" in message:
+        return ("Dynamo cannot trace torch.bincount: count with torch.histc(ids.float(), bins=E, min=0, max=E - 1), "
+                "or drop the counts and the `if counts[i] == 0: continue` they serve (the fused op handles experts "
+                "that receive no tokens)")
+    if "data-dependent" in message or "Data-dependent" in message:
+        return ("remove the data-dependent branch (e.g. `if tok.numel() == 0: continue`, `if counts[i] == 0: "
+                "continue`): the fused op handles experts that receive no tokens")
+    if "capture_dynamic_output_shape_ops" in message or "capture_scalar_outputs" in message:
+        return ("set torch._dynamo.config.capture_dynamic_output_shape_ops = True and capture_scalar_outputs = True, "
+                "or compile with @moe_compile.optimize (it sets both)")
+    return "make this line traceable by Dynamo (torch.compile's graph-break documentation lists the usual changes)"

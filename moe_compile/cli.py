@@ -1,9 +1,9 @@
-"""``moe-compile``: demo, dump, devices.
+"""moe-compile: run the demo, dump what the moe backend does to a script's graphs, list devices.
 
-    moe-compile demo                  compile two small MoE blocks, check against eager, time them
-    moe-compile demo --world-size N   the same for expert-parallel blocks on N gloo ranks (CPU)
-    moe-compile dump SCRIPT [-- ARGS] run a script with MOE_COMPILE_DUMP set and list what was written
-    moe-compile devices               which variants this machine runs
+    moe-compile demo                  a tiny random-weight MoE language model, compiled, checked, timed
+    moe-compile demo --world-size N   expert-parallel blocks on N gloo ranks of this host (CPU)
+    moe-compile dump SCRIPT [-- ARGS] run a script with graph dumping on and list what was written
+    moe-compile devices               which kernel variants this machine runs
 """
 
 from __future__ import annotations
@@ -11,20 +11,14 @@ from __future__ import annotations
 import argparse
 import os
 import runpy
-import statistics
+import shutil
 import sys
 import tempfile
-import time
 
-
-def _median_ms(fn, x, repeats: int) -> float:
-    fn(x)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(x)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+DESCRIPTION = (
+    "A torch.compile backend (backend=\"moe\") that rewrites unfused Mixture-of-Experts layers into "
+    "fused kernels. Docs: docs/architecture.md, docs/options.md in the repository."
+)
 
 
 def _ep_rank(rank: int, world: int, store_path: str, tokens: int, results) -> None:
@@ -68,42 +62,18 @@ def demo_ep(args) -> int:
 def demo(args) -> int:
     if args.world_size > 1:
         return demo_ep(args)
-    import torch
+    from moe_compile import demo as lm_demo
 
-    from moe_compile import zoo
-    from moe_compile.api import capture_flags
-    from moe_compile.compiler import collecting_reports
-
-    torch.manual_seed(0)
-    blocks = {
-        "deepseek-style (E=64, K=6, shared expert)": zoo.DeepSeekStyleBlock(hidden=256, ffn=128),
-        "mixtral-style (E=8, K=2)": zoo.ModuleListMoE(hidden=256, ffn=512, experts=8, top_k=2),
-    }
-    rows, ok = [], True
-    for name, block in blocks.items():
-        block.eval()
-        x = torch.randn(1, args.tokens, 256)
-        print(f"== {name}", flush=True)
-        with torch.no_grad(), capture_flags():
-            want = block(x)
-            fused = torch.compile(block, backend="moe")
-            with collecting_reports() as report:  # the report of the compile itself: no extra trace
-                got = fused(x)
-            print(report)
-            err = ((got - want).abs().max() / want.abs().max()).item()
-            ok &= err <= 1e-4 and len(report.rewritten) == 1
-            print(f"max relative error vs eager: {err:.2e} ({'ok' if err <= 1e-4 else 'MISMATCH'})", flush=True)
-            default = torch.compile(block)
-            rows.append((name, _median_ms(block, x, args.repeats), _median_ms(default, x, args.repeats),
-                         _median_ms(fused, x, args.repeats)))
-    print(f"\nT={args.tokens} tokens, fp32, {torch.get_num_threads()} threads, median of {args.repeats} runs (ms):")
-    print(f"{'block':45s} {'eager':>9s} {'inductor':>9s} {'moe':>9s} {'vs best peer':>13s}")
-    for name, eager, default, fused in rows:
-        print(f"{name:45s} {eager:9.2f} {default:9.2f} {fused:9.2f} {min(eager, default) / fused:12.2f}x")
-    return 0 if ok else 1
+    models = lm_demo.MODELS if args.model == "all" else (args.model,)
+    return lm_demo.main(models, args.layers, args.prompt, args.tokens, args.repeats)
 
 
 def dump(args) -> int:
+    if not os.path.isfile(args.script):
+        print(f"moe-compile dump: no such script: {args.script!r} (give the path of a Python file to run)",
+              file=sys.stderr)
+        return 2
+    made = args.dir is None
     folder = args.dir or tempfile.mkdtemp(prefix="moe_compile_dump_")
     os.environ["MOE_COMPILE_DUMP"] = folder
     sys.argv = [args.script, *args.script_args]
@@ -111,7 +81,10 @@ def dump(args) -> int:
         runpy.run_path(args.script, run_name="__main__")
     finally:
         written = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-        print(f"\nmoe_compile dump: {len(written)} graph(s) under {folder}")
+        if made and not written:  # nothing compiled: no empty temporary folder left behind
+            shutil.rmtree(folder, ignore_errors=True)
+        print(f"\nmoe_compile dump: {len(written)} graph(s)" + (f" under {folder}" if written else
+              " (the script compiled nothing with backend=\"moe\")"))
         for name in written:
             print(f"  {os.path.join(folder, name)}: {', '.join(sorted(os.listdir(os.path.join(folder, name))))}")
     return 0
@@ -124,23 +97,49 @@ def devices(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="moe-compile", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="compile two small MoE blocks, check them against eager, time them")
-    p.add_argument("--tokens", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=5)
+def _version() -> str:
+    from moe_compile import __version__
+
+    return f"moe-compile {__version__}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from moe_compile.demo import MODELS
+
+    parser = argparse.ArgumentParser(prog="moe-compile", description=DESCRIPTION,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="one of:")
+    p = sub.add_parser("demo", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       help="build a tiny random-weight MoE language model offline, generate with it eager, "
+                            "under default torch.compile and under backend=\"moe\", check and time them",
+                       description="Builds a tiny random-weight causal LM of a real MoE architecture (no "
+                                   "download), generates greedily with it eager, under default torch.compile and "
+                                   "under backend=\"moe\", checks tokens and logits against eager and prints "
+                                   "prefill and decode tokens/s.")
+    p.add_argument("--model", choices=(*MODELS, "all"), default=MODELS[0], help="architecture of the model")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers")
+    p.add_argument("--tokens", type=int, default=32, help="tokens to generate (with --world-size: tokens per rank)")
+    p.add_argument("--prompt", type=int, default=64, help="prompt length in tokens (random ids)")
+    p.add_argument("--repeats", type=int, default=3, help="timed generate calls per variant (median)")
     p.add_argument("--world-size", type=int, default=1,
-                   help="N > 1: spawn N gloo ranks on this host and compile the expert-parallel blocks")
+                   help="N > 1: spawn N gloo ranks on this host and compile the expert-parallel blocks instead")
     p.set_defaults(func=demo)
-    p = sub.add_parser("dump", help="run SCRIPT with graph dumping on")
+    p = sub.add_parser("dump", help="run SCRIPT with graph dumping on (before/after code, report, region pictures)",
+                       description="Runs SCRIPT with MOE_COMPILE_DUMP set: every graph compiled with "
+                                   "backend=\"moe\" gets a folder with its code before and after the rewrite, "
+                                   "the report, and a picture of each rewritten MoE region.")
     p.add_argument("--dir", default=None, help="where to dump (default: a new temporary directory)")
-    p.add_argument("script")
-    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    p.add_argument("script", help="the Python script to run")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script (after --)")
     p.set_defaults(func=dump)
     p = sub.add_parser("devices", help="which kernel variants this machine runs")
     p.set_defaults(func=devices)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if getattr(args, "script_args", None) and args.script_args[:1] == ["--"]:
         args.script_args = args.script_args[1:]
     return args.func(args)

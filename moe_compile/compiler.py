@@ -1,22 +1,36 @@
 """The ``moe`` torch.compile backend (module `compiler`, so that `moe_compile.backend` stays the function).
 
     torch.compile(model, backend="moe", options={"verify": True})
+    torch.compile(model, backend="moe", mode="max-autotune")     # mode and Inductor options pass through
 
 Registered once, through the ``torch_dynamo_backends`` entry point in pyproject.toml.
+
+What it did goes to ``logging.getLogger("moe_compile")`` (INFO: one line per compiled graph;
+DEBUG: every rewrite and skip, and tracebacks) and to ``last_report()``.  Nothing is printed at
+the default log level; the one warning is for a graph the inner compiler failed on, which then
+runs without it (once per distinct failure).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import logging
 import warnings
 
 import torch
 import torch.fx as fx
 
-from moe_compile.config import MoEConfig
-from moe_compile.report import Report
+from moe_compile.config import MoEConfig, split_options
+from moe_compile.report import Note, Report
+
+log = logging.getLogger("moe_compile")
 
 _collectors: list[Report] = []  # explain() listens here while it runs
+_since_asked = Report()  # graphs compiled since last_report() was last called
+_last_answer = Report()
+_graph_ids = itertools.count()  # the process-wide number of each compiled graph, for the log
+_warned: set[str] = set()
 
 
 @contextlib.contextmanager
@@ -29,24 +43,57 @@ def collecting_reports():
         _collectors.remove(report)
 
 
-def moe_backend(gm: fx.GraphModule, example_inputs, options=None, **kwargs):
-    """Entry point of ``backend="moe"``; ``options`` come from ``torch.compile(..., options=...)``."""
-    return compile_graph(gm, example_inputs, MoEConfig.from_options(options, **kwargs))
+def last_report() -> Report:
+    """What the backend did in the graphs it compiled since the previous ``last_report()`` call
+    (the previous answer again when it compiled nothing since): after ``compiled(x)``, the
+    report of that call's compile, every graph of it."""
+    global _since_asked, _last_answer
+    if _since_asked.graphs:
+        _last_answer, _since_asked = _since_asked, Report()
+    return _last_answer
+
+
+def moe_backend(gm: fx.GraphModule, example_inputs, options=None, mode=None, **kwargs):
+    """Entry point of ``backend="moe"``; ``options`` and ``mode`` come from ``torch.compile``.
+    moe_compile's own options configure the pass; Inductor's (and ``mode``'s) go to Inductor."""
+    own, inductor = split_options({**dict(options or {}), **kwargs}, mode)
+    return compile_graph(gm, example_inputs, MoEConfig.from_options(own), inductor)
 
 
 def rewrite_graph(gm: fx.GraphModule, example_inputs, config: MoEConfig) -> Report:
-    """Rewrite gm in place; return the report (also given to explain() and the dump)."""
+    """Rewrite gm in place; return the report (also given to explain(), last_report() and the dump)."""
     import moe_compile.ops  # noqa: F401  registers torch.ops.moe_compile.fused_moe
     from moe_compile import dump
     from moe_compile.passes.pipeline import run_moe_pass
 
     before = copy_module(gm) if config.dump_dir() else None  # the dump draws the region as it was
-    report = run_moe_pass(gm, example_inputs, config.min_experts, config.save_fc1)
+    report = run_moe_pass(gm, example_inputs, config.min_experts, config.save_fc1, config.quant,
+                          config.quant_budget_db())
+    _log_graph(next(_graph_ids), report)
+    if before is not None:
+        folder = dump.write_graph_dump(config.dump_dir(), before, gm, report)
+        from moe_compile.quant import selection
+
+        for r in report.rewritten:  # quant="auto" writes its measurements there when it makes them
+            if r.quant_tag:
+                selection.watch_dump(r.quant_tag, folder)
+    return report
+
+
+def record(report: Report) -> None:
+    """Hand a finished graph's report to explain()'s collectors and to last_report()."""
     for collector in _collectors:
         collector.extend(report)
-    if before is not None:
-        dump.write_graph_dump(config.dump_dir(), before, gm, report)
-    return report
+    _since_asked.extend(report)
+
+
+def _log_graph(graph_id: int, report: Report) -> None:
+    log.info("graph %d: %d MoE region(s) rewritten, %d skipped", graph_id, len(report.rewritten),
+             len(report.skipped))
+    if log.isEnabledFor(logging.DEBUG):
+        for kind, entries in (("rewritten", report.rewritten), ("skipped", report.skipped)):
+            for entry in entries:
+                log.debug("graph %d: %s:%s", graph_id, kind, entry.line().split("]", 1)[-1])
 
 
 def copy_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -56,28 +103,51 @@ def copy_module(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-def compile_graph(gm: fx.GraphModule, example_inputs, config: MoEConfig):
+def compile_graph(gm: fx.GraphModule, example_inputs, config: MoEConfig, inductor_options: dict | None = None):
     original = copy_module(gm) if config.verify else None
     report = rewrite_graph(gm, example_inputs, config)
-    compiled = inner_compile(gm, example_inputs, config)
+    compiled = inner_compile(gm, example_inputs, config, inductor_options, report)
+    record(report)
     if original is not None and report.rewritten:
         return VerifyFirstCall(compiled, original, example_inputs, config)
     return compiled
 
 
-def inner_compile(gm: fx.GraphModule, example_inputs, config: MoEConfig):
+def inner_compile(gm: fx.GraphModule, example_inputs, config: MoEConfig, inductor_options: dict | None = None,
+                  report: Report | None = None):
+    """The inner compiler's callable for gm; where Inductor fails, gm itself (eager), with a
+    warning once per distinct failure and a note in the report: the backend runs wherever
+    ``backend="eager"`` does."""
     if config.inner == "eager":
         return gm.forward
+    from torch._dynamo.exc import RestartAnalysis, SkipFrame
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs)
+    try:
+        return compile_fx(gm, example_inputs, config_patches=inductor_options or None)
+    except (RestartAnalysis, SkipFrame):  # raised inside Inductor to make Dynamo retrace: signals, not failures
+        raise
+    except Exception as exc:  # noqa: BLE001 — any Inductor failure: run the graph as it is
+        from moe_compile.passes.pipeline import describe
+
+        reason = describe(exc)
+        log.debug("Inductor failed on the graph; it runs without Inductor", exc_info=True)
+        if report is not None:
+            report.notes.append(Note(f"Inductor failed on this graph ({reason}); it runs without Inductor "
+                                     f"(as backend='eager' would)"))
+        if reason not in _warned:
+            _warned.add(reason)
+            warnings.warn(f"moe_compile: Inductor failed on a graph ({reason}); that graph runs without Inductor. "
+                          f"Details: logging.getLogger('moe_compile') at DEBUG", RuntimeWarning, stacklevel=2)
+        return gm.forward
 
 
 class VerifyFirstCall:
     """Runs the original graph beside the rewritten one on the first real call and compares.
 
-    A mismatch beyond the dtype's tolerance switches this graph back to the original (compiled
-    by the inner compiler) for good and warns with the measured error.
+    A match within the dtype's tolerance is logged at INFO with the measured error; a mismatch
+    switches this graph back to the original (compiled by the inner compiler) for good and warns
+    with the measured error.
     """
 
     def __init__(self, compiled, original: fx.GraphModule, example_inputs, config: MoEConfig):
@@ -101,6 +171,7 @@ class VerifyFirstCall:
             if isinstance(w, torch.Tensor) and w.is_floating_point() and w.numel()
         ]
         self.last_error = max((e for e, _ in errors), default=0.0)
+        tolerance = min((tol for _, tol in errors), default=0.0)
         if any(e > tol for e, tol in errors):
             warnings.warn(
                 f"moe_compile verify: the fused graph differs from the original by {self.last_error:.2e} "
@@ -108,6 +179,8 @@ class VerifyFirstCall:
             )
             self.compiled = inner_compile(self.original, self.example_inputs, self.config)
             return self.compiled(*args)
+        log.info("verify: the fused graph equals the original on the first call (max relative error "
+                 "%.2e, tolerance %.0e)", self.last_error, tolerance)
         return got
 
 

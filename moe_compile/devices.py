@@ -8,25 +8,89 @@ import torch
 
 
 @dataclasses.dataclass(frozen=True)
+class Variant:
+    """One kernel variant a device kind runs: which kernel, and whether it was measured on one."""
+
+    name: str  # "a16w16" or a quant format ("w4-int", "a8w8-int", ...)
+    kernel: str  # the file that runs it; "" where none is built
+    verified: bool  # tested against quant.reference_moe on such a device (emulated counts, and says so)
+    note: str = ""
+
+    def line(self) -> str:
+        state = "verified" if self.verified else ("unverified" if self.kernel else "absent")
+        where = f" via {self.kernel}" if self.kernel else ""
+        return f"{self.name}: {state}{where}" + (f" ({self.note})" if self.note else "")
+
+
+@dataclasses.dataclass(frozen=True)
 class DeviceKind:
     name: str
-    variants: tuple[str, ...]  # quantized variants with a native kernel (a16w16 always runs)
-    kernel: str
+    features: str  # what selects this row
+    variants: tuple[Variant, ...]
+    reference_only: bool = False
+    note: str = ""  # how "verified" was obtained, or why not  # data from a vendor table: no kernel of this package runs there
+
+    @property
+    def kernel(self) -> str:
+        return self.variants[0].kernel if self.variants else ""
+
+    def names(self, verified_only: bool = False) -> tuple[str, ...]:
+        return tuple(v.name for v in self.variants if v.kernel and (v.verified or not verified_only))
 
 
+_FP32 = Variant("a16w16", "kernels/cpu/forward.py", True)
+_DECODE_PREFILL = "kernels/cpu/qdecode.c (T <= 16) + qgemm.c"
+_WEIGHT_ONLY = ("w16", "w8-int", "w4-int", "mxfp4")
+
+
+def _cpu_kind(name: str, features: str, isa: str, verified: bool, note: str) -> DeviceKind:
+    return DeviceKind(name, features, _cpu_variants(isa, verified), note=note)
+
+
+def _cpu_variants(isa: str, verified: bool) -> tuple[Variant, ...]:
+    rows = [_FP32] + [Variant(f, _DECODE_PREFILL, verified) for f in _WEIGHT_ONLY]
+    rows.append(Variant("mxfp8", "kernels/cpu/qdecode.c (decode only: no prefill kernel)", verified))
+    rows += [Variant(f, f"kernels/cpu/qgemm.c ({isa} int8 tile)", verified) for f in ("a8w8-int", "a8w4-int")]
+    rows.append(Variant("a8w8-fp8", "", False, "no CPU fp8 kernel"))
+    return tuple(rows)
+
+
+_TESTS = "verified: tests/kernels/cpu/test_qdecode.py / test_qgemm.py against quant.reference_moe on Zen 4"
 CPU_KINDS = (
-    DeviceKind("cpu-avx2", ("a16w16",), "kernels/cpu/forward.py (torch GEMMs per expert segment)"),
-    DeviceKind("cpu-avx512-vnni", ("a16w16",), "kernels/cpu/forward.py; int8 VNNI kernels not built yet"),
-    DeviceKind("cpu-amx", ("a16w16",), "kernels/cpu/forward.py; AMX bf16/int8 kernels not built yet"),
+    _cpu_kind("cpu-avx2", "AVX2 + FMA + F16C", "AVX2 vpmaddubsw", True,
+              _TESTS + ", AVX2 emulated (MOE_COMPILE_FUSED_ISA=avx2)"),
+    _cpu_kind("cpu-avx512-vnni", "AVX-512 F/BW + VNNI", "AVX-512 VNNI vpdpbusd", True, _TESTS),
+    _cpu_kind("cpu-avx512-bf16", "AVX-512 + VNNI + BF16", "AVX-512 VNNI vpdpbusd", True,
+              _TESTS + "; the VNNI tiles run (no bf16 dot kernel)"),
+    _cpu_kind("cpu-amx", "AMX tiles", "AVX-512 VNNI vpdpbusd", False,
+              "unverified: no AMX machine measured, AMX tiles not built"),
 )
+
+
+_TRITON_QUANT = ("w8-int", "w4-int", "mxfp4", "a8w8-int", "a8w4-int")  # kernels/triton/quant_gemm.py
+
+
+def _cuda_variants(quant: tuple[str, ...]) -> tuple[Variant, ...]:
+    """GPU quantized variants: the Triton GEMMs of quant_gemm.py are interpreter-tested only and not
+    dispatched (unverified: never chosen, an explicit request is refused); the rest are absent."""
+    rows = [Variant("a16w16", "kernels/triton (bf16/fp16)", True)]
+    for f in quant:
+        if f in _TRITON_QUANT:
+            rows.append(Variant(f, "kernels/triton/quant_gemm.py", False, "TRITON_INTERPRET=1 only, not dispatched"))
+        else:
+            rows.append(Variant(f, "", False, "Triton variant not built"))
+    return tuple(rows)
+
+
 CUDA_KINDS = {
-    (8, 0): DeviceKind("sm80", ("a16w16",), "kernels/triton (bf16/fp16)"),
-    (8, 9): DeviceKind("sm89", ("a16w16",), "kernels/triton (bf16/fp16)"),
-    (9, 0): DeviceKind("sm90", ("a16w16",), "kernels/triton (bf16/fp16)"),
-    (10, 0): DeviceKind("sm100", ("a16w16",), "kernels/triton (bf16/fp16)"),
+    (8, 0): DeviceKind("sm80", "compute capability 8.0", _cuda_variants(("a8w8-int", "w4-int", "mxfp4"))),
+    (8, 9): DeviceKind("sm89", "compute capability 8.9", _cuda_variants(("a8w8-int", "a8w8-fp8", "w4-int", "mxfp4"))),
+    (9, 0): DeviceKind("sm90", "compute capability 9.0", _cuda_variants(("a8w8-int", "a8w8-fp8", "w4-int", "mxfp4"))),
+    (10, 0): DeviceKind("sm100", "compute capability 10.0",
+                        _cuda_variants(("a8w8-int", "a8w8-fp8", "w4-int", "mxfp4", "mxfp8"))),
 }
-# The seed operator's Ascend product table (the Ascend ``mega_moe`` operator page: supported products,
-# and which Linear data types each runs), kept as data: no Ascend kernel runs here.
+# The seed operator's Ascend product table (its supported products, and which Linear data types
+# each runs), kept as reference data: no Ascend kernel runs here.
 ASCEND_VARIANTS = {
     "Ascend 950PR / 950DT": ("a8w8-fp", "a8w4-fp", "a4w4-fp"),
     "Atlas A3 training / inference": ("a16w16", "a8w8-int", "a8w4-int"),
@@ -35,15 +99,56 @@ ASCEND_VARIANTS = {
     "Atlas inference series": (),
     "Atlas training series": (),
 }
+ASCEND_KINDS = tuple(
+    DeviceKind(product, "Ascend mega_moe product table", tuple(Variant(v, "", False, "no kernel here") for v in vs),
+               reference_only=True, note="the seed operator's product table")
+    for product, vs in ASCEND_VARIANTS.items()
+)
+
+
+def cpu_flags() -> set:
+    """The CPU's feature flags (Linux /proc/cpuinfo), or torch's capability string's words elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return {torch.backends.cpu.get_cpu_capability().lower()}
 
 
 def cpu_kind() -> DeviceKind:
-    caps = torch.backends.cpu.get_cpu_capability()
-    if "AMX" in caps:
-        return CPU_KINDS[2]
-    if "AVX512" in caps:
-        return CPU_KINDS[1]
-    return CPU_KINDS[0]
+    """This CPU's row, and the features that chose it (``cpu_kind_reason``)."""
+    return _cpu_kind_and_reason()[0]
+
+
+def cpu_kind_reason() -> str:
+    return _cpu_kind_and_reason()[1]
+
+
+def _cpu_kind_and_reason():
+    flags = cpu_flags()
+    if "amx_tile" in flags or "amx" in flags:
+        return CPU_KINDS[3], "flags amx_tile"
+    if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
+        if "avx512_bf16" in flags:
+            return CPU_KINDS[2], "flags avx512f, avx512bw, avx512_vnni, avx512_bf16"
+        return CPU_KINDS[1], "flags avx512f, avx512bw, avx512_vnni"
+    if "avx512" in flags:  # torch's capability string only
+        return CPU_KINDS[1], "torch reports AVX512"
+    return CPU_KINDS[0], "no AVX-512 VNNI: AVX2"
+
+
+def _native_here() -> list[str]:
+    """Per quant format, what this machine's checkout runs natively (a Mixtral-like shape)."""
+    from moe_compile.kernels.cpu import quant as cpu_quant
+
+    native, refused = cpu_quant.native_formats(8, 1024, 2048)
+    lines = [f"  {f}: decode on {regs['decode'] or '-'}, prefill on {regs['prefill'] or '-'}"
+             for f, regs in native.items()]
+    lines += [f"  {f}: not native here ({why[:160]})" for f, why in refused.items() if f not in native]
+    return lines
 
 
 def _skinny_status() -> str:
@@ -73,17 +178,24 @@ def _prefill_status() -> str:
 
 
 def describe() -> str:
-    lines = [f"cpu: {torch.backends.cpu.get_cpu_capability()} -> {cpu_kind().name}: "
-             f"{', '.join(cpu_kind().variants)} via {cpu_kind().kernel}", f"cpu decode: {_skinny_status()}",
-             f"cpu prefill: {_prefill_status()}"]
+    """This machine's rows and why, then the reference data (rows no kernel here runs)."""
+    kind = cpu_kind()
+    lines = ["this machine:",
+             f"cpu: {torch.backends.cpu.get_cpu_capability()} -> {kind.name} ({cpu_kind_reason()})",
+             f"cpu decode: {_skinny_status()}", f"cpu prefill: {_prefill_status()}",
+             f"cpu variants of {kind.name} (table; {kind.note}):"] + [f"  {v.line()}" for v in kind.variants]
+    lines += ["cpu quantized variants this checkout runs (quant='auto' chooses among them):"] + _native_here()
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             cap = torch.cuda.get_device_capability(i)
-            kind = CUDA_KINDS.get(cap, DeviceKind(f"sm{cap[0]}{cap[1]}", ("a16w16",), "reference (no tuned kernel)"))
-            lines.append(f"cuda:{i}: {torch.cuda.get_device_name(i)} {kind.name}: {', '.join(kind.variants)} via "
-                         f"{kind.kernel}")
+            ck = CUDA_KINDS.get(cap, DeviceKind(f"sm{cap[0]}{cap[1]}", "unknown", (Variant("a16w16", "reference", False),)))
+            lines.append(f"cuda:{i}: {torch.cuda.get_device_name(i)} -> {ck.name}: " + "; ".join(v.line() for v in ck.variants))
     else:
         lines.append("cuda: not available")
-    lines.append("ascend (data only): " + "; ".join(
-        f"{k}: {', '.join(v) or 'not supported'}" for k, v in ASCEND_VARIANTS.items()))
+    lines.append("")
+    lines.append("reference data (no kernel here):")
+    for ck in CUDA_KINDS.values():
+        lines.append(f"  cuda {ck.name}: " + "; ".join(v.line() for v in ck.variants))
+    for ak in ASCEND_KINDS:
+        lines.append(f"  ascend {ak.name}: {', '.join(ak.names() or (v.name for v in ak.variants)) or 'not supported'}")
     return "\n".join(lines)

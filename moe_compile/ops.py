@@ -179,6 +179,12 @@ def _fused_moe_infer(*args) -> torch.Tensor:
     if torch.is_grad_enabled() and _needs_grad(args):  # torch alone would warn at backward, grads missing
         raise RuntimeError("moe_compile::fused_moe_infer has no backward; call moe_compile::fused_moe (or "
                            "run under torch.no_grad()) where gradients must flow through the MoE")
+    if not args[0].is_cuda:  # a plain CPU decode step straight to its kernel: see cpu_decode.decode_args
+        from moe_compile.kernels.cpu import decode as cpu_decode
+
+        y = cpu_decode.decode_args(args, torch.get_num_threads())
+        if y is not None:
+            return y
     return run_experts(*parse_op_args(args))
 
 
@@ -190,6 +196,28 @@ def _needs_grad(args) -> bool:
 for _key in ("CPU", "CUDA"):
     _INFER_LIB.impl("fused_moe_infer", _fused_moe_infer, _key)
 torch.library.register_fake(INFER_OP_NAME, lib=_INFER_LIB)(_fused_moe_fake)
+
+# ``fused_moe_quant``: ``fused_moe_infer`` plus the quantization the passes chose (inference only,
+# CPU): ``quant`` a format name or "auto", ``accuracy_db`` auto's budget, ``tag`` the layer's name
+# in explain() (module path and graph).  ``kernels/cpu/quant.py`` packs and dispatches.
+QUANT_OP_NAME = "moe_compile::fused_moe_quant"
+_INFER_LIB.define(QUANT_OP_NAME.split("::")[1] + op_args_schema()[:-1] + ", str quant, float accuracy_db, str tag) -> Tensor")
+
+
+def _fused_moe_quant(*args) -> torch.Tensor:
+    *op_args, quant, accuracy_db, tag = args
+    x, topk_ids, topk_weights, w, attrs = parse_op_args(op_args)
+    from moe_compile.kernels.cpu import quant as cpu_quant
+
+    return cpu_quant.run(x, topk_ids, topk_weights, w, attrs, quant, accuracy_db, tag)
+
+
+def _fused_moe_quant_fake(*args):
+    return parse_op_args(args[:-3])[0].new_empty(args[0].shape)
+
+
+_INFER_LIB.impl("fused_moe_quant", _fused_moe_quant, "CPU")
+torch.library.register_fake(QUANT_OP_NAME, lib=_INFER_LIB)(_fused_moe_quant_fake)
 
 # Under torch.autocast the op behaves like the Linears it replaces: floating inputs (activations,
 # routing weights, expert weights) are cast to the autocast dtype and the op runs with autocast off;

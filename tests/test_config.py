@@ -20,7 +20,7 @@ def test_bad_values_are_rejected():
     with pytest.raises(ValueError, match="inner"):
         MoEConfig(inner="tvm")
     with pytest.raises(ValueError, match="quant"):
-        MoEConfig(quant="mxfp4")
+        MoEConfig(quant="int3")
     with pytest.raises(TypeError, match="verify"):
         MoEConfig(verify="yes")
     with pytest.raises(TypeError, match="save_fc1"):

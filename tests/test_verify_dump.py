@@ -84,6 +84,26 @@ def test_region_picture_renders_readable_png_and_svg(tmp_path):
     assert "COMBINE" in svg and "fused_moe" in svg
 
 
+def test_region_picture_of_an_hf_qwen3_moe_layer(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      num_experts=8, num_experts_per_tok=2, vocab_size=128)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        torch.compile(model, backend="moe", options={"dump": str(tmp_path), "inner": "eager"})(
+            torch.randint(0, 128, (1, 6)))
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    dot = (folder / "moe_region_0.dot").read_text()
+    # HF v5 keeps stacked experts and sorts by expert: the sorted family, weights named by module path.
+    for label in ("model.layers.0.mlp.experts (sorted, E=8, K=2)", "ROUTER", "reads model.layers.0.mlp.gate.weight",
+                  "TOP-K", "DISPATCH", "EXPERTS", "COMBINE", "model.layers.0.mlp.experts.gate_up_proj  [8, 96, 64]",
+                  "E=8  K=2  H=64  F=48"):
+        assert label in dot, label
+    if shutil.which("dot"):
+        assert _png_size(folder / "moe_region_0.png")[0] <= 2000
+
+
 def test_collapse_paths():
     paths = [f"model.layers.0.mlp.experts.{e}.w1.weight" for e in range(8)]
     assert collapse_paths(paths) == "model.layers.0.mlp.experts[0..7].w1.weight"

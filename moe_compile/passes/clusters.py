@@ -253,7 +253,9 @@ def selected_by(deps: Deps, topk: fx.Node, ffn_outputs: set[fx.Node]) -> set[fx.
         ins = deps.inputs(node)
         if any(i in reached and i not in after for i in ins):
             reached.add(node)
-        if (node in reached and node in ffn_outputs) or any(i in after for i in ins):
+        # reading any FFN's output is after it, reached or not (dense experts run on every token
+        # before the mask: ``einsum("eth,te->th", out, mask)`` is reached through the mask only)
+        if (node in reached and node in ffn_outputs) or any(i in after or i in ffn_outputs for i in ins):
             after.add(node)
     return reached
 
@@ -269,13 +271,32 @@ def group_by_topk(graph: fx.Graph, deps: Deps, clusters: list[Cluster]) -> tuple
     unrouted = []
     reach = {t: selected_by(deps, t, downs) for t in topks}  # one walk per top-k, not per cluster
     for cluster in clusters:
-        near = [t for t in topks if cluster.down in reach[t]]
+        near = [t for t in topks if cluster.down in reach[t] or _masked_after(cluster, reach[t])]
         if not near:
             unrouted.append(cluster)
             continue
         nearest = max(near, key=lambda t: deps.order[t])
         groups.setdefault(nearest, []).append(cluster)
     return [Candidate(t, cs) for t, cs in groups.items()], unrouted
+
+
+def _masked_after(cluster: Cluster, reach: set) -> bool:
+    """Stacked experts run on every token before any routing, their [E, T, H] output weighted by a
+    dense mask that depends on the top-k (``einsum("eth,te->th", out, mask)``, ``out * mask``):
+    routed by that top-k.  (A shared expert's [T, H] output added to the routed one is not.)"""
+    value = cluster.down.meta.get("example_value")
+    if not isinstance(value, torch.Tensor) or value.dim() != 3 or cluster.down_w.expert is not None:
+        return False
+    frontier = [cluster.down]
+    for _ in range(3):
+        frontier = [u for n in frontier for u in n.users]
+        if any(u in reach and target_name(u) in _MASKING for u in frontier):
+            return True
+        frontier = [u for u in frontier if is_view_like(u)]
+    return False
+
+
+_MASKING = ("einsum", "mul", "__mul__", "bmm", "matmul", "__matmul__")
 
 
 def unrecognised_experts(graph: fx.Graph, deps: Deps, candidates: list[Candidate]) -> list[fx.Node]:

@@ -162,8 +162,6 @@ class EPMatch(Match):
     def replace_with_fused_op(self, graph: fx.Graph, deps: Deps, save_fc1: bool = True) -> fx.Node:
         spec, region = self.spec, self.region
         a = spec.attrs
-        roles = (list(spec.fc1), list(spec.fc1_up), list(spec.fc2), list(spec.fc1_bias), list(spec.fc1_up_bias),
-                 list(spec.fc2_bias))
         statics = (a.gate_up, a.transposed, a.activation, a.limit, a.alpha, a.weight_on)
         if self.id_offset is None:
             from moe_compile import ep
@@ -172,14 +170,17 @@ class EPMatch(Match):
 
         def make_call(g: fx.Graph) -> fx.Node:
             ids, weights = region_mod.flat_routing(g, region)  # [T, K] each
+            x, roles = lift_mod.cast_operands(g, region.x, lift_mod.spec_roles(spec), self.op_dtype)
             if self.id_offset is not None:
                 local_ids = g.call_function(torch.sub, (ids, self.id_offset))  # [T, K]
-                return lift_mod.emit_fused_moe(g, (region.x, local_ids, weights, *roles, *statics), save_fc1)
-            return g.call_function(
-                torch.ops.moe_compile.fused_moe_ep.default,
-                (region.x, ids, weights, *roles, *statics, self.group_name, spec.num_experts,
-                 0, "auto", 0, EP_TIMEOUT_S),
-            )
+                out = lift_mod.emit_fused_moe(g, (x, local_ids, weights, *roles, *statics), save_fc1)
+            else:
+                out = g.call_function(
+                    torch.ops.moe_compile.fused_moe_ep.default,
+                    (x, ids, weights, *roles, *statics, self.group_name, spec.num_experts, 0, "auto", 0,
+                     EP_TIMEOUT_S),
+                )
+            return lift_mod.cast_result(g, out, region, self.op_dtype)
 
         return region_mod.replace_region(graph, deps, region, make_call)
 
@@ -263,8 +264,9 @@ def _find_all_reduce(graph, deps: Deps, candidate: Candidate, values) -> EPMatch
     _drop_absorbed_collectives(deps, region)
     reduce = _reducing_collective(deps, region)
     world = resolve_group(group_name_of(reduce), reduce).size()
-    values.compute([region.x, region.ids, *region.extra_inputs])
-    hyps = lift_mod.hypotheses(deps, region, ordered, roles, values)
+    values.compute([region.x, region.ids, region.weights, *region.extra_inputs])
+    op_dtype = lift_mod.op_dtype_of(ordered, region.x, params)
+    hyps = lift_mod.hypotheses(deps, region, ordered, roles, values, op_dtype)
     if not hyps:
         raise Refusal("the expert weight shapes fit no supported gate/up layout", ordered[0].down)
     region_fn = region_mod.extract(region)
@@ -274,8 +276,8 @@ def _find_all_reduce(graph, deps: Deps, candidate: Candidate, values) -> EPMatch
 
     try:
         best, err, tol = prove.run_proof(
-            on_global_ids, values[region.x], values[region.ids].dtype, region.weights.meta.get("example_value"),
-            [values[p] for p in params], [values[s] for s in region.extra_inputs], hyps, K, E, None,
+            on_global_ids, values[region.x], values[region.ids], values[region.weights],
+            [values[p] for p in params], [values[s] for s in region.extra_inputs], hyps, K, E, None, op_dtype,
         )
     except Exception as exc:  # noqa: BLE001
         raise Refusal(f"running the region on synthetic routing failed ({type(exc).__name__}: {exc})",
@@ -283,7 +285,7 @@ def _find_all_reduce(graph, deps: Deps, candidate: Candidate, values) -> EPMatch
     if best is None:
         raise _not_proven(err, tol, ordered[0].down)
     spec = _spec(region, best.roles, best, E, K)
-    return EPMatch(spec, region, err, world_size=world, local_experts=n,
+    return EPMatch(spec, region, err, op_dtype, world_size=world, local_experts=n,
                    group_name=group_name_of(reduce), id_offset=lo)
 
 
@@ -344,7 +346,8 @@ def _outputs_and_weights(deps: Deps, ids: fx.Node, downs, hidden_sizes, params) 
     id_shape = shape_of(ids)  # [T, K], or [B, S, K] when the top-k ran on 3-D scores
     T, K = region_mod.tokens_of(id_shape), id_shape[-1]
     router = deps.ancestors([ids])
-    not_routing = deps.descendants(params) | deps.descendants([ids])  # routing weights come from the router
+    # routing weights come from the router: not from the experts, nor permuted by the ids' order
+    not_routing = deps.descendants(params) | region_mod._permutations(deps, ids)
     common = None
     for down in downs:
         desc = deps.descendants([down])
@@ -446,13 +449,14 @@ def _find_all_to_all(graph, deps: Deps, candidate: Candidate, values) -> EPMatch
     downs = [c.down for c in ordered]
     region = _cut_first_closed(graph, deps, ids, downs, hidden_sizes, params)
     skeleton = _skeleton(deps, region, downs, E, local)
-    values.compute([region.x, region.ids, *region.extra_inputs])
-    hyps = lift_mod.hypotheses(deps, region, ordered, roles, values)
+    values.compute([region.x, region.ids, region.weights, *region.extra_inputs])
+    op_dtype = lift_mod.op_dtype_of(ordered, region.x, params)
+    hyps = lift_mod.hypotheses(deps, region, ordered, roles, values, op_dtype)
     hyps.sort(key=lambda h: h.attrs.weight_on != "output")  # the combine weights after the reverse all-to-all
     if not hyps:
         raise Refusal("the expert weight shapes fit no supported gate/up layout", downs[0])
     try:
-        best, err, tol = prove_simulated(region, values, params, hyps, K, E, skeleton.world, local)
+        best, err, tol = prove_simulated(region, values, params, hyps, K, E, skeleton.world, local, op_dtype)
     except Refusal:
         raise
     except Exception as exc:  # noqa: BLE001
@@ -461,7 +465,7 @@ def _find_all_to_all(graph, deps: Deps, candidate: Candidate, values) -> EPMatch
     if best is None:
         raise _not_proven(err, tol, downs[0])
     spec = _spec(region, best.roles, best, E, K)
-    return EPMatch(spec, region, err, world_size=skeleton.world, local_experts=local,
+    return EPMatch(spec, region, err, op_dtype, world_size=skeleton.world, local_experts=local,
                    group_name=skeleton.group_name)
 
 
@@ -552,32 +556,36 @@ def _routing_rounds(T, K, E, world, local, w_dtype, ids_dtype, device):
     return [[(ids.to(ids_dtype), g) for ids, g in rnd] for rnd in out]
 
 
-def prove_simulated(region: Region, values, params, hyps, K, E, world, local):
-    """(best hypothesis, worst error, tolerance) of the EP region simulated on ``world`` ranks."""
+def prove_simulated(region: Region, values, params, hyps, K, E, world, local, op_dtype=None):
+    """(best hypothesis, worst error, tolerance) of the EP region simulated on ``world`` ranks.
+    ``op_dtype``: as in ``prove.run_proof`` (the region casts x / its weights for its GEMMs)."""
     x_real = values[region.x]
     T = x_real.shape[0]
     if T == 0:
         return None, math.inf, 0.0
-    tol = prove.PROOF_TOLERANCE.get(x_real.dtype, 3e-2)
+    tol = prove.PROOF_TOLERANCE.get(op_dtype or x_real.dtype, 3e-2)
     region_fn = region_mod.extract(region)
-    weights_like = region.weights.meta.get("example_value")
+    weights_like = values[region.weights]
+    ids_shape = values[region.ids].shape  # [T, K] or [B, S, K]
     sizes = [values[s] for s in region.extra_inputs]
     rank_params = [[values[p] * _rank_scale(r) for p in params] for r in range(world)]
     xs = [x_real if r == 0 else x_real.roll(r, dims=0).flip(1) for r in range(world)]
+    xs_op = xs if op_dtype is None else [x.to(op_dtype) for x in xs]
     globals_ = {id(h): prove.Hypothesis(_global_weights(h.weights, world), h.attrs, h.roles) for h in hyps}
     worst = {id(h): 0.0 for h in hyps}
     alive = list(hyps)
     with torch.no_grad():
         for rnd in _routing_rounds(T, K, E, world, local, weights_like.dtype, values[region.ids].dtype,
                                    x_real.device):
-            inputs = [[xs[r], ids, g, *rank_params[r], *sizes] for r, (ids, g) in enumerate(rnd)]
+            inputs = [[xs[r], ids.reshape(ids_shape), g.reshape(weights_like.shape), *rank_params[r], *sizes]
+                      for r, (ids, g) in enumerate(rnd)]
             wants = simulate(region_fn, inputs)
             for hyp in list(alive):
-                err = max(prove._hypothesis_error(globals_[id(hyp)], xs[r], ids, g, wants[r])
+                err = max(prove._hypothesis_error(globals_[id(hyp)], xs_op[r], ids, g, wants[r])
                           for r, (ids, g) in enumerate(rnd))
                 worst[id(hyp)] = max(worst[id(hyp)], err)
                 if err > tol and len(alive) > 1:
-                    alive.remove(hyp)
+                    alive = [h for h in alive if h is not hyp]  # by identity: == compares tensors
     # The first fitting hypothesis in the given order, not the least error: equal hypotheses
     # ("output" / "between") differ by rounding, and every rank must pick the same one (the EP op
     # checks that the ranks agree on their attributes).

@@ -114,6 +114,35 @@ def const_int_index(node: fx.Node) -> int | None:
     return None
 
 
+# Ops whose result shares its input's storage: an in-place write to the result writes the input
+# (``buf[..., :n].copy_(a)``, DeepSeek's attention filling a ``new_empty`` key buffer in halves).
+_ALIAS_METHODS = {"view", "transpose", "permute", "t", "unsqueeze", "squeeze", "expand", "unflatten", "narrow",
+                  "select", "diagonal", "as_strided", "view_as", "__getitem__"}
+_ALIAS_FUNCS = {torch.transpose, torch.t, torch.permute, torch.narrow, torch.select, torch.unsqueeze,
+                torch.squeeze, torch.diagonal, torch.as_strided, operator.getitem}
+
+
+def _basic_index(index) -> bool:
+    """Whether ``t[index]`` is a view: ints, slices, Ellipsis and None only (a tensor index copies)."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return all(p is None or p is Ellipsis or isinstance(p, (int, slice)) for p in parts)
+
+
+def aliased_bases(node: fx.Node) -> list[fx.Node]:
+    """``node`` and the tensors it is a view of: an in-place write to ``node`` mutates them all."""
+    found = [node]
+    for _ in range(16):
+        is_alias = (node.op == "call_method" and node.target in _ALIAS_METHODS
+                    or node.op == "call_function" and node.target in _ALIAS_FUNCS)
+        if not is_alias or not node.args or not isinstance(node.args[0], fx.Node):
+            break
+        if target_name(node) in ("getitem", "__getitem__") and not _basic_index(node.args[1]):
+            break
+        node = node.args[0]
+        found.append(node)
+    return found
+
+
 class Deps:
     """Mutation-aware data dependencies of one graph.
 
@@ -127,7 +156,8 @@ class Deps:
         self._mutations: dict[fx.Node, list[fx.Node]] = {}
         for node in graph.nodes:
             if is_inplace(node) and node.args and isinstance(node.args[0], fx.Node):
-                self._mutations.setdefault(node.args[0], []).append(node)
+                for target in aliased_bases(node.args[0]):
+                    self._mutations.setdefault(target, []).append(node)
         self._inputs: dict[fx.Node, list[fx.Node]] = {}
         for node in graph.nodes:
             self._inputs[node] = self._compute_inputs(node)
@@ -178,7 +208,11 @@ class Deps:
         return seen
 
     def first_reached_by_all(self, sources: list[fx.Node], accept) -> fx.Node | None:
-        """The earliest node (graph order) that depends on every source and passes ``accept``.
+        """The earliest node (graph order) that depends on every source and passes ``accept``."""
+        return next(iter(self.reached_by_all(sources, accept, 1)), None)
+
+    def reached_by_all(self, sources: list[fx.Node], accept, limit: int) -> list[fx.Node]:
+        """The first ``limit`` nodes (graph order) that depend on every source and pass ``accept``.
 
         One forward pass with a bitset per node (bit i = depends on sources[i]): linear in the
         graph, where intersecting per-source descendant sets would be quadratic.
@@ -186,6 +220,7 @@ class Deps:
         full = (1 << len(sources)) - 1
         bits = {src: 1 << i for i, src in enumerate(sources)}
         start = min(self.order[s] for s in sources)
+        found = []
         for node, index in self.order.items():
             if index < start:
                 continue
@@ -195,8 +230,10 @@ class Deps:
             if mask:
                 bits[node] = mask
                 if mask == full and accept(node):
-                    return node
-        return None
+                    found.append(node)
+                    if len(found) == limit:
+                        break
+        return found
 
 
 def source_line(node: fx.Node) -> str:

@@ -48,7 +48,8 @@ class Match:
     error: float
     op_dtype: torch.dtype | None = None  # the region casts x / its weights to this dtype for its GEMMs
 
-    def replace_with_fused_op(self, graph: fx.Graph, deps: Deps, save_fc1: bool = True) -> fx.Node:
+    def replace_with_fused_op(self, graph: fx.Graph, deps: Deps, save_fc1: bool = True, quant=None) -> fx.Node:
+        """``quant``: a ``quant.plan.QuantPlan`` with a policy, or None (the unquantized op)."""
         spec = self.spec
 
         def make_call(g: fx.Graph) -> fx.Node:
@@ -56,7 +57,12 @@ class Match:
             a = spec.attrs
             x, roles = cast_operands(g, self.region.x, spec_roles(spec), self.op_dtype)
             args = (x, ids, routing, *roles, a.gate_up, a.transposed, a.activation, a.limit, a.alpha, a.weight_on)
-            return cast_result(g, emit_fused_moe(g, args, save_fc1), self.region, self.op_dtype)
+            if quant is not None and quant.policy:  # inference only: the plan refused training graphs
+                call = g.call_function(torch.ops.moe_compile.fused_moe_quant.default,
+                                       (*args, quant.policy, quant.budget_db, quant.tag))
+            else:
+                call = emit_fused_moe(g, args, save_fc1)
+            return cast_result(g, call, self.region, self.op_dtype)
 
         return region_mod.replace_region(graph, deps, self.region, make_call)
 

@@ -45,6 +45,13 @@ def synthetic_routing(T: int, K: int, E: int, round_: int, w_dtype, device, gene
     return ids, weights
 
 
+def crowded_routing(T: int, K: int, E: int, w_dtype, device, generator):
+    """ids [T, K] = (0, 1, .., K-1) for every token: K experts receive all T tokens each."""
+    ids = torch.arange(K, device=device).expand(T, K) % E
+    weights = torch.rand(T, K, generator=generator, dtype=torch.float32).to(device, w_dtype) + 0.1
+    return ids.contiguous(), weights
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     want64, got64 = want.double(), got.double()
     scale = want64.abs().max().item() if want64.numel() else 0.0
@@ -74,6 +81,9 @@ def run_proof(region_fn, x_real, ids_like, weights_like, params, sizes, hypothes
     rounds = []  # (ids, weights, region output) per round, computed once and shared by hypotheses
     for r in range(min(-(-E // (T * K)), 64)):
         ids0, g0 = synthetic_routing(T, K, E, r, weights_like.dtype, x_real.device, gen)
+        rounds.append((ids0.to(ids_like.dtype), g0, None))
+    if T > 1:  # every token on experts 0..K-1: a region that caps an expert's tokens drops some here
+        ids0, g0 = crowded_routing(T, K, E, weights_like.dtype, x_real.device, gen)
         rounds.append((ids0.to(ids_like.dtype), g0, None))
     best, best_err, closest = None, math.inf, math.inf
     with torch.no_grad():

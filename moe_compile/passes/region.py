@@ -26,7 +26,8 @@ import torch
 import torch.fx as fx
 
 from moe_compile.passes.clusters import is_concatenated_ids, is_hash_lookup
-from moe_compile.passes.graph import Deps, dtype_of, is_inplace, meta, shape_of, source_line, target_name
+from moe_compile.passes.graph import (Deps, dtype_of, is_inplace, is_view_like, meta, shape_of, source_line,
+                                     target_name)
 
 
 class Refusal(Exception):
@@ -97,15 +98,21 @@ def same_shape(a, b) -> bool:
     return a is not None and b is not None and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
 
 
-def find_output(deps: Deps, downs, T, hidden_sizes) -> fx.Node:
+OUTPUT_CANDIDATES = 8  # [T, H] values tried as the combined output, in graph order
+
+
+def find_outputs(deps: Deps, downs, T, hidden_sizes) -> list[fx.Node]:
+    """The first [T, H] values depending on every expert, in graph order.  The first is usually
+    the combined output; at K = 1 (or T*K = T) the expert-sorted rows are [T, H] too, and the
+    combine that undoes the permutation comes later: cut_region keeps the first closed region."""
     def is_combined(node) -> bool:
         shape = value_shape(node)
         return bool(shape) and len(shape) == 2 and _same(shape[0], T) and any(_same(shape[1], h) for h in hidden_sizes)
 
-    output = deps.first_reached_by_all(list(downs), is_combined)
-    if output is None:
+    outputs = deps.reached_by_all(list(downs), is_combined, OUTPUT_CANDIDATES)
+    if not outputs:
         raise Refusal("no [T, H] value combines the outputs of all experts", downs[0])
-    return output
+    return outputs
 
 
 def tokens_of(shape) -> object:
@@ -151,8 +158,13 @@ def find_weights(deps: Deps, output, params, ids, T, K, E) -> tuple[fx.Node, boo
     / [E, T] matrix.  Neither depends on a permutation of the ids (a ``weights.view(-1)[order]``
     copy is the region's work).  With K == E the two shapes agree: a matrix scattered from the ids
     is dense, anything else (``scores.gather(1, ids)``, top-k values) per-slot weights."""
-    excluded = deps.descendants(params) | _permutations(deps, ids)
+    from_params = deps.descendants(params)
+    # Not routing either: buffers the experts accumulate into (``out = zeros_like(x)``: [T, H] looks
+    # like a dense [T, E] matrix when H == E) — whatever a param-dependent in-place op writes.
+    accumulators = {n for n in deps.ancestors([output]) if any(m in from_params for m in deps.mutations_of(n))}
+    excluded = from_params | accumulators | _permutations(deps, ids)
     scattered = _scattered_from(deps, ids) if _same(K, E) else set()
+    from_ids = deps.descendants([ids])  # a dense mask zero outside the top-k is built from the ids
     best = None
     for node in deps.ancestors([output]):
         if node in excluded or dtype_of(node) is None or not dtype_of(node).is_floating_point:
@@ -160,13 +172,13 @@ def find_weights(deps: Deps, output, params, ids, T, K, E) -> tuple[fx.Node, boo
         shape = shape_of(node)
         if shape is None or len(shape) < 2:
             continue
-        if len(shape) == 2 and _same(shape[0], E) and _same(shape[1], T) and not _same(T, E):
+        if len(shape) == 2 and _same(shape[0], E) and _same(shape[1], T) and not _same(T, E) and node in from_ids:
             kind = (True, True)
         elif not _same(tokens_of(shape), T):
             continue
         elif _same(shape[-1], K) and not (_same(K, E) and node in scattered):
             kind = (False, False)
-        elif _same(shape[-1], E):
+        elif _same(shape[-1], E) and node in from_ids:  # not x [T, H] (nor x[None]) when H == E
             kind = (True, False)
         else:
             continue
@@ -178,11 +190,58 @@ def find_weights(deps: Deps, output, params, ids, T, K, E) -> tuple[fx.Node, boo
 
 
 def cut_region(graph: fx.Graph, deps: Deps, topk, downs, params, K: int, E: int, hidden_sizes) -> Region:
+    if _chooses_tokens(topk):
+        raise Refusal("expert-choice routing (a top-k over tokens for each expert): the fused op routes each "
+                      "token to its top-k experts, which is another function — not rewritten", topk)
     ids = topk_indices(topk)
     T = tokens_of(shape_of(ids))
-    output = find_output(deps, downs, T, hidden_sizes)
-    weights, dense, dense_t = find_weights(deps, output, params, ids, T, K, E)
-    return cut_between(graph, deps, ids, weights, output, params, dense, dense_t)
+    first_refusal = None
+    for output in find_outputs(deps, downs, T, hidden_sizes):
+        try:
+            weights, dense, dense_t = find_weights(deps, output, params, ids, T, K, E)
+            return cut_between(graph, deps, ids, weights, output, params, dense, dense_t)
+        except Refusal as refusal:
+            first_refusal = first_refusal or refusal
+    raise first_refusal
+
+
+def _chooses_tokens(topk: fx.Node) -> bool:
+    """A top-k along the token dim: over transposed [E, T] scores, or dim 0 of [T, E] scores."""
+    if target_name(topk) != "topk" or not topk.args or not isinstance(topk.args[0], fx.Node):
+        return False
+    scores = topk.args[0]
+    dim = topk.kwargs.get("dim", topk.args[2] if len(topk.args) > 2 else -1)
+    ndim = len(shape_of(scores) or ())
+    return target_name(scores) in ("t", "transpose", "permute") or (ndim >= 2 and dim in (0, -ndim))
+
+
+def _capacity_cut(deps: Deps, nodes, ids) -> fx.Node | None:
+    """A slice ``tok[:capacity]`` of token indices derived from the ids: tokens over an expert's
+    capacity are dropped, which the fused op never does."""
+    from_ids = deps.descendants([ids])
+    for node in nodes:
+        if target_name(node) not in ("getitem", "__getitem__") or node.args[0] not in from_ids \
+                or not _token_list(node.args[0]):
+            continue
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        if any(isinstance(i, slice) and i.stop is not None for i in index) and dtype_of(node) is not None \
+                and not dtype_of(node).is_floating_point:
+            return node
+    return None
+
+
+def _token_list(node) -> bool:
+    """``where(mask)[i]`` / ``nonzero(mask)`` (and views): the tokens routed to one expert."""
+    for _ in range(4):
+        if not isinstance(node, fx.Node):
+            return False
+        if target_name(node) in ("where", "nonzero", "argwhere"):
+            return True
+        if target_name(node) in ("getitem", "__getitem__") and isinstance(node.args[1], int) or is_view_like(node):
+            node = node.args[0]
+            continue
+        return False
+    return False
 
 
 def cut_between(graph, deps: Deps, ids, weights, output, params, dense=False, dense_t=False,
@@ -204,11 +263,33 @@ def cut_between(graph, deps: Deps, ids, weights, output, params, dense=False, de
         raise Refusal(f"{what} read tensors other than one [T, H] token input and their weights: {names}",
                       output)
     x = tensors[0]
+    capped = _capacity_cut(deps, nodes, ids)
+    if capped is not None:
+        raise Refusal("capacity-limited routing: an expert's tokens are cut to a fixed count and the rest "
+                      "dropped; the fused op keeps every routed token — not rewritten", capped)
     buffer = _root_buffer(output)
     _absorb_dead_ends(graph, deps, nodes, stop | set(frontier))
+    shared = _sizes_used_outside(nodes, deps)
+    nodes -= shared
+    extra += sorted((n for n in shared if any(u in nodes for u in n.users)), key=deps.order.get)
     _check_closed(deps, nodes, output, buffer)
     ordered = sorted(nodes, key=deps.order.get)
     return Region(x, ids, weights, dense, dense_t, output, buffer, ordered, list(params), extra)
+
+
+def _is_size(node: fx.Node) -> bool:
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool) and not is_inplace(node)
+
+
+def _sizes_used_outside(nodes: set, deps: Deps) -> set:
+    """Size computations of the region that later code reads too, computed from sizes only: they
+    stay in the graph as the region's inputs.  Dynamo computes a symbolic size once and reuses it,
+    so with dynamic shapes the next layer's ``arange(T * K)`` reads this layer's ``T * K``."""
+    wanted = [n for n in nodes if _is_size(n) and any(u not in nodes for u in n.users)]
+    inside = deps.ancestors(wanted, stop=lambda n: n not in nodes)
+    inside &= nodes
+    return inside if all(_is_size(n) for n in inside) else set()
 
 
 def _slice(deps: Deps, output, stop: set, router: set):

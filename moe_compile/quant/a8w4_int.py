@@ -2,7 +2,7 @@
 
 Shapes:  E experts, N output rows, K reduction width, T rows of x.
 
-    weights      s_w[e, n] = max_k |w[e, n, k]| / d (fp32; 1 for an all-zero row), d in 7 .. 11.9
+    weights      s_w[e, n] = max_k |w[e, n, k]| / d (fp32; 1 for an all-zero row), d in 7, 7.25, .. 12
                  chosen per channel for the least squared error (``common.search_scales``:
                  +2.4 dB over d = 7 on Gaussian rows of 1024, whose few largest elements clip)
                  q_w = clamp(round_half_even(w / s_w), -8, 7), stored as nibbles u = q_w + 8, two per

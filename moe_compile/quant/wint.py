@@ -6,7 +6,7 @@ Shapes:  E experts, N output rows, K reduction width, G group (elements of K sha
 For each group of G consecutive elements of a row (k = g*G .. g*G + G - 1):
 
     s = fp16(max|w| / 127)         w8-int
-    s = fp16(max|w| / d)           w4-int: d in 7 .. 11.9 chosen per group for the least squared
+    s = fp16(max|w| / d)           w4-int: d in 7, 7.25, .. 12 chosen per group for the least squared
                                    error (``common.search_scales``; clips a few outliers to 7 or -8
                                    when that buys a finer step: +1 dB at G = 32 on Gaussian rows)
                                    s = 1 for an all-zero group, and at least 2^-24 (fp16's step)

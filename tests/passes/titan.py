@@ -154,3 +154,56 @@ class MoE(nn.Module):
         rows = (rows.to(torch.float32) * top_sorted.reshape(-1, 1)).to(rows.dtype)
         out = torch.zeros_like(x_td).scatter_add(0, tok.reshape(-1, 1).expand(-1, D), rows)
         return out.view(B, -1, D)
+
+
+class EPMoE(MoE):
+    """torchtitan's MoE under expert parallelism (AllToAllTokenDispatcher): counts exchanged with
+    an all-to-all of [R, E_l], ``.tolist()`` split sizes, token rows sent to the owning rank,
+    ``_permute`` from rank-major to expert-major rows, local grouped experts, ``_unpermute``, the
+    reverse all-to-all, and only then the routing scores on the rows and the scatter_add combine.
+
+    Every rank builds the same global experts from ``seed`` and keeps its slice."""
+
+    def __init__(self, dim=64, ffn=32, experts=8, top_k=2, group=None, seed=0, **kw):
+        import torch.distributed as dist
+
+        torch.manual_seed(seed)
+        super().__init__(dim, ffn, experts, top_k, **kw)
+        self.group = group if group is not None else dist.group.WORLD
+        self.world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.local = experts // self.world
+        keep = slice(rank * self.local, (rank + 1) * self.local)
+        for name in ("w1", "w2", "w3"):
+            setattr(self.inner, name, nn.Parameter(getattr(self.inner, name).data[keep].clone()))
+
+    def routed(self, x, top, ids, counts):
+        from torch.distributed import _functional_collectives as funcol
+
+        B, L, D = x.shape
+        K, T, R = top.size(-1), B * L, self.world
+        x_td = x.view(T, D)
+        order = torch.argsort(ids.view(T, K).view(-1), stable=True)  # [N] slots by global expert
+        top_sorted = top.view(T, K).view(-1)[order]
+        tok = order // self.top_k
+        recv_counts = funcol.all_to_all_single(counts.view(R, -1), None, None, self.group).reshape(-1)  # [R*E_l]
+        in_splits = counts.view(R, -1).sum(dim=1).tolist()
+        out_splits = recv_counts.view(R, -1).sum(dim=1).tolist()
+        recv = funcol.all_to_all_single(x_td[tok], out_splits, in_splits, self.group)  # [M, D] rank-major
+        permuted, local_counts = self._permute(recv, recv_counts)
+        rows = self.inner(recv[permuted, :], local_counts)  # [M, D] expert-major
+        unpermuted = rows.new_empty(recv.shape)
+        unpermuted[permuted, :] = rows
+        back = funcol.all_to_all_single(unpermuted, in_splits, out_splits, self.group)  # [N, D] in `order`
+        back = (back.to(torch.float32) * top_sorted.reshape(-1, 1)).to(back.dtype)
+        out = torch.zeros_like(x_td).scatter_add(0, tok.reshape(-1, 1).expand(-1, D), back)
+        return out.view(B, -1, D)
+
+    def _permute(self, recv, recv_counts):
+        """Indices taking rank-major rows (e0 r0, e1 r0, .., e0 r1, ..) to expert-major order."""
+        t_mat = recv_counts.view(self.world, self.local)
+        starts = (recv_counts.cumsum(0) - recv_counts).view(self.world, self.local)
+        seg_lens, starts = t_mat.t().reshape(-1), starts.t().reshape(-1)
+        seg_ids = torch.arange(seg_lens.shape[0]).repeat_interleave(seg_lens, output_size=recv.shape[0])
+        out_starts = seg_lens.cumsum(0) - seg_lens
+        permuted = starts[seg_ids] + torch.arange(seg_ids.shape[0]) - out_starts[seg_ids]
+        return permuted, t_mat.sum(0)

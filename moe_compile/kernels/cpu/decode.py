@@ -12,6 +12,8 @@ a decode step.
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
 from moe_compile.ir import ExpertWeights, FFNAttrs, is_stacked
@@ -155,7 +157,7 @@ def one_call_fits(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs) 
     return cpu_skinny.available()
 
 
-def _role_fields(role: tuple) -> list[int]:
+def _role_fields(role) -> list[int]:
     """(base pointer, bytes between experts, row stride in elements; 0 for a bias) of a stacked
     role; zeros if absent."""
     if not role:
@@ -164,20 +166,90 @@ def _role_fields(role: tuple) -> list[int]:
     return [t.data_ptr(), t.stride(0) * _FP32_BYTES, t.stride(1) if t.dim() == 3 else 0]
 
 
+def _plan(x, topk_ids, topk_weights, y, roles, num_experts: int, hidden: int, ffn: int, up_separate: bool,
+          transposed: bool, interleaved: bool, between: bool) -> bytes:
+    """The C file's plan of one decode step (``moe_skinny_decode``), packed as native int64s;
+    ``roles``: the six roles in the C order (``_ROLES``), each () or one stacked tensor."""
+    T, K = topk_ids.shape
+    plan = [
+        x.data_ptr(), x.stride(0), topk_ids.data_ptr(), int(topk_ids.dtype == torch.int32),
+        topk_weights.data_ptr(), T, K, num_experts, y.data_ptr(), y.stride(0), hidden, ffn,
+        int(up_separate), int(transposed), int(interleaved), int(between),
+    ]
+    for role in roles:
+        plan += _role_fields(role)
+    return struct.pack(f"{len(plan)}q", *plan)
+
+
 def decode(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, threads: int):
     """y [T, H] of a decode step (``one_call_fits``) in one call of the skinny kernel, which sorts
     the slots by expert itself: no sort, index tensors or task lists in Python."""
-    T, K = topk_ids.shape
-    F = w.ffn()
-    h, a = x.new_empty(T * K, 2 * F), x.new_empty(T * K, F)  # every slot's FC1 output, activation
-    y = torch.zeros_like(x)
-    plan = [
-        x.data_ptr(), x.stride(0), topk_ids.data_ptr(), int(topk_ids.dtype == torch.int32),
-        topk_weights.data_ptr(), T, K, w.num_experts, y.data_ptr(), y.stride(0), h.data_ptr(), a.data_ptr(),
-        w.hidden(), F, int(bool(w.fc1_up)), int(w.transposed), int(attrs.gate_up == "interleaved"),
-        int(attrs.weight_on == "between"),
-    ]
-    for name, _ in _ROLES:
-        plan += _role_fields(getattr(w, name))
+    y = torch.empty_like(x)  # zeroed by the kernel
+    roles = [getattr(w, name) for name, _ in _ROLES]
+    plan = _plan(x, topk_ids, topk_weights, y, roles, w.num_experts, w.hidden(), w.ffn(), bool(w.fc1_up),
+                 w.transposed, attrs.gate_up == "interleaved", attrs.weight_on == "between")
     cpu_skinny.run_decode(plan, attrs.limit, threads)
     return y
+
+
+# The op's own fast path (``decode_args``): with the caches cold after a step's weights streamed
+# through them, parsing the op's arguments into ``ExpertWeights`` / ``FFNAttrs``, the generic
+# checks and dispatch cost ~100 us of a ~160 us call at H=64 (2-core EPYC, medians of 100,
+# BENCHMARKS.md "fixed cost"); a Mixtral T=1 step streams its weights in ~0.5 ms.
+_FAST_GATE_UPS = {"concat": False, "interleaved": True, "separate": False}  # -> interleaved
+_FAST_WEIGHT_ON = {"output": False, "between": True}  # -> between
+
+
+def decode_args(args, threads: int):
+    """y [T, H] of a decode step straight from the op's 15 arguments (schema order), or None where
+    the call is not the common one this path takes and checks itself: fp32 on CPU, T <= MAX_ROWS,
+    SiLU-gated, weight on the output or between, every role one stacked tensor of the shape its
+    layout implies, contiguous ids / routing weights.  None sends the call down the general path,
+    which checks everything (and raises for bad input): the two give the same bits (``decode``).
+    Each tensor is asked for as few attributes as possible: with cold caches each costs ~1 us."""
+    x, ids, gates, fc1, fc1_up, fc2, b1, b1_up, b2, gate_up, transposed, activation, limit, _alpha, weight_on = args
+    interleaved, between = _FAST_GATE_UPS.get(gate_up), _FAST_WEIGHT_ON.get(weight_on)
+    if activation != "silu" or interleaved is None or between is None or not limit >= 0:
+        return None
+    if len(fc1) != 1 or len(fc2) != 1 or len(fc1_up) != (gate_up == "separate") or len(b1_up) > len(fc1_up):
+        return None
+    if x.dtype is not _F32 or not x.is_cpu or len(x.shape) != 2:
+        return None
+    (T, H), x_strides = x.shape, x.stride()
+    if not 0 < T <= cpu_skinny.MAX_ROWS or x_strides[1] != 1:
+        return None
+    if len(ids.shape) != 2 or ids.shape[0] != T or ids.shape[1] == 0 or ids.dtype not in _IDS or not ids.is_cpu:
+        return None
+    if gates.dtype is not _F32 or gates.shape != ids.shape or not gates.is_cpu or not (ids.is_contiguous() and gates.is_contiguous()):
+        return None
+    w2 = fc2[0]
+    w2_shape = w2.shape
+    if len(w2_shape) != 3:
+        return None
+    E, F = w2_shape[0], w2_shape[1 if transposed else 2]
+    n1 = F if fc1_up else 2 * F
+    fc1_shape = (E, H, n1) if transposed else (E, n1, H)
+    shapes = (fc1_shape, fc1_shape, (E, F, H) if transposed else (E, H, F), (E, n1), (E, F), (E, H))
+    plan = [x.data_ptr(), x_strides[0], ids.data_ptr(), int(ids.dtype is torch.int32), gates.data_ptr(), T,
+            ids.shape[1], E, 0, H, H, F, int(bool(fc1_up)), int(transposed), int(interleaved), int(between)]
+    for role, shape in zip((fc1, fc1_up, fc2, b1, b1_up, b2), shapes):
+        if not role:
+            plan += (0, 0, 0)
+            continue
+        t = role[0]
+        if len(role) != 1 or t.dtype is not _F32 or not t.is_cpu or t.shape != shape:
+            return None
+        strides = t.stride()
+        if strides[-1] != 1:
+            return None
+        plan += (t.data_ptr(), strides[0] * _FP32_BYTES, strides[1] if len(shape) == 3 else 0)
+    if not cpu_skinny.available():
+        return None
+    y = x.new_empty((T, H))  # zeroed by the kernel
+    plan[8] = y.data_ptr()  # P_Y; P_LDY = H
+    cpu_skinny.run_decode(struct.pack(f"{len(plan)}q", *plan), limit, threads)
+    return y
+
+
+_F32 = torch.float32
+_IDS = (torch.int64, torch.int32)

@@ -25,9 +25,10 @@
  *           packs x's rows per chunk, and FC1 writes a packed.
  * Threads:  each GEMM splits its column blocks ("units") into equal ranges over the OpenMP threads:
  *           each weight is read once whatever the thread count, and each column of y has one writer
- *           (a token routed twice to one expert never races).  Per chunk, one barrier between FC1
- *           and FC2 (and one after packing x, AVX2); a is double-buffered, so the next FC1 needs
- *           none.
+ *           (a token routed twice to one expert never races).  Per chunk of an expert's rows, one
+ *           barrier, between FC1 and FC2: a and (AVX2) the packed x rows are double-buffered, and
+ *           the team packs the next chunk's x rows before that barrier, so the next FC1 needs none
+ *           (a second barrier per chunk after packing cost 64 waits a fine-grained T=512 call).
  *
  * Built by moe_compile/kernels/cpu/cc.py with `cc -O3 -mavx2 -mfma -fopenmp` on first use; the
  * AVX-512 tile is compiled for that target alone and run only where the CPU has it.
@@ -275,6 +276,28 @@ int64_t moe_experts_best_isa(void) {
 enum { C_X, C_LDX, C_Y, C_LDY, C_TOK, C_SCALE, C_H, C_F, C_CHUNK, C_SCRATCH, C_ISA };
 #define PTR(type, f, i) ((type *)(intptr_t)(f)[i])
 
+/* The first expert from e on with rows (num_experts when none). */
+static int64_t with_rows(const int64_t *bounds, int64_t num_experts, int64_t e) {
+    while (e < num_experts && bounds[e + 1] == bounds[e]) ++e;
+    return e;
+}
+
+/* The step after expert e's chunk of rows from lo: (e, lo + chunk) while e has rows left, else
+ * the next expert with rows from its first; *e_next = num_experts when there is none. */
+static void next_step(const int64_t *bounds, int64_t num_experts, int64_t chunk, int64_t e, int64_t lo,
+                      int64_t *e_next, int64_t *lo_next) {
+    if (lo + chunk < bounds[e + 1]) {
+        *e_next = e, *lo_next = lo + chunk;
+        return;
+    }
+    *e_next = with_rows(bounds, num_experts, e + 1);
+    *lo_next = *e_next < num_experts ? bounds[*e_next] : 0;
+}
+
+static int64_t step_rows(const int64_t *bounds, int64_t chunk, int64_t e, int64_t lo) {
+    return bounds[e + 1] - lo < chunk ? bounds[e + 1] - lo : chunk;
+}
+
 int64_t moe_experts_run(const int64_t *f, const int64_t *experts, const int64_t *bounds, int64_t num_experts,
                         float limit, int64_t nthreads) {
     Shape s = shape_of(f[C_ISA]);
@@ -283,29 +306,36 @@ int64_t moe_experts_run(const int64_t *f, const int64_t *experts, const int64_t 
     if (f[C_F] % PANEL || f[C_H] % PANEL || f[C_H] % (2 * s.v) || f[C_CHUNK] < 1) return -1;
     Call cl = {PTR(const float, f, C_X), f[C_LDX], PTR(float, f, C_Y), f[C_LDY], PTR(const int64_t, f, C_TOK),
                PTR(const float, f, C_SCALE), f[C_H], f[C_F], limit};
-    int64_t chunk = f[C_CHUNK];
+    int64_t chunk = f[C_CHUNK], xp_floats = (chunk + MR_MAX) * cl.H;
     float *scratch[2] = {PTR(float, f, C_SCRATCH), PTR(float, f, C_SCRATCH) + (chunk + MR_MAX) * f[C_F]};
-    float *xp = s.packed ? malloc(sizeof(float) * (chunk + MR_MAX) * cl.H) : NULL;
-    if (s.packed && xp == NULL) return -2;
+    /* Packed x rows, double-buffered like a: the next step's rows are packed before the barrier
+     * between this step's FC1 and FC2, so that barrier is the only one per step. */
+    float *xp_block = s.packed ? malloc(sizeof(float) * 2 * xp_floats) : NULL;
+    float *xp[2] = {xp_block, xp_block ? xp_block + xp_floats : NULL};
+    if (s.packed && xp_block == NULL) return -2;
+    int64_t e0 = with_rows(bounds, num_experts, 0), lo0 = e0 < num_experts ? bounds[e0] : 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        int64_t step = 0;
-        for (int64_t e = 0; e < num_experts; ++e) {
+        int64_t step = 0, e = e0, lo = lo0;
+        if (s.packed && e < num_experts) {
+            pack_x(&cl, s, lo, step_rows(bounds, chunk, e, lo), xp[0]);
+#pragma omp barrier
+        }
+        while (e < num_experts) {
             const int64_t *w = experts + 3 * e;
-            for (int64_t lo = bounds[e]; lo < bounds[e + 1]; lo += chunk) {
-                int64_t n = bounds[e + 1] - lo < chunk ? bounds[e + 1] - lo : chunk;
-                float *a = scratch[step++ & 1];
-                if (s.packed) {  /* xp is free: every thread is past the last FC1 */
-                    pack_x(&cl, s, lo, n, xp);
+            int64_t n = step_rows(bounds, chunk, e, lo), e_next, lo_next;
+            float *a = scratch[step & 1];
+            fc1_swiglu(&cl, s, lo, n, xp[step & 1], PTR(const float, w, 0), PTR(const float, w, 1), a);
+            next_step(bounds, num_experts, chunk, e, lo, &e_next, &lo_next);
+            /* xp[(step + 1) & 1] is free: every thread is past the FC1 that read it (the last barrier) */
+            if (s.packed && e_next < num_experts)
+                pack_x(&cl, s, lo_next, step_rows(bounds, chunk, e_next, lo_next), xp[(step + 1) & 1]);
 #pragma omp barrier
-                }
-                fc1_swiglu(&cl, s, lo, n, xp, PTR(const float, w, 0), PTR(const float, w, 1), a);
-#pragma omp barrier
-                fc2_combine(&cl, s, lo, n, PTR(const float, w, 2), a);
-            }
+            fc2_combine(&cl, s, lo, n, PTR(const float, w, 2), a);
+            e = e_next, lo = lo_next, ++step;
         }
     }
-    free(xp);
+    free(xp_block);
     return 0;
 }
 

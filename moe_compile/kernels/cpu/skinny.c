@@ -87,11 +87,16 @@ static inline float dot_tail(const float *w, const float *x, int64_t k0, int64_t
  * vector loaded once for all R.  One row at a time, in memory order, keeps the hardware
  * prefetcher on a single stream: on the CI VM (one thread, weights not in cache) reading four
  * weight rows at once ran at 16.8 GB/s, one row at a time at 21.7 GB/s, a plain sum at 24.6. */
-/* With two or more x rows the loop carries 2-3x the instructions per weight byte, which keeps
- * fewer weight loads in flight than the hardware prefetcher needs: prefetching 8 KiB ahead into
- * L2 made a Mixtral decode step (rows 1-2 per expert) 4-12% faster on the CI VM (the more the
- * faster its memory reads at the time), in-process A/B against the same kernel without it.  With
- * one row it cost 2-5% (fine-grained, mostly one row per expert): there it is left out. */
+/* Software prefetch 8 KiB (PREFETCH_AHEAD floats) ahead into L2, one per 64-byte line, at every
+ * row count.  With two or more x rows the loop carries 2-3x the instructions per weight byte and
+ * keeps fewer loads in flight than the hardware prefetcher needs: +4-12% on a Mixtral step (rows
+ * 1-2 per expert) on the 2-core CI VM of 2026-11-30 (~29 GB/s).  With one row it cost 2-5% there
+ * and was left out; on the 2-core EPYC of 2026-12-01 (cpuid family 26, ~85-100 GB/s) it is the
+ * other way: kernel alone, caches flushed, medians of 40, ms without / with it at one row:
+ * Mixtral T=1 0.567 / 0.484, fine-grained T=1 0.580 / 0.490 (T=4: 1.44 / 1.37, 2.23 / 2.01);
+ * 2 KiB / 4 KiB / 12 KiB ahead: 0.576 / 0.544 / 0.471 at Mixtral T=1, all slower at T=4 than
+ * 8 KiB (BENCHMARKS.md, "decode kernel").  The faster the memory, the more a single stream needs
+ * the prefetches; at 29 GB/s they cost a few percent. */
 enum { PREFETCH_AHEAD = 2048 };
 
 #define DOT_ROWS(R, A)                                                                        \
@@ -103,9 +108,8 @@ enum { PREFETCH_AHEAD = 2048 };
         for (; i + 8 * A <= k; i += 8 * A) {                                                  \
             __m256 wv[A];                                                                     \
             _Pragma("GCC unroll 4") for (int j = 0; j < A; ++j) wv[j] = _mm256_loadu_ps(w + i + 8 * j); \
-            if (R >= 2) /* one prefetch per 64-byte line, PREFETCH_AHEAD floats ahead */           \
-                for (int j = 0; j < A; j += 2)                                                \
-                    _mm_prefetch((const char *)(w + i + PREFETCH_AHEAD + 8 * j), _MM_HINT_T1); \
+            for (int j = 0; j < A; j += 2) /* one prefetch per 64-byte line */                \
+                _mm_prefetch((const char *)(w + i + PREFETCH_AHEAD + 8 * j), _MM_HINT_T1); \
             _Pragma("GCC unroll 4") for (int q = 0; q < R; ++q)                               \
                 _Pragma("GCC unroll 4") for (int j = 0; j < A; ++j)                           \
                     a[q][j] = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(x[q] + i + 8 * j), a[q][j]); \
@@ -252,11 +256,14 @@ void moe_skinny_ffn_parallel(const int64_t *fc1, int64_t n1, const int64_t *act,
  * fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias (base 0: role absent); expert e's matrix
  * (or bias) starts at base + e * estride bytes, ld is its row stride in elements:
  *   x [T, hidden] (row stride ldx), ids [T, K] int64 (or int32), gates [T, K] fp32, y [T, hidden]
- *   fp32 zeroed (row stride ldy), h [T*K, 2*ffn] and a [T*K, ffn] scratch (contiguous rows);
+ *   fp32 (row stride ldy; zeroed here, then every slot's FC2 output added);
  *   up_separate: fc1_up holds the up projection (h's right half), else fc1 is [2*ffn, hidden]
- *   gate|up or interleaved; between: the routing weight scales a's rows, else FC2's outputs. */
+ *   gate|up or interleaved; between: the routing weight scales a's rows, else FC2's outputs.
+ * The scratch (the sort, the task lists, FC1's output h [T*K, 2*ffn] and the activation a
+ * [T*K, ffn]) is one allocation made here: two torch tensors fewer per step, ~15 us of the
+ * op's ~160 us fixed cost with the caches cold (BENCHMARKS.md, "fixed cost"). */
 enum {
-    P_X, P_LDX, P_IDS, P_IDS_INT32, P_GATES, P_T, P_K, P_E, P_Y, P_LDY, P_H, P_A, P_HIDDEN, P_FFN,
+    P_X, P_LDX, P_IDS, P_IDS_INT32, P_GATES, P_T, P_K, P_E, P_Y, P_LDY, P_HIDDEN, P_FFN,
     P_UP_SEPARATE, P_TRANSPOSED, P_INTERLEAVED, P_BETWEEN, P_ROLES
 };
 enum { R_BASE, R_ESTRIDE, R_LD, ROLE_FIELDS };
@@ -279,17 +286,25 @@ static int64_t *put_task(int64_t *f, const int64_t *plan, int role, int bias, in
     return f + TASK_FIELDS;
 }
 
-/* Returns 0, or -1 when its few KiB of scratch could not be allocated (nothing computed). */
+/* Returns 0, or -1 when its scratch could not be allocated (nothing computed, y untouched). */
 int moe_skinny_decode(const int64_t *plan, float limit, int64_t nparts) {
     int64_t T = plan[P_T], K = plan[P_K], E = plan[P_E], S = T * K, H = plan[P_HIDDEN], F = plan[P_FFN];
     int64_t up_separate = plan[P_UP_SEPARATE], fc1_out = up_separate ? F : 2 * F;
-    int64_t *start = calloc((size_t)E + 2, sizeof(int64_t)), *tok = malloc((size_t)(S + 1) * sizeof(int64_t));
-    float *scale = malloc((size_t)(S + 1) * sizeof(float));
     int64_t touched = S < E ? S : E;
-    int64_t *fc1 = malloc((size_t)(2 * touched + 1) * TASK_FIELDS * sizeof(int64_t));
-    int64_t *fc2 = malloc((size_t)(touched + 1) * TASK_FIELDS * sizeof(int64_t));
-    int status = -1;
-    if (!start || !tok || !scale || !fc1 || !fc2) goto done;
+    /* One block: h [S, 2F] and a [S, F] (64-byte aligned: first), start [E + 2], tok [S], fc1
+     * tasks [2 * touched], fc2 tasks [touched] (int64 each), scale [S] (fp32, last). */
+    size_t floats = (size_t)S * 3 * (size_t)F, ints = (size_t)E + 2 + S + 3 * (size_t)touched * TASK_FIELDS;
+    size_t bytes = ((floats * sizeof(float) + 63) / 64) * 64 + ints * sizeof(int64_t) + (size_t)S * sizeof(float);
+    float *block = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!block) return -1;
+    float *hbuf = block, *abuf = block + (size_t)S * 2 * F;
+    int64_t *start = (int64_t *)((char *)block + ((floats * sizeof(float) + 63) / 64) * 64);
+    int64_t *tok = start + E + 2, *fc1 = tok + S, *fc2 = fc1 + 2 * touched * TASK_FIELDS;
+    float *scale = (float *)(fc2 + touched * TASK_FIELDS);
+    for (int64_t e = 0; e < E + 2; ++e) start[e] = 0;
+    float *y = (float *)(intptr_t)plan[P_Y];
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t c = 0; c < H; ++c) y[t * plan[P_LDY] + c] = 0.f;
     const int64_t *ids64 = (const int64_t *)(intptr_t)plan[P_IDS];
     const int32_t *ids32 = (const int32_t *)(intptr_t)plan[P_IDS];
     const float *gates = (const float *)(intptr_t)plan[P_GATES];
@@ -304,7 +319,8 @@ int moe_skinny_decode(const int64_t *plan, float limit, int64_t nparts) {
         }
 #undef ID
     /* start[e]..start[e + 1]: expert e's rows in tok / scale / h / a. */
-    int64_t *f1 = fc1, *f2 = fc2, h = plan[P_H], a = plan[P_A], between = plan[P_BETWEEN];
+    int64_t *f1 = fc1, *f2 = fc2, h = (int64_t)(intptr_t)hbuf, a = (int64_t)(intptr_t)abuf;
+    int64_t between = plan[P_BETWEEN];
     for (int64_t e = 0; e < E; ++e) {
         int64_t lo = start[e], n = start[e + 1] - lo, xidx = (int64_t)(intptr_t)(tok + lo);
         if (n == 0) continue;
@@ -320,8 +336,6 @@ int moe_skinny_decode(const int64_t *plan, float limit, int64_t nparts) {
     int64_t act[ACT_FIELDS] = {h, 2 * F, a, F, start[E], F, plan[P_INTERLEAVED],
                                between ? (int64_t)(intptr_t)scale : 0};
     moe_skinny_ffn_parallel(fc1, (f1 - fc1) / TASK_FIELDS, act, limit, fc2, (f2 - fc2) / TASK_FIELDS, nparts);
-    status = 0;
-done:
-    free(start), free(tok), free(scale), free(fc1), free(fc2);
-    return status;
+    free(block);
+    return 0;
 }

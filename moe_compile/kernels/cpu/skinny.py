@@ -14,6 +14,7 @@ the op keeps its MKL path; ``MOE_COMPILE_SKINNY=0`` turns the kernel off.
 from __future__ import annotations
 
 import ctypes
+import struct
 
 import torch
 
@@ -125,8 +126,11 @@ def run_ffn(fc1_tasks: list[int], act: list[int], limit: float, fc2_tasks: list[
                                    _packed(fc2_tasks), len(fc2_tasks) // _TASK_FIELDS, max(1, threads))
 
 
-def run_decode(plan: list[int], limit: float, threads: int = 1) -> None:
-    """A whole decode step on stacked weights (the C file's plan fields, ``cpu_decode.decode``):
-    the slots sorted by expert, FC1, the SwiGLU and FC2 + combine, in one call."""
-    if _lib().moe_skinny_decode(_packed(plan), limit, max(1, threads)) != 0:
-        raise MemoryError("skinny decode kernel: could not allocate its scratch (a few KiB)")
+def run_decode(plan: list[int] | bytes, limit: float, threads: int = 1) -> None:
+    """A whole decode step on stacked weights (the C file's plan fields, ``cpu_decode``; a list of
+    ints or the same packed as native int64 bytes): the slots sorted by expert, FC1, the SwiGLU and
+    FC2 + combine into y (zeroed there), in one call."""
+    if not isinstance(plan, bytes):
+        plan = struct.pack(f"{len(plan)}q", *plan)  # 0.5 us; a ctypes array of 36 ints costs 5
+    if _lib().moe_skinny_decode(plan, limit, max(1, threads)) != 0:
+        raise MemoryError("skinny decode kernel: could not allocate its scratch")

@@ -1,0 +1,839 @@
+/* Quantized prefill: every expert's SwiGLU FFN of a CPU call (T > 16 rows) in one kernel call, on
+ * weights of a quantized format (called by kernels/cpu/qgemm.py's run, the prefill half of
+ * kernels/cpu/quant.py's dispatch; the decode half is qdecode.c).
+ *
+ * Shapes:   T tokens, H hidden, F expert FFN width; slots sorted by expert, expert e owning rows
+ *           [bounds[e], bounds[e+1]) of tok [S'] (each slot's token) and scale [S'] (its routing
+ *           weight).  FC1 W1 [2F, H] (gate rows then up rows), FC2 W2 [H, F], y = x W^T.
+ * Formats:  integer GEMM (activations quantized per token to int8, int32 accumulation):
+ *             a8w8-int  int8 weights, fp32 scale per output channel
+ *             a8w4-int  4-bit weights u = q + 8, fp32 scale per output channel
+ *           y = acc * s_x * s_w; FC2's input (the SwiGLU output, fp32) re-quantized per row.
+ *           Float GEMM on fp32 activations, one weight panel dequantized at a time into a
+ *           [K][16] fp32 buffer of the thread (never a dequantized copy of a whole weight):
+ *             w4-int (nibble - 8) * fp16 group scale, mxfp4 e2m1 * 2^(e8m0 - 127),
+ *             w8-int q * fp16 group scale, w16 bf16 / fp16.
+ * Panels:   16 output rows each (qgemm.py packs them once):
+ *             int8 (a8w8)   [K/4][16][4] bytes: byte (k, j) at (k/4)*64 + 4j + k%4
+ *             4-bit (a8w4)  [K/8][16][4] bytes: (k, j) in byte (k/8)*64 + 4j + k%4, low nibble
+ *                           for k%8 < 4, high nibble else
+ *             float formats [K][16] elements ([K/2][16] bytes, 4-bit: low nibble even k), scales
+ *                           [K/G][16] in the format's own dtype
+ *           so one 32-bit lane of a vector holds 4 (or 8) k of one column: what vpdpbusd /
+ *           vpmaddubsw reduce.
+ * Tiles:    integer: MR rows x two V-column blocks of int32 accumulators over the whole K.
+ *             AVX-512 VNNI 8 x (16 + 16): vpdpbusd (u8 x s8, exact int32).  a8w8: activations
+ *               offset to u8 (q + 128), so acc = sum (q + 128) w, less 128 * colsum(w) (pack
+ *               time); a8w4: the nibbles u are the unsigned operand, acc = sum u q_x, less
+ *               8 * sum(q_x) (per row).
+ *             AVX2 4 x (8 + 8): vpmaddubsw + vpmaddwd.  a8w8 with the sign trick
+ *               (|a| x sign(w, a): pairs stay <= 2 * 127 * 127 < 2^15, no saturation); a8w4 with
+ *               the nibbles unsigned as above (pairs <= 2 * 15 * 127).
+ *           float: fp32 FMA tiles, AVX-512 8 x (16 + 16) reading A's rows in place, AVX2 6 x (8 + 8)
+ *           reading A tile-packed (x's rows packed per chunk by the team, FC1 writing its output so).
+ *           FC1's two blocks are gate and up of the same features, FC2's consecutive columns of y.
+ * Threads:  as experts.c: each GEMM splits its column units evenly over the OpenMP team (every
+ *           weight read once, each column of y one writer); per chunk of an expert's rows one
+ *           barrier after FC1 (and one after the re-quantization for integer formats).
+ *
+ * Built by moe_compile/kernels/cpu/cc.py with `cc -O3 -mavx2 -mfma -fopenmp` on first use; the
+ * AVX-512 tiles are compiled for their target alone and run only where the CPU has it.
+ */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+
+#define PANEL 16
+#define MR_512 8   /* rows per tile, AVX-512 (integer and float) */
+#define MR_I256 4  /* integer AVX2: 8 accumulators + weights + sign temporaries fill the 16 ymm */
+#define MR_F256 6  /* float AVX2 */
+#define MR_MAX 8
+#define V_MAX 16
+
+enum { ISA_AVX2 = 2, ISA_AVX512 = 512 };
+enum { FMT_A8W8 = 1, FMT_A8W4 = 2, FMT_W8 = 3, FMT_W4 = 4, FMT_MXFP4 = 5, FMT_BF16 = 6, FMT_F16 = 7 };
+
+static int is_int(int fmt) { return fmt == FMT_A8W8 || fmt == FMT_A8W4; }
+
+static inline int32_t load32(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* ---- integer tiles: c [mr][2V] int32 = A rows (int8, K) . [b0 | b1] ----
+ * b0 / b1 point at a V-column block of a panel (its first column's 4 bytes) and step 64 bytes per
+ * 4 k (int8) or per 8 k (4-bit). */
+
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"), always_inline)) static inline
+#define ROWS8(T)                                                                                       \
+    const T *a0 = (const T *)a[0], *a1 = (const T *)a[mr > 1 ? 1 : 0], *a2 = (const T *)a[mr > 2 ? 2 : 0], \
+            *a3 = (const T *)a[mr > 3 ? 3 : 0], *a4 = (const T *)a[mr > 4 ? 4 : 0],                        \
+            *a5 = (const T *)a[mr > 5 ? 5 : 0], *a6 = (const T *)a[mr > 6 ? 6 : 0],                        \
+            *a7 = (const T *)a[mr > 7 ? 7 : 0]
+#define ACC512 \
+    __m512i c00 = _mm512_setzero_si512(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, \
+            c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00, c61 = c00, c70 = c00, c71 = c00
+#define EACH8(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7)
+#define ISTORE512(R)                                                   \
+    if (mr > R) {                                                      \
+        _mm512_storeu_si512((void *)(c + R * 32), c##R##0);            \
+        _mm512_storeu_si512((void *)(c + R * 32 + 16), c##R##1);       \
+    }
+
+/* a8w8: a are u8 (q + 128), the weights s8. */
+#define DP8(R)                                                         \
+    if (mr > R) {                                                      \
+        __m512i av = _mm512_set1_epi32(load32(a##R + k));              \
+        c##R##0 = _mm512_dpbusd_epi32(c##R##0, av, v0);                \
+        c##R##1 = _mm512_dpbusd_epi32(c##R##1, av, v1);                \
+    }
+VNNI void itile512_w8(const int mr, const void *const *a, const uint8_t *b0, const uint8_t *b1, int64_t K,
+                      int32_t *c) {
+    ROWS8(uint8_t);
+    ACC512;
+    for (int64_t k = 0; k < K; k += 4) {
+        __m512i v0 = _mm512_loadu_si512((const void *)(b0 + k * 16)), v1 = _mm512_loadu_si512((const void *)(b1 + k * 16));
+        EACH8(DP8)
+    }
+    EACH8(ISTORE512)
+}
+
+/* a8w4: the weights' nibbles u8, a s8. */
+#define DP4(R)                                                         \
+    if (mr > R) {                                                      \
+        __m512i al = _mm512_set1_epi32(load32(a##R + k));              \
+        __m512i ah = _mm512_set1_epi32(load32(a##R + k + 4));          \
+        c##R##0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c##R##0, l0, al), h0, ah); \
+        c##R##1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c##R##1, l1, al), h1, ah); \
+    }
+VNNI void itile512_w4(const int mr, const void *const *a, const uint8_t *b0, const uint8_t *b1, int64_t K,
+                      int32_t *c) {
+    ROWS8(int8_t);
+    ACC512;
+    const __m512i m = _mm512_set1_epi8(0x0F);
+    for (int64_t k = 0; k < K; k += 8) {
+        __m512i r0 = _mm512_loadu_si512((const void *)(b0 + k * 8)), r1 = _mm512_loadu_si512((const void *)(b1 + k * 8));
+        __m512i l0 = _mm512_and_si512(r0, m), h0 = _mm512_and_si512(_mm512_srli_epi16(r0, 4), m);
+        __m512i l1 = _mm512_and_si512(r1, m), h1 = _mm512_and_si512(_mm512_srli_epi16(r1, 4), m);
+        EACH8(DP4)
+    }
+    EACH8(ISTORE512)
+}
+
+#define ROWS4(T)                                                                                       \
+    const T *a0 = (const T *)a[0], *a1 = (const T *)a[mr > 1 ? 1 : 0], *a2 = (const T *)a[mr > 2 ? 2 : 0], \
+            *a3 = (const T *)a[mr > 3 ? 3 : 0]
+#define ACC256 \
+    __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00
+#define EACH4(M) M(0) M(1) M(2) M(3)
+#define ISTORE256(R)                                                   \
+    if (mr > R) {                                                      \
+        _mm256_storeu_si256((__m256i *)(c + R * 16), c##R##0);         \
+        _mm256_storeu_si256((__m256i *)(c + R * 16 + 8), c##R##1);     \
+    }
+#define AVX2 __attribute__((always_inline)) static inline
+
+/* a8w8, sign trick: |a| (u8) x sign(w, a) (s8) = a w, pairs summed into int16, then int32. */
+#define MADD8(R)                                                                                       \
+    if (mr > R) {                                                                                      \
+        __m256i av = _mm256_set1_epi32(load32(a##R + k)), ab = _mm256_abs_epi8(av);                    \
+        c##R##0 = _mm256_add_epi32(c##R##0, _mm256_madd_epi16(_mm256_maddubs_epi16(ab, _mm256_sign_epi8(v0, av)), one)); \
+        c##R##1 = _mm256_add_epi32(c##R##1, _mm256_madd_epi16(_mm256_maddubs_epi16(ab, _mm256_sign_epi8(v1, av)), one)); \
+    }
+AVX2 void itile256_w8(const int mr, const void *const *a, const uint8_t *b0, const uint8_t *b1, int64_t K,
+                      int32_t *c) {
+    ROWS4(int8_t);
+    ACC256;
+    const __m256i one = _mm256_set1_epi16(1);
+    for (int64_t k = 0; k < K; k += 4) {
+        __m256i v0 = _mm256_loadu_si256((const __m256i *)(b0 + k * 16)), v1 = _mm256_loadu_si256((const __m256i *)(b1 + k * 16));
+        EACH4(MADD8)
+    }
+    EACH4(ISTORE256)
+}
+
+/* a8w4: nibbles u (u8) x a (s8); the two halves' int16 pairs (<= 2 * 2 * 15 * 127) added first. */
+#define MADD4(R)                                                                                       \
+    if (mr > R) {                                                                                      \
+        __m256i al = _mm256_set1_epi32(load32(a##R + k)), ah = _mm256_set1_epi32(load32(a##R + k + 4)); \
+        c##R##0 = _mm256_add_epi32(c##R##0, _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(l0, al), \
+                                                                                _mm256_maddubs_epi16(h0, ah)), one)); \
+        c##R##1 = _mm256_add_epi32(c##R##1, _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(l1, al), \
+                                                                                _mm256_maddubs_epi16(h1, ah)), one)); \
+    }
+AVX2 void itile256_w4(const int mr, const void *const *a, const uint8_t *b0, const uint8_t *b1, int64_t K,
+                      int32_t *c) {
+    ROWS4(int8_t);
+    ACC256;
+    const __m256i one = _mm256_set1_epi16(1), m = _mm256_set1_epi8(0x0F);
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256i r0 = _mm256_loadu_si256((const __m256i *)(b0 + k * 8)), r1 = _mm256_loadu_si256((const __m256i *)(b1 + k * 8));
+        __m256i l0 = _mm256_and_si256(r0, m), h0 = _mm256_and_si256(_mm256_srli_epi16(r0, 4), m);
+        __m256i l1 = _mm256_and_si256(r1, m), h1 = _mm256_and_si256(_mm256_srli_epi16(r1, 4), m);
+        EACH4(MADD4)
+    }
+    EACH4(ISTORE256)
+}
+
+/* One function per (tile, format) with mr dispatched to a constant (the row branches fold). */
+#define DISPATCH8(NAME, ATTR)                                                                          \
+    ATTR static void NAME##_any(int mr, const void *const *a, const uint8_t *b0, const uint8_t *b1, int64_t K, \
+                                int32_t *c) {                                                          \
+        switch (mr) {                                                                                  \
+        case 8: NAME(8, a, b0, b1, K, c); break;                                                       \
+        case 7: NAME(7, a, b0, b1, K, c); break;                                                       \
+        case 6: NAME(6, a, b0, b1, K, c); break;                                                       \
+        case 5: NAME(5, a, b0, b1, K, c); break;                                                       \
+        case 4: NAME(4, a, b0, b1, K, c); break;                                                       \
+        case 3: NAME(3, a, b0, b1, K, c); break;                                                       \
+        case 2: NAME(2, a, b0, b1, K, c); break;                                                       \
+        default: NAME(1, a, b0, b1, K, c); break;                                                      \
+        }                                                                                              \
+    }
+#define DISPATCH4(NAME)                                                                                \
+    static void NAME##_any(int mr, const void *const *a, const uint8_t *b0, const uint8_t *b1, int64_t K, int32_t *c) { \
+        switch (mr) {                                                                                  \
+        case 4: NAME(4, a, b0, b1, K, c); break;                                                       \
+        case 3: NAME(3, a, b0, b1, K, c); break;                                                       \
+        case 2: NAME(2, a, b0, b1, K, c); break;                                                       \
+        default: NAME(1, a, b0, b1, K, c); break;                                                      \
+        }                                                                                              \
+    }
+#define VNNI_FN __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma")))
+DISPATCH8(itile512_w8, VNNI_FN)
+DISPATCH8(itile512_w4, VNNI_FN)
+DISPATCH4(itile256_w8)
+DISPATCH4(itile256_w4)
+
+/* ---- float tiles: c [mr][2V] = A rows (fp32, in place) . [b0 | b1], b stepping PANEL per k ---- */
+
+#define F512 __attribute__((target("avx512f,avx2,fma"), always_inline)) static inline
+#define FROW512(R)                                                     \
+    if (mr > R) {                                                      \
+        __m512 av = _mm512_set1_ps(a##R[k]);                           \
+        c##R##0 = _mm512_fmadd_ps(av, v0, c##R##0);                    \
+        c##R##1 = _mm512_fmadd_ps(av, v1, c##R##1);                    \
+    }
+#define FSTORE512(R)                                                   \
+    if (mr > R) {                                                      \
+        _mm512_storeu_ps(c + R * 32, c##R##0);                         \
+        _mm512_storeu_ps(c + R * 32 + 16, c##R##1);                    \
+    }
+F512 void ftile512(const int mr, const float *const *a, const float *b0, const float *b1, int64_t K, float *c) {
+    ROWS8(float);
+    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
+           c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00, c61 = c00, c70 = c00, c71 = c00;
+    for (int64_t k = 0; k < K; ++k) {
+        __m512 v0 = _mm512_loadu_ps(b0 + k * PANEL), v1 = _mm512_loadu_ps(b1 + k * PANEL);
+        EACH8(FROW512)
+    }
+    EACH8(FSTORE512)
+}
+
+#define FROW256(R)                                                     \
+    if (mr > R) {                                                      \
+        __m256 av = _mm256_broadcast_ss(a##R + k * stride);            \
+        c##R##0 = _mm256_fmadd_ps(av, v0, c##R##0);                    \
+        c##R##1 = _mm256_fmadd_ps(av, v1, c##R##1);                    \
+    }
+#define FSTORE256(R)                                                   \
+    if (mr > R) {                                                      \
+        _mm256_storeu_ps(c + R * 32, c##R##0);                         \
+        _mm256_storeu_ps(c + R * 32 + 16, c##R##1);                    \
+    }
+#define EACH6(M) M(0) M(1) M(2) M(3) M(4) M(5)
+/* stride: 1 for rows in place, MR_F256 for A tile-packed (element k of row r at a[r][k * MR_F256]:
+ * one memory stream for all rows, as experts.c's AVX2 tile reads it, 3-6% faster there). */
+AVX2 void ftile256(const int mr, const float *const *a, const float *b0, const float *b1, int64_t K, float *c,
+                   const int64_t stride) {
+    const float *a0 = a[0], *a1 = a[mr > 1 ? 1 : 0], *a2 = a[mr > 2 ? 2 : 0], *a3 = a[mr > 3 ? 3 : 0],
+                *a4 = a[mr > 4 ? 4 : 0], *a5 = a[mr > 5 ? 5 : 0];
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
+           c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    for (int64_t k = 0; k < K; ++k) {
+        __m256 v0 = _mm256_loadu_ps(b0 + k * PANEL), v1 = _mm256_loadu_ps(b1 + k * PANEL);
+        EACH6(FROW256)
+    }
+    EACH6(FSTORE256)
+}
+
+__attribute__((target("avx512f,avx2,fma"))) static void ftile512_any(int mr, const float *const *a, const float *b0,
+                                                                     const float *b1, int64_t K, float *c) {
+    switch (mr) {
+    case 8: ftile512(8, a, b0, b1, K, c); break;
+    case 7: ftile512(7, a, b0, b1, K, c); break;
+    case 6: ftile512(6, a, b0, b1, K, c); break;
+    case 5: ftile512(5, a, b0, b1, K, c); break;
+    case 4: ftile512(4, a, b0, b1, K, c); break;
+    case 3: ftile512(3, a, b0, b1, K, c); break;
+    case 2: ftile512(2, a, b0, b1, K, c); break;
+    default: ftile512(1, a, b0, b1, K, c); break;
+    }
+}
+
+static void ftile256_any(int mr, const float *const *a, const float *b0, const float *b1, int64_t K, float *c) {
+    switch (mr) {  /* A tile-packed: the float AVX2 path packs x's rows and writes FC1's output so */
+    case 6: ftile256(6, a, b0, b1, K, c, MR_F256); break;
+    case 5: ftile256(5, a, b0, b1, K, c, MR_F256); break;
+    case 4: ftile256(4, a, b0, b1, K, c, MR_F256); break;
+    case 3: ftile256(3, a, b0, b1, K, c, MR_F256); break;
+    case 2: ftile256(2, a, b0, b1, K, c, MR_F256); break;
+    default: ftile256(1, a, b0, b1, K, c, MR_F256); break;
+    }
+}
+
+/* ---- panel dequantization (float formats): out [K][16] fp32 of one panel ---- */
+
+#pragma GCC push_options
+#pragma GCC target("f16c") /* fp16 scales and weights: every AVX2 CPU has F16C */
+
+/* 2^(e - 127) on 8 lanes of e8m0 codes (e = 0: 2^-127, a subnormal; e = 255: NaN, OCP MX). */
+static inline __m256 e8m0_8(__m256i e) {
+    __m256i bits = _mm256_slli_epi32(e, 23);
+    bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x00400000), _mm256_cmpeq_epi32(e, _mm256_setzero_si256()));
+    bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7fc00000), _mm256_cmpeq_epi32(e, _mm256_set1_epi32(255)));
+    return _mm256_castsi256_ps(bits);
+}
+
+/* e2m1 codes (low 4 bits of each lane) -> fp32: magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6; bit 3 sign. */
+static inline __m256 e2m1_8(__m256i code) {
+    const __m256 mag = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+    __m256 v = _mm256_permutevar8x32_ps(mag, code);  /* uses the low 3 bits */
+    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(code, _mm256_set1_epi32(8)), 28);
+    return _mm256_xor_ps(v, _mm256_castsi256_ps(sign));
+}
+
+/* 8 scales of columns 8h .. 8h + 7 of group g. */
+static inline __m256 scales8(int fmt, const void *scales, int64_t g, int h) {
+    if (fmt == FMT_MXFP4)
+        return e8m0_8(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)scales + g * 16 + 8 * h))));
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)scales + g * 16 + 8 * h)));
+}
+
+/* 4-bit values (low nibbles of 8 lanes) -> fp32 before the scale. */
+static inline __m256 nibble8(int fmt, __m256i u) {
+    return fmt == FMT_MXFP4 ? e2m1_8(u) : _mm256_cvtepi32_ps(_mm256_sub_epi32(u, _mm256_set1_epi32(8)));
+}
+
+__attribute__((noinline)) static void dequant_panel(int fmt, const uint8_t *codes, const void *scales, int64_t K,
+                                                   int64_t G, float *out) {
+    const __m256i m = _mm256_set1_epi32(0x0F);
+    if (fmt == FMT_W4 || fmt == FMT_MXFP4) {
+        for (int64_t g = 0; g < K / G; ++g)
+            for (int h = 0; h < 2; ++h) {
+                __m256 s = scales8(fmt, scales, g, h);
+                for (int64_t k = g * G; k < (g + 1) * G; k += 2) {  /* byte (k/2, j): k low, k + 1 high */
+                    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + (k / 2) * 16 + 8 * h)));
+                    _mm256_storeu_ps(out + k * 16 + 8 * h, _mm256_mul_ps(nibble8(fmt, _mm256_and_si256(b, m)), s));
+                    _mm256_storeu_ps(out + (k + 1) * 16 + 8 * h, _mm256_mul_ps(nibble8(fmt, _mm256_srli_epi32(b, 4)), s));
+                }
+            }
+    } else if (fmt == FMT_W8) {
+        for (int64_t g = 0; g < K / G; ++g)
+            for (int h = 0; h < 2; ++h) {
+                __m256 s = scales8(fmt, scales, g, h);
+                for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+                    __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + k * 16 + 8 * h)));
+                    _mm256_storeu_ps(out + k * 16 + 8 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(q), s));
+                }
+            }
+    } else {  /* 16-bit weights */
+        const uint16_t *w = (const uint16_t *)codes;
+        for (int64_t i = 0; i < K * 16; i += 8) {
+            __m128i v = _mm_loadu_si128((const __m128i *)(w + i));
+            __m256 f = fmt == FMT_F16 ? _mm256_cvtph_ps(v)
+                                      : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+            _mm256_storeu_ps(out + i, f);
+        }
+    }
+}
+
+/* The same on 16 lanes: one vpermps of a 16-entry table turns a nibble into its value. */
+#define DQ512 __attribute__((target("avx512f,avx2,fma,f16c"), noinline)) static
+
+__attribute__((target("avx512f,avx2,fma,f16c"))) static inline __m512 scales16(int fmt, const void *scales, int64_t g) {
+    if (fmt != FMT_MXFP4) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)scales + g * 16)));
+    __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)scales + g * 16)));
+    __m512i bits = _mm512_slli_epi32(e, 23);  /* 2^(e - 127); e = 0: 2^-127 (subnormal), 255: NaN */
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)), _mm512_set1_epi32(0x7fc00000));
+    return _mm512_castsi512_ps(bits);
+}
+
+DQ512 void dequant_panel512(int fmt, const uint8_t *codes, const void *scales, int64_t K, int64_t G, float *out) {
+    if (fmt == FMT_W4 || fmt == FMT_MXFP4) {
+        const __m512 lut = fmt == FMT_MXFP4
+                               ? _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f)
+                               : _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+        const __m512i m = _mm512_set1_epi32(0x0F);
+        for (int64_t g = 0; g < K / G; ++g) {
+            __m512 s = scales16(fmt, scales, g);
+            for (int64_t k = g * G; k < (g + 1) * G; k += 2) {
+                __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + (k / 2) * 16)));
+                _mm512_storeu_ps(out + k * 16, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, m), lut), s));
+                _mm512_storeu_ps(out + (k + 1) * 16, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut), s));
+            }
+        }
+    } else if (fmt == FMT_W8) {
+        for (int64_t g = 0; g < K / G; ++g) {
+            __m512 s = scales16(fmt, scales, g);
+            for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+                __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + k * 16)));
+                _mm512_storeu_ps(out + k * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(q), s));
+            }
+        }
+    } else {
+        const uint16_t *w = (const uint16_t *)codes;
+        for (int64_t i = 0; i < K * 16; i += 16) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(w + i));
+            __m512 f = fmt == FMT_F16 ? _mm512_cvtph_ps(v)
+                                      : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+            _mm512_storeu_ps(out + i, f);
+        }
+    }
+}
+
+#pragma GCC pop_options
+
+/* ---- per-token int8 quantization (quant/common.py: quantize_per_token_int8) ---- */
+
+/* q = clamp(round_half_even(x / s), -127, 127), s = max|x| / 127 (1 for a zero row), of one row of
+ * K floats; q offset to u8 (q + 128) when `offset`; sum = sum of q (a8w4's correction).  Division,
+ * not a multiply by 1/s, and round-half-even: bit for bit torch's x / s and torch.round. */
+static void quantize_row(const float *x, int64_t K, int8_t *q, float *s_out, int32_t *sum_out, int offset) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 m8 = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) m8 = _mm256_max_ps(m8, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+    float lanes[8], amax = 0.f;
+    _mm256_storeu_ps(lanes, m8);
+    for (int i = 0; i < 8; ++i) amax = lanes[i] > amax ? lanes[i] : amax;
+    for (; k < K; ++k) amax = __builtin_fabsf(x[k]) > amax ? __builtin_fabsf(x[k]) : amax;
+    float s = amax / 127.f;
+    if (!(s > 0.f)) s = 1.f;
+    const __m256 vs = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), flip = _mm256_set1_epi8((char)0x80);
+    __m256i sum8 = _mm256_setzero_si256();
+    k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m256i i4[4];
+        for (int j = 0; j < 4; ++j) {
+            __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + k + 8 * j), vs),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            i4[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+            sum8 = _mm256_add_epi32(sum8, i4[j]);
+        }
+        __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i4[0], i4[1]), _mm256_packs_epi32(i4[2], i4[3]));
+        b = _mm256_permutevar8x32_epi32(b, order);
+        if (offset) b = _mm256_xor_si256(b, flip);
+        _mm256_storeu_si256((__m256i *)(q + k), b);
+    }
+    int32_t sums[8], sum = 0;
+    _mm256_storeu_si256((__m256i *)sums, sum8);
+    for (int i = 0; i < 8; ++i) sum += sums[i];
+    for (; k < K; ++k) {
+        float r = __builtin_nearbyintf(x[k] / s);  /* the default rounding mode: half to even */
+        int v = (int)(r < -127.f ? -127.f : (r > 127.f ? 127.f : r));
+        sum += v;
+        q[k] = (int8_t)(offset ? (uint8_t)(v + 128) : v);
+    }
+    *s_out = s;
+    if (sum_out) *sum_out = sum;
+}
+
+/* ---- the call ---- */
+
+/* The ISA's tile shape for a format: rows MR, block width V, and whether its A operands are
+ * tile-packed ([n, K] held MR rows at a time, each tile [K][MR], the tile of rows r0.. at r0 * K:
+ * the float AVX2 tile). */
+typedef struct {
+    int isa, fmt, mr, v, packed;
+} Shape;
+
+static Shape shape_of(int isa, int fmt) {
+    Shape s = {isa, fmt, MR_512, 16, 0};
+    if (isa == ISA_AVX2) s.mr = is_int(fmt) ? MR_I256 : MR_F256, s.v = 8, s.packed = !is_int(fmt);
+    return s;
+}
+
+/* Row pointers of the tile of rows r0 .. r0 + mr - 1 of an A operand [n, K] in the shape's layout. */
+static void frows(Shape s, const float *base, int64_t r0, int mr, int64_t K, const float **rows) {
+    for (int i = 0; i < mr; ++i) rows[i] = s.packed ? base + r0 * K + i : base + (r0 + i) * K;
+}
+
+/* Where element (r, k) of an A operand [n, K] lies in the shape's layout. */
+static int64_t element_at(Shape s, int64_t r, int64_t k, int64_t K) {
+    return s.packed ? (r - r % s.mr) * K + k * s.mr + r % s.mr : r * K + k;
+}
+
+static int rows_at(Shape s, int64_t n, int64_t r0) { return n - r0 < s.mr ? (int)(n - r0) : s.mr; }
+
+static void my_units(int64_t units, int64_t *u0, int64_t *u1) {
+    int64_t t = omp_get_thread_num(), parts = omp_get_num_threads();
+    *u0 = units * t / parts, *u1 = units * (t + 1) / parts;
+}
+
+typedef struct {
+    const float *x;
+    int64_t ldx;
+    float *y;
+    int64_t ldy;
+    const int64_t *tok;
+    const float *scale;
+    int64_t H, F, G1, G2;  /* G: the float formats' groups along K of FC1 (H) and FC2 (F) */
+    float limit;
+    int between;           /* routing weight between the SwiGLU and FC2 (else on FC2's output) */
+    int8_t *qx;            /* integer formats: x quantized [T, H], its scales and row sums */
+    float *sx;
+    int32_t *sumx;
+    int8_t *qa;            /* FC2's input quantized [chunk, F], its scales and row sums */
+    float *sa;
+    int32_t *suma;
+} Call;
+
+/* One expert's packed weights: codes, scales (fp32 per channel for integer formats, the format's
+ * own group scales in panel order else) and int32 column sums (a8w8) of FC1 and FC2. */
+typedef struct {
+    const uint8_t *w1, *w2;
+    const void *s1, *s2;
+    const int32_t *cs1, *cs2;
+} Expert;
+
+/* Bytes of one panel with K inputs. */
+static int64_t panel_bytes(int fmt, int64_t K) {
+    if (fmt == FMT_A8W4 || fmt == FMT_W4 || fmt == FMT_MXFP4) return K * 8;
+    if (fmt == FMT_BF16 || fmt == FMT_F16) return K * 32;
+    return K * 16;
+}
+
+/* Integer formats: column `col` of a packed weight, its block's first byte. */
+static const uint8_t *icolumn(int fmt, const uint8_t *w, int64_t col, int64_t K) {
+    return w + (col / PANEL) * panel_bytes(fmt, K) + (col % PANEL) * 4;
+}
+
+static void itile(Shape s, int mr, const void *const *a, const uint8_t *b0, const uint8_t *b1, int64_t K, int32_t *c) {
+    if (s.isa == ISA_AVX512)
+        (s.fmt == FMT_A8W8 ? itile512_w8_any : itile512_w4_any)(mr, a, b0, b1, K, c);
+    else
+        (s.fmt == FMT_A8W8 ? itile256_w8_any : itile256_w4_any)(mr, a, b0, b1, K, c);
+}
+
+/* What the tile's sums carry beyond q_a . w: the VNNI a8w8 offset, 128 * colsum(w) per column
+ * (colsum, NULL when none), or the a8w4 nibble offset, 8 * sum(q_a) per row (row_offset). */
+typedef struct {
+    const int32_t *colsum;
+    int32_t row_offset;
+} Offsets;
+
+static const int32_t ZEROS[2 * V_MAX];
+
+/* out[j] = (float)(acc[j] - offsets) * s_row * s_col[j] for j < w: the exact int32 sum scaled as
+ * quant/a8w8_int.py's matmul does it, (acc * s_x) * s_w. */
+static void scale_sums(const int32_t *acc, Offsets o, int64_t col0, float s_row, const float *s_col, int64_t w,
+                       float *out) {
+    const int32_t *cs = o.colsum ? o.colsum + col0 : ZEROS;
+    int32_t m = o.colsum ? 128 : 0;
+    for (int64_t j = 0; j < w; ++j) out[j] = (float)(acc[j] - o.row_offset - m * cs[j]) * s_row * s_col[col0 + j];
+}
+
+static Offsets offsets(Shape s, const int32_t *colsum, const int32_t *rowsums, int64_t r) {
+    Offsets o = {NULL, 0};
+    if (s.fmt == FMT_A8W4) o.row_offset = 8 * rowsums[r];
+    else if (s.isa == ISA_AVX512) o.colsum = colsum;
+    return o;
+}
+
+static float route(const Call *cl, int64_t slot) { return cl->scale[slot]; }
+
+/* Integer FC1 + SwiGLU of slots [lo, lo + n): this thread's features of a [n, F] (fp32). */
+static void ifc1(const Call *cl, Shape s, int64_t lo, int64_t n, const Expert *ex, float *a) {
+    int32_t c[MR_MAX * 2 * V_MAX];
+    float gate[V_MAX], up[V_MAX];
+    const void *rows[MR_MAX];
+    const float *s1 = (const float *)ex->s1;
+    int64_t u0, u1, H = cl->H, F = cl->F;
+    my_units(F / s.v, &u0, &u1);
+    for (int64_t u = u0; u < u1; ++u) {
+        int64_t f0 = u * s.v;
+        const uint8_t *b0 = icolumn(s.fmt, ex->w1, f0, H), *b1 = icolumn(s.fmt, ex->w1, F + f0, H);
+        for (int64_t r0 = 0; r0 < n; r0 += s.mr) {
+            int mr = rows_at(s, n, r0);
+            for (int i = 0; i < mr; ++i) rows[i] = cl->qx + cl->tok[lo + r0 + i] * H;
+            itile(s, mr, rows, b0, b1, H, c);
+            for (int i = 0; i < mr; ++i) {
+                int64_t t = cl->tok[lo + r0 + i];
+                Offsets o = offsets(s, ex->cs1, cl->sumx, t);
+                scale_sums(c + i * 2 * s.v, o, f0, cl->sx[t], s1, s.v, gate);
+                scale_sums(c + i * 2 * s.v + s.v, o, F + f0, cl->sx[t], s1, s.v, up);
+                float k = cl->between ? route(cl, lo + r0 + i) : 1.f;
+                swiglu_span(a + (r0 + i) * F + f0, gate, up, 0, s.v, cl->limit, k);
+            }
+        }
+    }
+}
+
+/* Integer FC2 + weighted combine of slots [lo, lo + n) on qa (a re-quantized): this thread's
+ * columns of y. */
+static void ifc2(const Call *cl, Shape s, int64_t lo, int64_t n, const Expert *ex) {
+    int32_t c[MR_MAX * 2 * V_MAX];
+    float out[2 * V_MAX];
+    const void *rows[MR_MAX];
+    const float *s2 = (const float *)ex->s2;
+    int64_t u0, u1, F = cl->F, w = 2 * s.v;
+    my_units(cl->H / w, &u0, &u1);
+    for (int64_t u = u0; u < u1; ++u) {
+        int64_t c0 = u * w;
+        const uint8_t *b0 = icolumn(s.fmt, ex->w2, c0, F), *b1 = icolumn(s.fmt, ex->w2, c0 + s.v, F);
+        for (int64_t r0 = 0; r0 < n; r0 += s.mr) {
+            int mr = rows_at(s, n, r0);
+            for (int i = 0; i < mr; ++i) rows[i] = cl->qa + (r0 + i) * F;
+            itile(s, mr, rows, b0, b1, F, c);
+            for (int i = 0; i < mr; ++i) {
+                int64_t slot = lo + r0 + i;
+                float k = cl->between ? 1.f : route(cl, slot), *dst = cl->y + cl->tok[slot] * cl->ldy + c0;
+                scale_sums(c + i * w, offsets(s, ex->cs2, cl->suma, r0 + i), c0, cl->sa[r0 + i], s2, w, out);
+                for (int64_t j = 0; j < w; ++j) dst[j] += k * out[j];
+            }
+        }
+    }
+}
+
+static void ftile(Shape s, int mr, const float *const *a, const float *b0, const float *b1, int64_t K, float *c) {
+    if (s.isa == ISA_AVX512)
+        ftile512_any(mr, a, b0, b1, K, c);
+    else
+        ftile256_any(mr, a, b0, b1, K, c);
+}
+
+/* Group scales of panel p of a float-format weight with K inputs, group G. */
+static const void *panel_scales(int fmt, const void *scales, int64_t p, int64_t K, int64_t G) {
+    int64_t bytes = fmt == FMT_MXFP4 ? 1 : 2;
+    return (const uint8_t *)scales + p * (K / G) * 16 * bytes;
+}
+
+static void dequant(Shape s, const uint8_t *w, const void *scales, int64_t p, int64_t K, int64_t G, float *out) {
+    const uint8_t *codes = w + p * panel_bytes(s.fmt, K);
+    const void *sc = scales ? panel_scales(s.fmt, scales, p, K, G) : NULL;
+    if (s.isa == ISA_AVX512)
+        dequant_panel512(s.fmt, codes, sc, K, G, out);
+    else
+        dequant_panel(s.fmt, codes, sc, K, G, out);
+}
+
+/* The float tile over a chunk's rows for the 16 columns of panels b0 and b1 each: c [mr][32], b0's
+ * columns then b1's; AVX-512 in one go, AVX2 in two halves of 8 columns (its tile stores a row's
+ * two 8-wide blocks 16 floats apart, so both halves land in this layout). */
+static void fpanel(Shape s, int mr, const float *const *rows, const float *b0, const float *b1, int64_t K, float *c) {
+    ftile(s, mr, rows, b0, b1, K, c);
+    if (s.isa == ISA_AVX2) ftile(s, mr, rows, b0 + 8, b1 + 8, K, c + 8);
+}
+
+/* Tile-packed x rows of slots [lo, lo + n) into xp, this thread's share of the tiles (the caller
+ * then waits for the team). */
+static void pack_x(const Call *cl, Shape s, int64_t lo, int64_t n, float *xp) {
+    int64_t t0, t1;
+    my_units((n + s.mr - 1) / s.mr, &t0, &t1);
+    for (int64_t r0 = t0 * s.mr; r0 < n && r0 < t1 * s.mr; r0 += s.mr) {
+        int mr = rows_at(s, n, r0);
+        float *dst = xp + r0 * cl->H;
+        const float *src[MR_MAX];
+        for (int i = 0; i < mr; ++i) src[i] = cl->x + cl->tok[lo + r0 + i] * cl->ldx;
+        for (int64_t k = 0; k < cl->H; ++k)  /* written in order, mr read streams */
+            for (int i = 0; i < mr; ++i) dst[k * s.mr + i] = src[i][k];
+    }
+}
+
+/* Float FC1 + SwiGLU: this thread's 16-feature units, gate and up panels dequantized into buf;
+ * a [n, F] in the shape's layout; xp: x's rows tile-packed where the shape reads them so. */
+static void ffc1(const Call *cl, Shape s, int64_t lo, int64_t n, const Expert *ex, const float *xp, float *a,
+                 float *buf) {
+    float c[MR_MAX * 32], act[16];
+    const float *rows[MR_MAX];
+    int64_t u0, u1, H = cl->H, F = cl->F;
+    float *bg = buf, *bu = buf + H * 16;
+    my_units(F / 16, &u0, &u1);
+    for (int64_t u = u0; u < u1; ++u) {
+        dequant(s, ex->w1, ex->s1, u, H, cl->G1, bg);
+        dequant(s, ex->w1, ex->s1, F / 16 + u, H, cl->G1, bu);
+        for (int64_t r0 = 0; r0 < n; r0 += s.mr) {
+            int mr = rows_at(s, n, r0);
+            if (s.packed)
+                frows(s, xp, r0, mr, H, rows);
+            else
+                for (int i = 0; i < mr; ++i) rows[i] = cl->x + cl->tok[lo + r0 + i] * cl->ldx;
+            fpanel(s, mr, rows, bg, bu, H, c);
+            for (int i = 0; i < mr; ++i) {
+                float k = cl->between ? route(cl, lo + r0 + i) : 1.f;
+                if (!s.packed) {  /* the row's 16 features are contiguous in a */
+                    swiglu_span(a + (r0 + i) * F + u * 16, c + i * 32, c + i * 32 + 16, 0, 16, cl->limit, k);
+                    continue;
+                }
+                swiglu_span(act, c + i * 32, c + i * 32 + 16, 0, 16, cl->limit, k);
+                for (int j = 0; j < 16; ++j) a[element_at(s, r0 + i, u * 16 + j, F)] = act[j];
+            }
+        }
+    }
+}
+
+/* Float FC2 + weighted combine: this thread's 32-column units of y. */
+static void ffc2(const Call *cl, Shape s, int64_t lo, int64_t n, const Expert *ex, const float *a, float *buf) {
+    float c[MR_MAX * 32];
+    const float *rows[MR_MAX];
+    int64_t u0, u1, F = cl->F;
+    float *b0 = buf, *b1 = buf + F * 16;
+    my_units(cl->H / 32, &u0, &u1);
+    for (int64_t u = u0; u < u1; ++u) {
+        dequant(s, ex->w2, ex->s2, 2 * u, F, cl->G2, b0);
+        dequant(s, ex->w2, ex->s2, 2 * u + 1, F, cl->G2, b1);
+        for (int64_t r0 = 0; r0 < n; r0 += s.mr) {
+            int mr = rows_at(s, n, r0);
+            frows(s, a, r0, mr, F, rows);
+            fpanel(s, mr, rows, b0, b1, F, c);
+            for (int i = 0; i < mr; ++i) {
+                int64_t slot = lo + r0 + i;
+                float k = cl->between ? 1.f : route(cl, slot), *dst = cl->y + cl->tok[slot] * cl->ldy + u * 32;
+                for (int j = 0; j < 32; ++j) dst[j] += k * c[i * 32 + j];
+            }
+        }
+    }
+}
+
+/* This thread's share of the rows of src [n, K] quantized per row into q / s / sum. */
+static void quantize_rows(const float *src, int64_t n, int64_t K, int8_t *q, float *s, int32_t *sum, int offset) {
+    int64_t r0, r1;
+    my_units(n, &r0, &r1);
+    for (int64_t r = r0; r < r1; ++r) quantize_row(src + r * K, K, q + r * K, s + r, sum ? sum + r : NULL, offset);
+}
+
+/* ---- entry points ---- */
+
+/* Bit 0: AVX-512F (float tiles), bit 1: AVX-512 VNNI + BW (integer tiles). */
+int64_t moe_qgemm_cpu_features(void) {
+    __builtin_cpu_init();
+    int64_t f = 0;
+    if (__builtin_cpu_supports("avx512f")) f |= 1;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni"))
+        f |= 2;
+    return f;
+}
+
+static int isa_ok(int isa, int fmt) {
+    if (isa == ISA_AVX2) return 1;
+    int64_t need = is_int(fmt) ? 2 : 1;
+    return isa == ISA_AVX512 && (moe_qgemm_cpu_features() & need) == need;
+}
+
+/* Call fields, int64 each (pointers as integers):
+ *   x, ldx, y, ldy, tok, scale, H, F, G1, G2, chunk, scratch, isa, fmt, between, qx, sx, sumx, qa, sa, suma
+ * experts: E rows of (w1, w2, s1, s2, cs1, cs2) pointers; bounds: E + 1 slot offsets.  scratch:
+ * FC1's output of two chunks, 2 * (chunk + MR_MAX) * F floats; qx [T, H] bytes, sx / sumx [T];
+ * qa [chunk + MR_MAX, F] bytes, sa / suma [chunk + MR_MAX] (integer formats; sumx / suma used by
+ * a8w4 alone, may be 0 otherwise).  Returns 0; -1 for an ISA this CPU lacks or sizes the tiles do
+ * not divide; -2 when the dequantization buffers cannot be allocated. */
+enum { C_X, C_LDX, C_Y, C_LDY, C_TOK, C_SCALE, C_H, C_F, C_G1, C_G2, C_CHUNK, C_SCRATCH, C_ISA, C_FMT, C_BETWEEN,
+       C_QX, C_SX, C_SUMX, C_QA, C_SA, C_SUMA, C_FIELDS };
+#define PTR(type, f, i) ((type *)(intptr_t)(f)[i])
+
+int64_t moe_qgemm_run(const int64_t *f, const int64_t *experts, const int64_t *bounds, int64_t num_experts,
+                      int64_t num_tokens, float limit, int64_t nthreads) {
+    int fmt = (int)f[C_FMT];
+    Shape s = shape_of((int)f[C_ISA], fmt);
+    if (!isa_ok(s.isa, fmt) || f[C_F] % PANEL || f[C_H] % 32 || f[C_CHUNK] < 1) return -1;
+    if (!is_int(fmt) && (f[C_G1] < 1 || f[C_G2] < 1 || f[C_H] % f[C_G1] || f[C_F] % f[C_G2])) return -1;
+    Call cl = {PTR(const float, f, C_X), f[C_LDX], PTR(float, f, C_Y), f[C_LDY], PTR(const int64_t, f, C_TOK),
+               PTR(const float, f, C_SCALE), f[C_H], f[C_F], f[C_G1], f[C_G2], limit, (int)f[C_BETWEEN],
+               PTR(int8_t, f, C_QX), PTR(float, f, C_SX), PTR(int32_t, f, C_SUMX), PTR(int8_t, f, C_QA),
+               PTR(float, f, C_SA), PTR(int32_t, f, C_SUMA)};
+    int64_t chunk = f[C_CHUNK], kmax = cl.H > cl.F ? cl.H : cl.F;
+    int offset = fmt == FMT_A8W8 && s.isa == ISA_AVX512;  /* vpdpbusd's unsigned operand */
+    float *scratch[2] = {PTR(float, f, C_SCRATCH), PTR(float, f, C_SCRATCH) + (chunk + MR_MAX) * cl.F};
+    float *bufs = is_int(fmt) ? NULL : malloc(sizeof(float) * nthreads * 2 * kmax * 16);
+    float *xp = s.packed ? malloc(sizeof(float) * (chunk + MR_MAX) * cl.H) : NULL;
+    if ((!is_int(fmt) && bufs == NULL) || (s.packed && xp == NULL)) return free(bufs), free(xp), -2;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int64_t step = 0;
+        float *buf = bufs ? bufs + omp_get_thread_num() * 2 * kmax * 16 : NULL;
+        if (is_int(fmt)) {
+            quantize_rows(cl.x, num_tokens, cl.H, cl.qx, cl.sx, cl.sumx, offset);  /* ldx == H: the host's copy */
+#pragma omp barrier
+        }
+        for (int64_t e = 0; e < num_experts; ++e) {
+            const int64_t *p = experts + 6 * e;
+            Expert ex = {PTR(const uint8_t, p, 0), PTR(const uint8_t, p, 1), PTR(const void, p, 2),
+                         PTR(const void, p, 3), PTR(const int32_t, p, 4), PTR(const int32_t, p, 5)};
+            for (int64_t lo = bounds[e]; lo < bounds[e + 1]; lo += chunk) {
+                int64_t n = bounds[e + 1] - lo < chunk ? bounds[e + 1] - lo : chunk;
+                float *a = scratch[step++ & 1];
+                if (is_int(fmt)) {
+                    ifc1(&cl, s, lo, n, &ex, a);
+#pragma omp barrier
+                    quantize_rows(a, n, cl.F, cl.qa, cl.sa, cl.suma, offset);
+#pragma omp barrier
+                    ifc2(&cl, s, lo, n, &ex);
+                } else {
+                    if (s.packed) {  /* xp is free: every thread is past the last FC1 */
+                        pack_x(&cl, s, lo, n, xp);
+#pragma omp barrier
+                    }
+                    ffc1(&cl, s, lo, n, &ex, xp, a, buf);
+#pragma omp barrier
+                    ffc2(&cl, s, lo, n, &ex, a, buf);
+                }
+            }
+        }
+    }
+    free(bufs), free(xp);
+    return 0;
+}
+
+/* Test entries.  The exact int32 product acc [M, N] = q_a [M, K] . W^T of an integer-format weight
+ * (its panels, N / 16 of them; colsum [N] for a8w8) on one thread, through the run's tiles. */
+int64_t moe_qgemm_int_matmul(int64_t isa, int64_t fmt, const int8_t *qa, int64_t M, int64_t K, const uint8_t *w,
+                             const int32_t *colsum, int64_t N, int32_t *out) {
+    Shape s = shape_of((int)isa, (int)fmt);
+    if (!is_int((int)fmt) || !isa_ok(s.isa, (int)fmt) || N % (2 * s.v) || K % 8) return -1;
+    int offset = fmt == FMT_A8W8 && s.isa == ISA_AVX512;
+    int8_t *a = malloc(M * K);
+    int32_t *rowsum = malloc(sizeof(int32_t) * (M + 1));
+    if (!a || !rowsum) return free(a), free(rowsum), -2;
+    for (int64_t r = 0; r < M; ++r) {
+        rowsum[r] = 0;
+        for (int64_t k = 0; k < K; ++k) rowsum[r] += qa[r * K + k], a[r * K + k] = offset ? (int8_t)(qa[r * K + k] ^ 0x80) : qa[r * K + k];
+    }
+    int32_t c[MR_MAX * 2 * V_MAX];
+    const void *rows[MR_MAX];
+    for (int64_t c0 = 0; c0 < N; c0 += 2 * s.v)
+        for (int64_t r0 = 0; r0 < M; r0 += s.mr) {
+            int mr = rows_at(s, M, r0);
+            for (int i = 0; i < mr; ++i) rows[i] = a + (r0 + i) * K;
+            itile(s, mr, rows, icolumn(s.fmt, w, c0, K), icolumn(s.fmt, w, c0 + s.v, K), K, c);
+            for (int i = 0; i < mr; ++i) {
+                Offsets o = offsets(s, colsum, rowsum, r0 + i);
+                for (int j = 0; j < 2 * s.v; ++j)
+                    out[(r0 + i) * N + c0 + j] = c[i * 2 * s.v + j] - o.row_offset - (o.colsum ? 128 * o.colsum[c0 + j] : 0);
+            }
+        }
+    free(a), free(rowsum);
+    return 0;
+}
+
+/* Panel p of a float-format weight dequantized: out [K][16]. */
+int64_t moe_qgemm_dequant_panel(int64_t isa, int64_t fmt, const uint8_t *w, const void *scales, int64_t p, int64_t K,
+                                int64_t G, float *out) {
+    Shape s = shape_of((int)isa, (int)fmt);
+    if (!isa_ok(s.isa, s.fmt)) return -1;
+    dequant(s, w, scales, p, K, G, out);
+    return 0;
+}
+
+/* Rows of x [n, K] quantized per token (quant/common.py's quantize_per_token_int8): q, s, sum. */
+void moe_qgemm_quantize(const float *x, int64_t n, int64_t K, int8_t *q, float *s, int32_t *sum) {
+#pragma omp parallel num_threads(1)
+    quantize_rows(x, n, K, q, s, sum, 0);
+}

@@ -1,0 +1,292 @@
+"""Host side of ``qgemm.c``: quantized CPU prefill, every expert's SwiGLU FFN of a call in one C call.
+
+Shapes:  T tokens, H hidden, F expert FFN width, E experts, K experts per token; S' valid slots
+         sorted by expert.  FC1 is the canonical QuantWeight [E, 2F, H] (gate rows, then up rows),
+         FC2 [E, H, F] (``moe_compile.quant``'s contract).
+
+Formats:
+  a8w8-int / a8w4-int  x quantized per token to int8 in the kernel (s = max|x|/127, round half
+                       to even), int32 accumulation in an integer GEMM tile (AVX-512 VNNI
+                       ``vpdpbusd`` where the CPU has it, AVX2 ``vpmaddubsw`` / ``vpmaddwd``
+                       otherwise), y = acc * s_x * s_w, SwiGLU in fp32, FC2's input re-quantized
+                       per row, FC2's output weighted into y.  The int32 sums are exact.
+  w4-int / mxfp4 / w8-int / w16
+                       fp32 activations; each thread dequantizes one 16-row weight panel at a
+                       time into a [K][16] fp32 buffer and runs the fp32 tile over the chunk's rows
+                       (never a dequantized copy of a whole weight).
+
+Each canonical weight is repacked once (``pack``) into the tiles' panels (``QGemmPack``: the same
+bytes as the canonical tensors plus int32 column sums for a8w8) and kept in the caller's
+``pack_cache``.  ``MOE_COMPILE_FUSED_ISA=avx2`` (the fp32 fused kernel's switch) runs the AVX2 tiles
+on a CPU with AVX-512, to measure what a CPU without it gets.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from moe_compile.ir import FFNAttrs
+from moe_compile.kernels.cpu import cc as cpu_cc, experts as cpu_experts, memory as cpu_memory
+
+ENV = "MOE_COMPILE_QGEMM"
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_KERNEL = cpu_cc.Kernel(
+    "qgemm", ENV,
+    {"moe_qgemm_run": ([_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, _I64], _I64),
+     "moe_qgemm_int_matmul": ([_I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR], _I64),
+     "moe_qgemm_dequant_panel": ([_I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR], _I64),
+     "moe_qgemm_quantize": [_PTR, _I64, _I64, _PTR, _PTR, _PTR],
+     "moe_qgemm_cpu_features": ([], _I64)},
+    "quantized prefill is unavailable")
+ISA_AVX2, ISA_AVX512 = 2, 512
+PANEL = 16  # output rows per packed panel (the C file's PANEL)
+MAX_TILE_ROWS = 8  # the C file's MR_MAX
+H_MULTIPLE, F_MULTIPLE = 32, 16  # FC2's widest unit spans 32 columns of y; FC1's 16 features
+FORMAT_CODES = {"a8w8-int": 1, "a8w4-int": 2, "w8-int": 3, "w4-int": 4, "mxfp4": 5}  # w16: 6 bf16, 7 fp16
+INTEGER = ("a8w8-int", "a8w4-int")
+FORMATS = (*FORMAT_CODES, "w16")
+# Rows of one expert per FC1 -> FC2 step (experts.py's reason: FC1's fp32 scratch is 2 x CHUNK_ROWS x F
+# whatever T is, and the weights re-read per extra chunk cost a few % of the arithmetic).
+CHUNK_ROWS = 512
+
+
+def available() -> bool:
+    return _KERNEL.lib() is not None
+
+
+def _features() -> int:
+    return int(_KERNEL.lib().moe_qgemm_cpu_features())
+
+
+def unavailable_reason(fmt: str) -> str | None:
+    """None where this CPU runs ``fmt``'s prefill kernel in this module, else why not."""
+    if fmt not in FORMATS:
+        return f"qgemm has no kernel for {fmt!r} (it runs {', '.join(FORMATS)})"
+    return _KERNEL.error()
+
+
+@functools.cache
+def _asked_isa() -> str:
+    asked = os.environ.get(cpu_experts.ISA_ENV, "").lower()
+    if asked not in ("", "avx2", "avx512"):
+        raise ValueError(f"{cpu_experts.ISA_ENV}={asked!r}: use one of ['avx2', 'avx512'] (or leave it unset)")
+    return asked
+
+
+def best_isa(fmt: str) -> int:
+    """The tile ``fmt`` runs on: ISA_AVX512 where the CPU has AVX-512F (float formats) or AVX-512
+    VNNI + BW (integer formats), else ISA_AVX2; ``MOE_COMPILE_FUSED_ISA=avx2`` forces AVX2."""
+    need = 2 if fmt in INTEGER else 1
+    native = ISA_AVX512 if _features() & need == need else ISA_AVX2
+    asked = _asked_isa()
+    if asked == "avx512" and native != ISA_AVX512:
+        what = "AVX-512 VNNI" if fmt in INTEGER else "AVX-512"
+        raise ValueError(f"{cpu_experts.ISA_ENV}=avx512: this CPU has no {what} for {fmt} (use avx2 or leave it unset)")
+    return ISA_AVX2 if asked == "avx2" else native
+
+
+@dataclass(frozen=True)
+class QGemmPack:
+    """One role of all E experts in the tiles' panels (see qgemm.c's header for the byte order).
+
+    data:   uint8 [E, N/16, panel bytes]
+    scale:  integer formats fp32 [E, N] (per channel); float formats the group scales in panel
+            order [E, N/16, K/G, 16] in the canonical dtype (fp16, or e8m0 bytes for mxfp4);
+            w16: empty
+    colsum: a8w8-int: int32 [E, N] = sum_k q (undoes vpdpbusd's +128 activation offset)
+    """
+
+    fmt: str
+    code: int  # the C file's FMT_* value
+    data: torch.Tensor
+    scale: torch.Tensor
+    colsum: torch.Tensor | None
+    group: int
+    shape: tuple[int, int, int]
+
+    @property
+    def nbytes(self) -> int:
+        extra = self.colsum.nbytes if self.colsum is not None else 0
+        return self.data.nbytes + self.scale.nbytes + extra
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] -> [..., K] nibbles (element 2j low, 2j + 1 high: the contract's order)."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+
+
+def _int_panels(codes: torch.Tensor, four_bit: bool) -> torch.Tensor:
+    """One expert's [N, K] codes (int8 q, or nibbles u in [0, 15]) -> the integer tiles' panels,
+    uint8 [N/16, panel bytes]: [K/4][16][4] bytes, 4-bit [K/8][16][4] (k%8 >= 4 in the high nibble)."""
+    N, K = codes.shape
+    u = codes.view(torch.uint8) if codes.dtype == torch.int8 else codes
+    if four_bit:
+        g = u.reshape(N // PANEL, PANEL, K // 8, 2, 4)
+        u = (g[:, :, :, 0] | (g[:, :, :, 1] << 4)).permute(0, 2, 1, 3)  # [N/16, K/8, 16, 4]
+    else:
+        u = u.reshape(N // PANEL, PANEL, K // 4, 4).permute(0, 2, 1, 3)  # [N/16, K/4, 16, 4]
+    return u.reshape(N // PANEL, -1).contiguous()
+
+
+def _float_panels(t: torch.Tensor) -> torch.Tensor:
+    """One expert's [N, K'] tensor -> [N/16, K', 16] (column j of a panel contiguous per k)."""
+    N = t.shape[0]
+    return t.reshape(N // PANEL, PANEL, -1).transpose(1, 2).contiguous()
+
+
+def pack(w) -> QGemmPack:
+    """The tiles' panels of a canonical QuantWeight (``moe_compile.quant``), expert by expert (the
+    only temporaries are one expert's)."""
+    E, N, K = w.shape
+    if w.fmt not in FORMATS:
+        raise ValueError(f"qgemm.pack: no kernel for {w.fmt!r}")
+    if N % PANEL or K % 8:
+        raise ValueError(f"qgemm.pack: {w.fmt} weight [{E}, {N}, {K}] needs N a multiple of {PANEL} and K of 8")
+    colsum = None
+    with torch.no_grad():
+        if w.fmt in INTEGER:
+            four = w.fmt == "a8w4-int"
+            data = torch.stack([_int_panels(_unpack_nibbles(d) if four else d, four) for d in w.data])
+            scale = w.scale.reshape(E, N).float().contiguous()
+            if not four:
+                colsum = w.data.sum(dim=2, dtype=torch.int32).contiguous()
+        else:
+            data = torch.stack([_float_panels(d.view(torch.int16) if w.fmt == "w16" else d).view(torch.uint8)
+                                .reshape(N // PANEL, -1) for d in w.data])
+            scale = (torch.stack([_float_panels(s) for s in w.scale]) if w.fmt != "w16"
+                     else torch.empty(0, dtype=torch.float16))
+    code = FORMAT_CODES.get(w.fmt) or (6 if w.data.dtype == torch.bfloat16 else 7)
+    return QGemmPack(w.fmt, code, data, scale, colsum, w.group, (E, N, K))
+
+
+def packed(w, pack_cache) -> QGemmPack:
+    """``w``'s panels from ``pack_cache`` (dict-like), packed and stored there on first use."""
+    key = ("qgemm", w.fmt, w.data.data_ptr(), tuple(w.shape))
+    found = pack_cache.get(key) if pack_cache is not None else None
+    if found is None:
+        found = pack(w)
+        if pack_cache is not None:
+            pack_cache[key] = found
+    return found
+
+
+def _expert_table(p1: QGemmPack, p2: QGemmPack):
+    """(w1, w2, s1, s2, cs1, cs2) pointers of every expert as an int64 ctypes array [E * 6]."""
+    E = p1.shape[0]
+
+    def rows(t):
+        return [0] * E if t is None or t.numel() == 0 else [t[e].data_ptr() for e in range(E)]
+
+    flat = [v for six in zip(rows(p1.data), rows(p2.data), rows(p1.scale), rows(p2.scale), rows(p1.colsum),
+                             rows(p2.colsum)) for v in six]
+    return (ctypes.c_int64 * len(flat))(*flat)
+
+
+def check_call(x, w1, w2, attrs: FFNAttrs) -> None:
+    """Raise a ValueError saying what to change when this kernel cannot compute the call."""
+    if w1.fmt != w2.fmt or w1.fmt not in FORMATS:
+        raise ValueError(f"qgemm: FC1 {w1.fmt!r} and FC2 {w2.fmt!r} must be one format of {FORMATS}")
+    E, N1, H = w1.shape
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != H or tuple(w2.shape) != (E, H, N1 // 2):
+        raise ValueError(f"qgemm: x must be fp32 [T, {H}] and FC2 [{E}, {H}, {N1 // 2}], got x {x.dtype} "
+                         f"{tuple(x.shape)}, FC2 {tuple(w2.shape)}")
+    if attrs.activation != "silu" or attrs.gate_up == "none" or attrs.weight_on not in ("output", "between"):
+        raise ValueError(f"qgemm: runs SwiGLU experts with the routing weight on the output or between "
+                         f"(got activation={attrs.activation!r}, weight_on={attrs.weight_on!r})")
+    if H % H_MULTIPLE or (N1 // 2) % F_MULTIPLE:
+        raise ValueError(f"qgemm: H={H} must be a multiple of {H_MULTIPLE} and F={N1 // 2} of {F_MULTIPLE}")
+    if w1.fmt in INTEGER or w1.fmt == "w16":
+        return
+    for w, K in ((w1, H), (w2, N1 // 2)):  # the panels' scales step a whole group (of byte pairs for 4 bits)
+        if w.group < 1 or K % w.group or (w.fmt != "w8-int" and w.group % 2):
+            raise ValueError(f"qgemm: {w.fmt} needs a group that divides K={K} (and is even for 4 bits), "
+                             f"got {w.group}")
+
+
+def _scratch(fmt: str, T: int, H: int, F: int, chunk: int):
+    """FC1's fp32 output of two chunks, and for integer formats x and FC2's input quantized."""
+    rows = chunk + MAX_TILE_ROWS
+    a = cpu_memory.empty((2 * rows * F,), torch.float32, torch.device("cpu"))
+    if fmt not in INTEGER:
+        return a, None
+    return a, (torch.empty(T * H, dtype=torch.int8), torch.empty(T), torch.empty(T, dtype=torch.int32),
+               torch.empty(rows * F, dtype=torch.int8), torch.empty(rows), torch.empty(rows, dtype=torch.int32))
+
+
+def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, attrs: FFNAttrs, pack_cache,
+        isa: int | None = None, threads: int | None = None) -> torch.Tensor:
+    """y [T, H] fp32 of the quantized MoE (``quant.reference_moe``'s meaning).  ``x`` [T, H] fp32,
+    ``ids`` [T, K] int64 (ids outside [0, E) contribute nothing), ``weights`` [T, K].  ``isa`` /
+    ``threads``: force a tile / a team size (tests); default the best and torch's threads."""
+    from moe_compile.kernels.cpu.forward import sort_by_expert
+
+    check_call(x, w1, w2, attrs)
+    T, H = x.shape
+    E, F = w1.shape[0], w1.shape[1] // 2
+    y = torch.zeros(T, H, dtype=torch.float32)
+    if T == 0 or ids.shape[1] == 0:
+        return y
+    isa = isa or best_isa(w1.fmt)
+    threads = threads or torch.get_num_threads()
+    p1, p2 = packed(w1, pack_cache), packed(w2, pack_cache)
+    x = x.contiguous()
+    order, bounds = sort_by_expert(ids, E)
+    valid = order[bounds[0]: bounds[-1]]  # [S'] slots with an id in [0, E)
+    tokens = (valid // ids.shape[1]).contiguous()
+    scale = weights.reshape(-1).index_select(0, valid).float().contiguous()  # [S']
+    rel = [b - bounds[0] for b in bounds]
+    chunk = max(1, min(CHUNK_ROWS, max((b - a for a, b in zip(rel, rel[1:])), default=0)))
+    a, q = _scratch(w1.fmt, T, H, F, chunk)
+    qptr = [t.data_ptr() for t in q] if q is not None else [0] * 6
+    fields = (ctypes.c_int64 * 21)(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), tokens.data_ptr(),
+                                   scale.data_ptr(), H, F, w1.group, w2.group, chunk, a.data_ptr(), isa, p1.code,
+                                   int(attrs.weight_on == "between"), *qptr)
+    status = _KERNEL.lib().moe_qgemm_run(fields, _expert_table(p1, p2), (ctypes.c_int64 * len(rel))(*rel),
+                                         E, T, attrs.limit, threads)
+    if status == -2:
+        raise MemoryError("qgemm: no memory for the per-thread dequantization buffers")
+    if status != 0:
+        raise RuntimeError(f"qgemm: the kernel refused {w1.fmt} H={H}, F={F}, isa={isa} (status {status})")
+    return y
+
+
+# ---- test entries: the tiles and the pieces of the run, one at a time ----
+
+def int_matmul(qa: torch.Tensor, p: QGemmPack, e: int, isa: int) -> torch.Tensor:
+    """acc [M, N] int32 = qa [M, K] int8 . W_e^T through the integer tiles (exact)."""
+    M, K = qa.shape
+    N = p.shape[1]
+    out = torch.empty(M, N, dtype=torch.int32)
+    qa = qa.contiguous()
+    cs = p.colsum[e].data_ptr() if p.colsum is not None else None
+    status = _KERNEL.lib().moe_qgemm_int_matmul(isa, p.code, qa.data_ptr(), M, K, p.data[e].data_ptr(), cs, N,
+                                                out.data_ptr())
+    if status != 0:
+        raise RuntimeError(f"qgemm.int_matmul refused {p.fmt} M={M} K={K} N={N} isa={isa} (status {status})")
+    return out
+
+
+def dequantized_rows(p: QGemmPack, e: int, isa: int) -> torch.Tensor:
+    """Expert e's whole weight [N, K] fp32 through the kernel's panel dequantization (tests only)."""
+    E, N, K = p.shape
+    out = torch.empty(N // PANEL, K, PANEL)
+    scales = p.scale[e].data_ptr() if p.scale.numel() else None
+    for panel in range(N // PANEL):
+        if _KERNEL.lib().moe_qgemm_dequant_panel(isa, p.code, p.data[e].data_ptr(), scales, panel, K, p.group,
+                                                 out[panel].data_ptr()) != 0:
+            raise RuntimeError(f"qgemm.dequantized_rows: isa {isa} is not on this CPU")
+    return out.transpose(1, 2).reshape(N, K)
+
+
+def quantize_rows(x: torch.Tensor):
+    """(q int8 [n, K], s fp32 [n], sum int32 [n]) by the kernel's per-token quantizer."""
+    x = x.float().contiguous()
+    n, K = x.shape
+    q, s, total = torch.empty(n, K, dtype=torch.int8), torch.empty(n), torch.empty(n, dtype=torch.int32)
+    _KERNEL.lib().moe_qgemm_quantize(x.data_ptr(), n, K, q.data_ptr(), s.data_ptr(), total.data_ptr())
+    return q, s, total

@@ -1,0 +1,272 @@
+"""Quantized CPU path of the fused MoE op (``fused_moe_quant``): pack once, pick the kernel, and
+for ``quant="auto"`` measure and choose.
+
+Shapes:  T tokens, H hidden, F expert FFN width, E experts, K experts per token.
+
+* Packing: each layer's experts are packed into canonical ``QuantWeight``s (``moe_compile.quant``)
+  once per (tensors, version); a weight updated in place (its version changes) is packed again.
+  Packs hold quantized bytes only — the op never keeps a full-precision copy of the experts (a
+  layer that runs quantized has its fp32 prefill packs, ``kernels/cpu/prepack.py``, dropped).
+  ``moe_compile.empty_cache()`` frees them all (``clear``); ``stats`` reports their bytes.
+* Kernels: a call of T <= ``DECODE_ROWS`` rows is a decode step, served by ``qdecode`` (weight-only
+  formats streamed and dequantized in registers) or else by ``qgemm``; larger calls are prefill,
+  served by ``qgemm`` (int8 tiles for a8 formats, a panel dequantized at a time for the others).
+  A format is native here when one of those modules runs it on this CPU for this layer's shape.
+* ``quant="auto"``: on the first call of each regime (decode / prefill) of a layer, every native
+  format and the unquantized op run on the call's own inputs; the SQNR of each output against the
+  unquantized op's and the best of ``TIMING_RUNS`` times are recorded (``quant.selection``) and
+  the fastest candidate inside the budget is kept for that regime (the unquantized op when none
+  is faster).  Decode and prefill thus may run different formats: the op switches by T alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import time
+import weakref
+
+import torch
+
+from moe_compile.ir import ExpertWeights, FFNAttrs
+from moe_compile.quant import selection
+from moe_compile.quant.common import FORMATS, QuantRefusal, QuantWeight, check_group
+from moe_compile.quant.formats import default_group
+from moe_compile.quant.int8 import sqnr_db
+from moe_compile.quant.layout import pack_moe, refusal
+
+DECODE_ROWS = 16  # qdecode's MAX_ROWS: the decode kernel's largest call
+TIMING_RUNS = 3  # auto: best of this many runs per candidate (the first may pack)
+# Kernel modules per regime, in order of preference (the issue-17 kernel engineers' modules).
+KERNELS = {"decode": ("qdecode", "qgemm"), "prefill": ("qgemm",)}
+
+
+def regime(T: int) -> str:
+    return "decode" if T <= DECODE_ROWS else "prefill"
+
+
+def _kernel_module(name: str):
+    """``kernels/cpu/<name>.py`` (or the module a dotted name gives), or why it cannot be imported."""
+    try:
+        return importlib.import_module(name if "." in name else f"moe_compile.kernels.cpu.{name}"), None
+    except ImportError as exc:
+        return None, f"kernels/cpu/{name}.py is not available ({exc})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """The canonical logical shape of one role, what a kernel's ``check_call`` reads."""
+
+    fmt: str
+    shape: tuple
+    group: int
+
+
+def _shape_refusal(mod, fmt: str, E: int, H: int, F: int) -> str | None:
+    """Why ``mod`` cannot run this layer's shape in ``fmt`` (its own check), or None."""
+    check = getattr(mod, "check_call", None)
+    if check is None:
+        return None
+    w1 = _Shape(fmt, (E, 2 * F, H), default_group(fmt, H))
+    w2 = _Shape(fmt, (E, H, F), default_group(fmt, F))
+    try:
+        check(torch.empty(0, H), w1, w2, FFNAttrs())
+    except (ValueError, TypeError) as exc:
+        return str(exc)
+    return None
+
+
+def kernel_for(fmt: str, reg: str, E: int, H: int, F: int):
+    """(module, None) of the kernel that runs ``fmt`` natively in regime ``reg``, or (None, why not)."""
+    reasons = []
+    try:
+        check_group(H, default_group(fmt, H), fmt)
+        check_group(F, default_group(fmt, F), fmt)
+    except QuantRefusal as exc:
+        return None, str(exc)
+    for name in KERNELS[reg]:
+        mod, why = _kernel_module(name)
+        why = why or mod.unavailable_reason(fmt) or _shape_refusal(mod, fmt, E, H, F)
+        if why is None:
+            return mod, None
+        reasons.append(f"{name}: {why}")
+    return None, "; ".join(reasons)
+
+
+def native_formats(E: int, H: int, F: int) -> dict:
+    """{fmt: {regime: kernel name or None}} for every format, and {fmt: reason} of those not native."""
+    native, refused = {}, {}
+    for fmt in FORMATS:
+        found = {}
+        for reg in KERNELS:
+            mod, why = kernel_for(fmt, reg, E, H, F)
+            found[reg] = mod.__name__.rsplit(".", 1)[-1] if mod else None
+            if mod is None:
+                refused.setdefault(fmt, f"{reg}: {why}")
+        if any(found.values()):
+            native[fmt] = found
+    return native, refused
+
+
+def check_explicit(fmt: str, E: int, H: int, F: int) -> None:
+    """An explicit variant must run natively on this CPU (both regimes): else a ValueError naming
+    the variants that do.  Never a silent fallback."""
+    native, refused = native_formats(E, H, F)
+    if fmt in native and all(native[fmt].values()):
+        return
+    runs = [f for f, regs in native.items() if all(regs.values())]
+    raise ValueError(
+        f"moe_compile quant={fmt!r}: this CPU has no native kernel for it at H={H}, F={F} "
+        f"({refused.get(fmt) or 'one regime lacks a kernel'}); variants it runs: {runs or 'none'} "
+        f"(or quant='auto' / 'none')"
+    )
+
+
+# ---- packs: one per (layer tensors, version, format) ----
+
+
+@dataclasses.dataclass
+class _LayerPack:
+    refs: tuple  # weakrefs to the model's tensors the pack was made from
+    versions: tuple
+    w1: QuantWeight
+    w2: QuantWeight
+    kernel_cache: dict  # the kernels' own repacked tiles (``pack_cache`` of their ``run``)
+
+    def nbytes(self) -> int:
+        tiles = sum(int(getattr(v, "nbytes", 0)) for v in self.kernel_cache.values())
+        return self.w1.nbytes + self.w2.nbytes + tiles
+
+
+_PACKS: dict = {}  # (fmt, data pointers) -> _LayerPack
+
+
+def _tensors(w: ExpertWeights) -> list:
+    return [*w.fc1, *w.fc1_up, *w.fc2]
+
+
+def _versions(ts) -> tuple:
+    return tuple(t._version for t in ts)
+
+
+def layer_pack(w: ExpertWeights, attrs: FFNAttrs, fmt: str) -> _LayerPack:
+    """The layer's packs in ``fmt``, made on first use and again after an in-place update."""
+    ts = _tensors(w)
+    key = (fmt, tuple(t.data_ptr() for t in ts))
+    found = _PACKS.get(key)
+    if found is not None and all(r() is t for r, t in zip(found.refs, ts)) and found.versions == _versions(ts):
+        return found
+    with torch.no_grad():
+        w1, w2 = pack_moe(fmt, w, attrs)
+    found = _LayerPack(tuple(weakref.ref(t) for t in ts), _versions(ts), w1, w2, {})
+    _PACKS[key] = found
+    return found
+
+
+def stats() -> dict:
+    """Bytes of every quantized pack held (canonical tensors and the kernels' tiles), and layers."""
+    return {"bytes": sum(p.nbytes() for p in _PACKS.values()), "packs": len(_PACKS)}
+
+
+def clear() -> None:
+    """Drop every pack and every auto choice (``moe_compile.empty_cache()``); rebuilt on next use."""
+    _PACKS.clear()
+    _CHOICES.clear()
+
+
+def _drop_fp32_packs(w: ExpertWeights) -> None:
+    """A layer that runs quantized keeps no fp32 prefill packs (auto's timing of the unquantized
+    op may have made them)."""
+    from moe_compile.kernels.cpu import prepack as cpu_prepack
+
+    cpu_prepack._forget(_tensors(w))
+
+
+# ---- the op ----
+
+
+def _run_format(fmt, reg, x, ids, weights, w, attrs) -> torch.Tensor:
+    E, H, F = w.num_experts, w.hidden(), w.ffn()
+    mod, why = kernel_for(fmt, reg, E, H, F)
+    if mod is None:
+        raise ValueError(f"moe_compile quant={fmt!r}: no native kernel for the {reg} regime (T={x.shape[0]}): {why}")
+    p = layer_pack(w, attrs, fmt)
+    y = mod.run(x.float().contiguous(), ids.long().contiguous(), weights.float().contiguous(), p.w1, p.w2, attrs,
+                p.kernel_cache)
+    return y.to(x.dtype)
+
+
+def _unquantized(x, ids, weights, w, attrs) -> torch.Tensor:
+    from moe_compile.kernels.cpu.forward import fused_moe_cpu
+
+    return fused_moe_cpu(x, ids, weights, w, attrs)
+
+
+_CHOICES: dict = {}  # (tag, regime, data pointers, versions) -> chosen format or "none"
+
+
+def run(x, ids, weights, w: ExpertWeights, attrs: FFNAttrs, quant: str, accuracy_db: float, tag: str) -> torch.Tensor:
+    """y [T, H] in x's dtype: the op in format ``quant`` (or auto's choice for this call's regime)."""
+    reason = refusal(w, attrs)
+    if reason:  # the passes refuse these; a direct call gets the same answer
+        raise ValueError(f"fused_moe_quant: {reason}")
+    if x.shape[0] == 0:
+        return x.new_zeros(x.shape)
+    reg = regime(x.shape[0])
+    fmt = quant if quant != "auto" else _auto_choice(x, ids, weights, w, attrs, accuracy_db, tag, reg)
+    if fmt == "none":
+        return _unquantized(x, ids, weights, w, attrs)
+    y = _run_format(fmt, reg, x, ids, weights, w, attrs)
+    if quant != "auto":
+        selection.note_packed(tag, layer_pack(w, attrs, fmt).nbytes())
+    return y
+
+
+def _auto_choice(x, ids, weights, w, attrs, budget, tag, reg) -> str:
+    ts = _tensors(w)
+    key = (tag, reg, tuple(t.data_ptr() for t in ts), _versions(ts))
+    if key not in _CHOICES:
+        _CHOICES[key] = _measure(x, ids, weights, w, attrs, budget, tag, reg)
+    return _CHOICES[key]
+
+
+def _best_time(fn) -> tuple[torch.Tensor, float]:
+    times, out = [], None
+    for _ in range(TIMING_RUNS):
+        start = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - start)
+    return out, min(times) * 1e3
+
+
+def _measure(x, ids, weights, w, attrs, budget, tag, reg) -> str:
+    """Run every native candidate on this call's inputs; record and return the fastest in budget."""
+    E, H, F = w.num_experts, w.hidden(), w.ffn()
+    with torch.no_grad():
+        ref, ref_ms = _best_time(lambda: _unquantized(x, ids, weights, w, attrs))
+        cands = [selection.Candidate("none", float("inf"), ref_ms, "unquantized op (kernels/cpu/forward.py)")]
+        for fmt in FORMATS:
+            mod, why = kernel_for(fmt, reg, E, H, F)
+            if mod is None:
+                cands.append(selection.Candidate(fmt, None, None, f"not native: {why}"))
+                continue
+            y, ms = _best_time(lambda: _run_format(fmt, reg, x, ids, weights, w, attrs))
+            kernel = mod.__name__.rsplit(".", 1)[-1]
+            cands.append(selection.Candidate(fmt, sqnr_db(ref.float(), y.float()), ms, f"kernels/cpu/{kernel}"))
+    sel = selection.choose(tag, reg, x.shape[0], budget, cands)
+    _release_unkept(tag, sel.chosen, [c.fmt for c in cands], w)
+    if sel.chosen != "none":
+        _drop_fp32_packs(w)
+        sel = dataclasses.replace(sel, packed_bytes=layer_pack(w, attrs, sel.chosen).nbytes())
+    selection.record(sel)
+    return sel.chosen
+
+
+def _release_unkept(tag: str, chosen: str, tried, w: ExpertWeights) -> None:
+    """Give back the packs of the formats tried that neither this choice nor the layer's other
+    regime's choice keeps."""
+    kept = {chosen} | {fmt for key, fmt in _CHOICES.items() if key[0] == tag}
+    ptrs = tuple(t.data_ptr() for t in _tensors(w))
+    for fmt in tried:
+        if fmt not in kept:
+            _PACKS.pop((fmt, ptrs), None)
