@@ -50,6 +50,13 @@ enum { FMT_BF16 = 1, FMT_FP16, FMT_W8, FMT_W4, FMT_MXFP4, FMT_MXFP8, FMT_COUNT }
 enum { ISA_AVX2 = 2, ISA_AVX512 = 512 };
 /* Group scales of one weight row converted to fp32 SEG at a time (a stack buffer per row). */
 enum { SEG = 256 };
+/* Software prefetch distance into the weight rows, bytes: ~2 KiB in flight per stream covers
+ * DRAM latency at one core's read rate (rows of one expert are contiguous, so it runs on into the
+ * next rows; past an expert's end it is harmless).  A/B in one process (1 thread, AVX-512, T=1,
+ * 64 MiB read before each call, medians of 40 interleaved, 2-core EPYC with other jobs running),
+ * with / without, ms: Mixtral-like w4-int 0.338 / 0.438, w8-int 0.542 / 0.577, bf16 0.721 / 0.713;
+ * fine-grained w4-int 0.385 / 0.416, w8-int 0.552 / 0.676, bf16 0.787 / 0.887. */
+enum { PREFETCH_BYTES = 2048 };
 
 #define ALWAYS_INLINE __attribute__((always_inline)) static inline
 
@@ -470,7 +477,12 @@ ALWAYS_INLINE void SFX(chunk)(const int fmt, const int NW, const int R, const ui
                               const float *const *x, int64_t k, const SFX(gscale) *gs, vf acc[2][RMAX][4],
                               const int j0, const int j1) {
     vf w0[2], w1[2];
-    _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) SFX(dequant)(fmt, rows[w], k, gs[w], &w0[w], &w1[w]);
+    /* one prefetch per 64-byte line: a chunk is 16 (AVX2 4-bit) to 64 bytes */
+    const int64_t at = fmt == FMT_W4 || fmt == FMT_MXFP4 ? k / 2 : fmt == FMT_BF16 || fmt == FMT_FP16 ? 2 * k : k;
+    _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) {
+        if ((at & 63) == 0) _mm_prefetch((const char *)(rows[w] + at + PREFETCH_BYTES), _MM_HINT_T0);
+        SFX(dequant)(fmt, rows[w], k, gs[w], &w0[w], &w1[w]);
+    }
     _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
         vf x0 = VLOAD(x[r] + k), x1 = VLOAD(x[r] + k + V);
         _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) {
@@ -491,7 +503,10 @@ ALWAYS_INLINE void t8_block(const int NW, const int R, const uint8_t *const *row
     const int NP = R <= 2 ? 2 : 1;
     __m512i d[2];
     vf p[2][RMAX][2];
-    _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) d[w] = _mm512_loadu_si512((const void *)(rows[w] + k / 2));
+    _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) {
+        d[w] = _mm512_loadu_si512((const void *)(rows[w] + k / 2));
+        _mm_prefetch((const char *)(rows[w] + k / 2 + PREFETCH_BYTES), _MM_HINT_T0);
+    }
     _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j) {
         vf wj[2];
         _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w)
