@@ -10,18 +10,22 @@
  * Why: decode reads each touched expert's weights once, so it runs at the speed the weights stream
  * from memory; a 4-bit weight is an eighth of fp32's bytes, but only if dequantizing keeps up.  The
  * loops here spend a few vector operations per 16 or 32 weights and none per weight and token:
- *   - 4-bit: 16 bytes are zero-extended into 16 (AVX-512) 32-bit lanes, each lane holding two
- *     nibbles; the low nibble (element 2j) and, after one shift, the high (element 2j+1) index a
- *     16-entry table of the format's values already multiplied by the group's scale (vpermps
- *     reads only the index's low 4 bits).  AVX2's vpermps has 8 entries: w4-int converts the
- *     nibble (u - 8) s as one FMA of u, mxfp4 looks up |value| and sets the sign bit.
+ *   - 4-bit, AVX-512: 64 bytes (128 elements) are read as 16 32-bit lanes of 8 nibbles each;
+ *     shifted right by 4j, a lane's low nibble (element 8i + j) indexes a 16-entry table of the
+ *     format's values (vpermps reads only the index's low 4 bits): 8 lookups and 7 shifts per 128
+ *     weights, no byte-widening shuffle; a lane's 8 elements share a group, so the group scales
+ *     multiply each row's partial sums once per block (layout T8 below).  The last K mod 128
+ *     elements: 16 bytes zero-extended into 16 lanes, low and high nibble into a scaled table.
+ *     AVX2's vpermps has 8 entries: w4-int converts the nibble (u - 8) s as one FMA of u, mxfp4
+ *     looks up |value| and sets the sign bit.
  *   - bf16: a 32-bit lane holding two bf16 values is both of them as fp32, one shifted left 16
  *     bits, the other with its low half masked off.
  *   - int8 / fp16: sign-extend and convert / vcvtph2ps, then times the group scale.
- *   So a lane's weight is element 2j or 2j+1 of the row: x (and FC2's input) is held "paired",
- *   each block of 2V elements (V = lanes) stored as its V even elements then its V odd ones; the
- *   order of a dot product's terms is all that changes.  Formats whose lanes hold consecutive
- *   elements (int8, fp16, fp8) read x as it is.
+ *   So a lane's weight is not element k of the row: x (and FC2's input) is held in the order the
+ *   lanes see ("paired": each block of 2V elements, V = lanes, as its V even elements then its V
+ *   odd ones; "T8": each 128 block as 8 vectors of elements j, j+8, ..); only the order of a dot
+ *   product's terms changes.  Formats whose lanes hold consecutive elements (int8, fp16, fp8)
+ *   read x as it is.
  * Rows:     every weight row is dotted with all of its expert's tokens at once (up to RMAX_* per
  *           pass, x in L1), so the dequantizing is paid once per weight, not once per token.
  * Threads:  both phases split every touched expert's output rows over the OpenMP threads (torch's
