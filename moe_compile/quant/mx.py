@@ -83,8 +83,10 @@ def e8m0_scales(w: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def e8m0_value(code: torch.Tensor) -> torch.Tensor:
-    """uint8 e8m0 codes -> fp32 2^(code - 127) (code 0 gives the fp32 subnormal 2^-127)."""
-    return torch.pow(2.0, code.double() - 127).float()
+    """uint8 e8m0 codes -> fp32 2^(code - 127) (code 0 gives the fp32 subnormal 2^-127); code 255 is
+    NaN (OCP MX v1.0), as the kernels read it.  pack never writes 255."""
+    value = torch.pow(2.0, code.double() - 127).float()
+    return torch.where(code == 255, torch.full_like(value, float("nan")), value)
 
 
 def pack(w: torch.Tensor, fmt: str) -> QuantWeight:

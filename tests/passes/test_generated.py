@@ -40,7 +40,7 @@ def check(case: spellings.Case) -> None:
         assert report.skipped, f"{case}: a layer neither rewritten nor refused with a reason\n{report}"
 
 
-DEFAULT = spellings.random_cases(seed=15, n=12)
+DEFAULT = spellings.random_cases(seed=15, n=20)
 SLOW = spellings.random_cases(seed=1015, n=150)
 
 

@@ -56,3 +56,4 @@ def test_mxfp4_block_by_hand():
 
 def test_e8m0_values():
     assert mx.e8m0_value(torch.tensor([127, 128, 0, 254], dtype=torch.uint8)).tolist() == [1.0, 2.0, 2.0**-127, 2.0**127]
+    assert torch.isnan(mx.e8m0_value(torch.tensor([255], dtype=torch.uint8))).all()  # OCP: 255 is NaN, as in qdecode

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 
 from moe_compile.ir import ExpertWeights, FFNAttrs
-from moe_compile.kernels.cpu import cc as cpu_cc, memory as cpu_memory
+from moe_compile.kernels.cpu import cc as cpu_cc, isa as cpu_isa, memory as cpu_memory
+from moe_compile.kernels.cpu.isa import ISA_AVX2, ISA_AVX512, ISA_ENV  # noqa: F401  (callers name the tiles here)
 
 ENV = "MOE_COMPILE_FUSED"
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -40,7 +40,6 @@ _KERNEL = cpu_cc.Kernel(
      "moe_experts_pack": [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _I64],
      "moe_experts_best_isa": ([], _I64)},
     "prefill keeps oneDNN GEMMs per expert")
-ISA_AVX2, ISA_AVX512 = 2, 512
 PANEL = 16  # output rows per packed panel (the C file's PANEL)
 MAX_TILE_ROWS = 8  # the C file's MR_MAX
 H_MULTIPLE, F_MULTIPLE = 32, 16  # FC2's widest tile spans 32 columns of y; FC1's 16 features
@@ -59,23 +58,13 @@ def unavailable_reason() -> str | None:
     return _KERNEL.error()
 
 
-ISA_ENV = "MOE_COMPILE_FUSED_ISA"  # "avx2": the AVX2 tile even where AVX-512 is there (as on CI's CPUs)
-_ISA_NAMES = {"avx2": ISA_AVX2, "avx512": ISA_AVX512}
 
 
 @functools.cache
 def best_isa() -> int:
     """ISA_AVX512 where the CPU has it, else ISA_AVX2, or what ``MOE_COMPILE_FUSED_ISA`` asks for
     (asked once: ``run`` reads it every call)."""
-    best = int(_KERNEL.lib().moe_experts_best_isa())
-    asked = os.environ.get(ISA_ENV, "").lower()
-    if not asked:
-        return best
-    if asked not in _ISA_NAMES:
-        raise ValueError(f"{ISA_ENV}={asked!r}: use one of {sorted(_ISA_NAMES)} (or leave it unset)")
-    if _ISA_NAMES[asked] > best:
-        raise ValueError(f"{ISA_ENV}={asked}: this CPU has no AVX-512 (use avx2 or leave it unset)")
-    return _ISA_NAMES[asked]
+    return cpu_isa.choose(int(_KERNEL.lib().moe_experts_best_isa()))
 
 
 def fits(x: torch.Tensor, w: ExpertWeights, attrs: FFNAttrs) -> bool:

@@ -32,18 +32,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import weakref
 
 import torch
 
 from moe_compile.ir import FFNAttrs
-from moe_compile.kernels.cpu import cc as cpu_cc
+from moe_compile.kernels.cpu import cc as cpu_cc, isa as cpu_isa
+from moe_compile.kernels.cpu.isa import ISA_AVX2, ISA_AVX512, ISA_ENV  # noqa: F401  (callers name the tiles here)
 
 ENV = "MOE_COMPILE_QDECODE"
-ISA_ENV = "MOE_COMPILE_FUSED_ISA"  # shared with experts.py: one switch holds every tile to AVX2
-ISA_AVX2, ISA_AVX512 = 2, 512
-_ISA_NAMES = {"avx2": ISA_AVX2, "avx512": ISA_AVX512}
 MAX_ROWS = 16  # tokens per call: decode (the prefill kernel takes more)
 GROUP_MULTIPLE = 32  # scale groups must span whole 32-element blocks (a 16-byte load of 4-bit codes)
 _FORMATS = {"w16-bf16": 1, "w16-fp16": 2, "w8-int": 3, "w4-int": 4, "mxfp4": 5, "mxfp8": 6}  # the C file's FMT_*
@@ -79,15 +76,7 @@ def _kernel_reason() -> str | None:
 def best_isa() -> int:
     """ISA_AVX512 where the CPU has it (F, BW, DQ, VL), else ISA_AVX2, or what ``MOE_COMPILE_FUSED_ISA``
     asks for (read once)."""
-    best = int(_KERNEL.lib().moe_qdecode_best_isa())
-    asked = os.environ.get(ISA_ENV, "").lower()
-    if not asked:
-        return best
-    if asked not in _ISA_NAMES:
-        raise ValueError(f"{ISA_ENV}={asked!r}: use one of {sorted(_ISA_NAMES)} (or leave it unset)")
-    if _ISA_NAMES[asked] > best:
-        raise ValueError(f"{ISA_ENV}={asked}: this CPU has no AVX-512 (use avx2 or leave it unset)")
-    return _ISA_NAMES[asked]
+    return cpu_isa.choose(int(_KERNEL.lib().moe_qdecode_best_isa()))
 
 
 def _format_code(w) -> int:

@@ -24,14 +24,13 @@ on a CPU with AVX-512, to measure what a CPU without it gets.
 from __future__ import annotations
 
 import ctypes
-import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
 from moe_compile.ir import FFNAttrs
-from moe_compile.kernels.cpu import cc as cpu_cc, experts as cpu_experts, memory as cpu_memory
+from moe_compile.kernels.cpu import cc as cpu_cc, isa as cpu_isa, memory as cpu_memory
+from moe_compile.kernels.cpu.isa import ISA_AVX2, ISA_AVX512
 
 ENV = "MOE_COMPILE_QGEMM"
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -43,7 +42,6 @@ _KERNEL = cpu_cc.Kernel(
      "moe_qgemm_quantize": [_PTR, _I64, _I64, _PTR, _PTR, _PTR],
      "moe_qgemm_cpu_features": ([], _I64)},
     "quantized prefill is unavailable")
-ISA_AVX2, ISA_AVX512 = 2, 512
 PANEL = 16  # output rows per packed panel (the C file's PANEL)
 MAX_TILE_ROWS = 8  # the C file's MR_MAX
 H_MULTIPLE, F_MULTIPLE = 32, 16  # FC2's widest unit spans 32 columns of y; FC1's 16 features
@@ -70,24 +68,12 @@ def unavailable_reason(fmt: str) -> str | None:
     return _KERNEL.error()
 
 
-@functools.cache
-def _asked_isa() -> str:
-    asked = os.environ.get(cpu_experts.ISA_ENV, "").lower()
-    if asked not in ("", "avx2", "avx512"):
-        raise ValueError(f"{cpu_experts.ISA_ENV}={asked!r}: use one of ['avx2', 'avx512'] (or leave it unset)")
-    return asked
-
-
 def best_isa(fmt: str) -> int:
     """The tile ``fmt`` runs on: ISA_AVX512 where the CPU has AVX-512F (float formats) or AVX-512
     VNNI + BW (integer formats), else ISA_AVX2; ``MOE_COMPILE_FUSED_ISA=avx2`` forces AVX2."""
     need = 2 if fmt in INTEGER else 1
     native = ISA_AVX512 if _features() & need == need else ISA_AVX2
-    asked = _asked_isa()
-    if asked == "avx512" and native != ISA_AVX512:
-        what = "AVX-512 VNNI" if fmt in INTEGER else "AVX-512"
-        raise ValueError(f"{cpu_experts.ISA_ENV}=avx512: this CPU has no {what} for {fmt} (use avx2 or leave it unset)")
-    return ISA_AVX2 if asked == "avx2" else native
+    return cpu_isa.choose(native, f"{'AVX-512 VNNI' if fmt in INTEGER else 'AVX-512'} for {fmt}")
 
 
 @dataclass(frozen=True)

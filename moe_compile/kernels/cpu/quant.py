@@ -14,7 +14,7 @@ Shapes:  T tokens, H hidden, F expert FFN width, E experts, K experts per token.
   A format is native here when one of those modules runs it on this CPU for this layer's shape.
 * ``quant="auto"``: on the first call of each regime (decode / prefill) of a layer, every native
   format and the unquantized op run on the call's own inputs; the SQNR of each output against the
-  unquantized op's and the best of ``TIMING_RUNS`` times are recorded (``quant.selection``) and
+  unquantized op's and the best of ``TIMING_RUNS[regime]`` times are recorded (``quant.selection``) and
   the fastest candidate inside the budget is kept for that regime (the unquantized op when none
   is faster).  Decode and prefill thus may run different formats: the op switches by T alone.
 """
@@ -36,7 +36,10 @@ from moe_compile.quant.int8 import sqnr_db
 from moe_compile.quant.layout import pack_moe, refusal
 
 DECODE_ROWS = 16  # qdecode's MAX_ROWS: the decode kernel's largest call
-TIMING_RUNS = 3  # auto: best of this many runs per candidate (the first may pack)
+# auto: best of this many runs per candidate (the first may pack).  Decode calls cost ~0.1-1 ms, so
+# more runs are cheap, and on a loaded 2-core VM (load 11) a best of 3 still varied 3-5x between
+# candidates of equal bytes.
+TIMING_RUNS = {"decode": 9, "prefill": 3}
 # Kernel modules per regime, in order of preference (the issue-17 kernel engineers' modules).
 KERNELS = {"decode": ("qdecode", "qgemm"), "prefill": ("qgemm",)}
 
@@ -230,9 +233,9 @@ def _auto_choice(x, ids, weights, w, attrs, budget, tag, reg) -> str:
     return _CHOICES[key]
 
 
-def _best_time(fn) -> tuple[torch.Tensor, float]:
+def _best_time(fn, runs: int) -> tuple[torch.Tensor, float]:
     times, out = [], None
-    for _ in range(TIMING_RUNS):
+    for _ in range(runs):
         start = time.perf_counter()
         out = fn()
         times.append(time.perf_counter() - start)
@@ -243,14 +246,14 @@ def _measure(x, ids, weights, w, attrs, budget, tag, reg) -> str:
     """Run every native candidate on this call's inputs; record and return the fastest in budget."""
     E, H, F = w.num_experts, w.hidden(), w.ffn()
     with torch.no_grad():
-        ref, ref_ms = _best_time(lambda: _unquantized(x, ids, weights, w, attrs))
+        ref, ref_ms = _best_time(lambda: _unquantized(x, ids, weights, w, attrs), TIMING_RUNS[reg])
         cands = [selection.Candidate("none", float("inf"), ref_ms, "unquantized op (kernels/cpu/forward.py)")]
         for fmt in FORMATS:
             mod, why = kernel_for(fmt, reg, E, H, F)
             if mod is None:
                 cands.append(selection.Candidate(fmt, None, None, f"not native: {why}"))
                 continue
-            y, ms = _best_time(lambda: _run_format(fmt, reg, x, ids, weights, w, attrs))
+            y, ms = _best_time(lambda: _run_format(fmt, reg, x, ids, weights, w, attrs), TIMING_RUNS[reg])
             kernel = mod.__name__.rsplit(".", 1)[-1]
             cands.append(selection.Candidate(fmt, sqnr_db(ref.float(), y.float()), ms, f"kernels/cpu/{kernel}"))
     sel = selection.choose(tag, reg, x.shape[0], budget, cands)
