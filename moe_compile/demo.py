@@ -20,6 +20,7 @@ calls after a first, compiling call.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import resource
 import statistics
@@ -85,6 +86,7 @@ class Run:
     logits: tuple[torch.Tensor, ...]  # N x [1, V]
     prefill_s: float
     decode_s: float  # median time of one decode step
+    load: float = 0.0  # the 1-minute load average when the call ended
 
 
 def generate(model, prompt: torch.Tensor, tokens: int) -> Run:
@@ -96,7 +98,8 @@ def generate(model, prompt: torch.Tensor, tokens: int) -> Run:
         out = model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
                              logits_processor=LogitsProcessorList([clock]), pad_token_id=0)
     steps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
-    return Run(out, tuple(clock.logits), clock.stamps[0] - start, statistics.median(steps) if steps else float("nan"))
+    return Run(out, tuple(clock.logits), clock.stamps[0] - start, statistics.median(steps) if steps else float("nan"),
+               os.getloadavg()[0])
 
 
 def cpu_seconds() -> float:
@@ -194,7 +197,16 @@ def print_speeds(results: dict[str, list[Run]], prompt_len: int, tokens: int, re
         prefill = prompt_len / statistics.median(r.prefill_s for r in runs)
         decode = 1 / statistics.median(r.decode_s for r in runs)
         base = base or (prefill, decode)
-        print(f"  {label:16s} {prefill:9.0f} {decode:9.1f}   ({prefill / base[0]:.2f}x / {decode / base[1]:.2f}x eager)")
+        load = max(r.load for r in runs)
+        print(f"  {label:16s} {prefill:9.0f} {decode:9.1f}   ({prefill / base[0]:.2f}x / {decode / base[1]:.2f}x eager)"
+              f"   load <= {load:.1f}")
+    # The rows are timed one after another, each in its own load window: on the shared 2-core VM
+    # eager decode measured 180 tok/s idle and 12 tok/s under other jobs, so ratios between rows
+    # timed under load say nothing about the code.  The demo's own threads count in the load.
+    cores = os.cpu_count() or 1
+    if any(r.load > cores + 1 for runs in results.values() for r in runs):
+        print(f"  note: other jobs loaded the machine (1-minute load average above {cores} cores + 1); the rows "
+              f"were timed in different load windows, so their ratios are not comparable")
     print(flush=True)
 
 

@@ -1,0 +1,46 @@
+"""The demo's model through ``model.generate`` under backend="moe": decode steps reuse the compiled
+graphs (no recompile per step) and every decode-step MoE call takes the skinny kernel's fast path
+(``kernels/cpu/decode.py: decode_args``), not the general path.  A recompile per step or a
+fallback to the general path would cost the demo most of its decode speed without changing a
+token, so only these counts show it (speed itself is the demo's and the benchmarks' to measure)."""
+
+import torch
+
+from moe_compile import demo
+from moe_compile.kernels.cpu import decode as cpu_decode
+
+
+def test_generate_decodes_on_the_compiled_graphs_and_the_fast_path(monkeypatch):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    import moe_compile
+
+    model, _ = demo.build_model("qwen3-moe", layers=1)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
+    want = demo.generate(model, prompt, 8)
+
+    fast_path = []  # (T, whether decode_args ran the call) per fused-op call
+    real_decode_args = cpu_decode.decode_args
+
+    def spy(args, threads):
+        y = real_decode_args(args, threads)
+        fast_path.append((args[0].shape[0], y is not None))
+        return y
+
+    monkeypatch.setattr(cpu_decode, "decode_args", spy)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(moe_compile.backend(inner="eager"))  # the op's path, not Inductor's
+    model.compile(backend=counter)
+    first = demo.generate(model, prompt, 8)
+    # Prefill, the first decode step, then one graph with a dynamic cache length for every later
+    # step (Dynamo's automatic dynamic shapes): a recompile per step would add a frame per token.
+    assert counter.frame_count <= 3, counter.frame_count
+    frames = counter.frame_count
+    fast_path.clear()
+    again = demo.generate(model, prompt, 8)
+    assert counter.frame_count == frames  # the second generate compiles nothing
+    decode_calls = [taken for T, taken in fast_path if T == 1]
+    assert len(decode_calls) == 7 and all(decode_calls), fast_path  # 7 decode steps, 1 MoE layer
+    for run in (first, again):
+        assert torch.equal(run.tokens, want.tokens)
+        assert demo.max_logit_error(run, want) <= demo.LOGITS_TOL
