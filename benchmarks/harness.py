@@ -174,7 +174,10 @@ def write_outputs(out_dir: str | None, stem: str, markdown: str, data: dict) -> 
         f.write(markdown)
     with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
         json.dump(data, f, indent=2, default=str)
-    plot_results(json.loads(json.dumps(data, default=str)), os.path.join(out_dir, f"{stem}.png"), stem)
+    try:  # the table and JSON are the record; a plot that cannot be drawn never loses them
+        plot_results(json.loads(json.dumps(data, default=str)), os.path.join(out_dir, f"{stem}.png"), stem)
+    except Exception as err:  # noqa: BLE001
+        print(f"# no plot for {stem}: {type(err).__name__}: {err}")
 
 
 # ----------------------------------------------------------------------------- plots
@@ -226,7 +229,13 @@ def _rows_panels(data: dict) -> list[Panel]:
     panels: dict[str, dict] = {}
     for row in data["rows"]:
         series = panels.setdefault(_dims(row), {})
-        variants = row["results"] if "results" in row else {row["variant"]: row}
+        if "results" in row:
+            variants = row["results"]
+        elif isinstance(row.get("ms"), dict):  # cpu_llamacpp: {variant: median ms} (+ its roof)
+            variants = {name: {"ms": ms} for name, ms in {**row["ms"], "roof": row.get("roof_ms")}.items()
+                        if isinstance(ms, (int, float))}
+        else:
+            variants = {row["variant"]: row}
         for name, timing in variants.items():
             series.setdefault(name, []).append((row["T"], *_spread(timing, 1e3)))
     return [Panel(title, "tokens T", "ms per call", series) for title, series in panels.items()]
