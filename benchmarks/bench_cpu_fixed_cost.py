@@ -24,10 +24,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import random
 import statistics
 import sys
-import time
 
 import torch
 
@@ -78,23 +76,10 @@ def llama_call(path, args):
 
 
 def time_rounds(fns: dict, rounds: int, before=None) -> dict:
-    """Median, min and max microseconds per variant: one call of each per round, in an order
-    shuffled every round (so no variant always follows the same one)."""
-    names, samples = list(fns), {k: [] for k in fns}
-    rng = random.Random(0)
-    with torch.no_grad():
-        for k in names:
-            for _ in range(20):
-                fns[k]()
-        for _ in range(rounds):
-            rng.shuffle(names)
-            for k in names:
-                if before is not None:
-                    before()
-                t0 = time.perf_counter()
-                fns[k]()
-                samples[k].append((time.perf_counter() - t0) * 1e6)
-    return {k: dict(median_us=statistics.median(v), min_us=min(v), max_us=max(v), n=len(v)) for k, v in samples.items()}
+    """Median, min and max microseconds per variant over shuffled rounds (``harness.time_shuffled``)."""
+    samples = harness.time_shuffled(fns, rounds, before=before, warmup=20)
+    return {k: dict(median_us=statistics.median(v) * 1e6, min_us=min(v) * 1e6, max_us=max(v) * 1e6, n=len(v))
+            for k, v in samples.items()}
 
 
 def run(H, F, E, K, T, rounds, llama_lib) -> dict:

@@ -29,10 +29,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import random
 import statistics
 import sys
-import time
 
 import torch
 
@@ -83,23 +81,6 @@ def llama_variants(lib, weights: dict, x, ids, gates, threads):
     return out
 
 
-def time_shuffled(fns: dict, rounds: int, before=None) -> dict:
-    names, samples, rng = list(fns), {k: [] for k in fns}, random.Random(0)
-    with torch.no_grad():
-        for k in names:
-            for _ in range(3):
-                fns[k]()
-        for _ in range(rounds):
-            rng.shuffle(names)
-            for k in names:
-                if before is not None:
-                    before()
-                t0 = time.perf_counter()
-                fns[k]()
-                samples[k].append(time.perf_counter() - t0)
-    return samples
-
-
 def run_cell(lib, weights, W1, W2, H, F, E, K, T, rounds, flush, bw_buf) -> dict:
     x, ids, gates = make_case(H, F, E, K, T, seed=1000 + T)
     op = torch.ops.moe_compile.fused_moe_infer
@@ -121,7 +102,7 @@ def run_cell(lib, weights, W1, W2, H, F, E, K, T, rounds, flush, bw_buf) -> dict
             fn()  # the graph's output tensor holds a result only after a run
         errs = {k: harness.max_rel_err(v[1](), ref) for k, v in peers.items()}
     load = harness.load_average()
-    samples = time_shuffled(fns, rounds, flush if decode else None)
+    samples = harness.time_shuffled(fns, rounds, before=flush if decode else None)
     med = {k: statistics.median(v) for k, v in samples.items()}
     row = dict(H=H, F=F, E=E, K=K, T=T, touched_experts=len(touched), load_before=load,
                load_after=harness.load_average(), ms={k: v * 1e3 for k, v in med.items()},

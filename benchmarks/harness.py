@@ -11,6 +11,7 @@ import os
 import platform
 import re
 import statistics
+import random
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -82,6 +83,26 @@ def time_interleaved(fns: dict, *, warmup: int = 2, repeats: int = 7, min_time_s
                 samples[k].append(time.perf_counter() - t0)
             r += 1
     return {k: Timing(statistics.median(v), min(v), max(v), len(v), v) for k, v in samples.items()}
+
+
+def time_shuffled(fns: dict, rounds: int, *, before=None, warmup: int = 3) -> dict:
+    """Seconds per call of each variant, one call of each per round in an order shuffled every
+    round (seeded), so no variant always follows the same one (a call right after a large read
+    runs slower); ``before()`` runs before each call (e.g. a cache flush), outside the timing."""
+    names, samples, rng = list(fns), {k: [] for k in fns}, random.Random(0)
+    with torch.no_grad():
+        for k in names:
+            for _ in range(warmup):
+                fns[k]()
+        for _ in range(rounds):
+            rng.shuffle(names)
+            for k in names:
+                if before is not None:
+                    before()
+                t0 = time.perf_counter()
+                fns[k]()
+                samples[k].append(time.perf_counter() - t0)
+    return samples
 
 
 def cache_flush(mib: int = 64):
