@@ -46,86 +46,37 @@
 #define MR_MAX MR_AVX512
 #define V_MAX 16
 
+#include "tiles.h" /* after PANEL: the tiles step PANEL floats per k */
+
 enum { ISA_AVX2 = 2, ISA_AVX512 = 512 };
 
-/* ---- tiles: c [mr][2V] = A rows . [b0 | b1], b0 / b1 stepping PANEL floats per k ----
+/* ---- tiles (tiles.h): c [mr][2V] = A rows . [b0 | b1], b0 / b1 stepping PANEL floats per k ----
  * The AVX-512 tile reads A's rows where they lie (a[r][k]); the AVX2 tile reads A tile-packed
  * (a[r] = the tile's base + r, element k at a[r][k * MR_AVX2]: one memory stream for all rows,
  * 3-5% faster for it, 0-5% slower for the AVX-512 tile, in-process A/B, BENCHMARKS.md). */
 
-#define AVX512 __attribute__((target("avx512f,avx2,fma"), always_inline)) static inline
-#define ROW512(R)                                                                    \
-    if (mr > R) {                                                                    \
-        __m512 av = _mm512_set1_ps(a##R[k]);                                         \
-        c##R##0 = _mm512_fmadd_ps(av, v0, c##R##0);                                  \
-        c##R##1 = _mm512_fmadd_ps(av, v1, c##R##1);                                  \
-    }
-#define STORE512(R)                                                                  \
-    if (mr > R) {                                                                    \
-        _mm512_storeu_ps(c + R * 32, c##R##0);                                       \
-        _mm512_storeu_ps(c + R * 32 + 16, c##R##1);                                  \
-    }
-
-AVX512 void tile512(const int mr, const float *const *a, const float *b0, const float *b1, int64_t K, float *c) {
-    const float *a0 = a[0], *a1 = a[mr > 1 ? 1 : 0], *a2 = a[mr > 2 ? 2 : 0], *a3 = a[mr > 3 ? 3 : 0],
-                *a4 = a[mr > 4 ? 4 : 0], *a5 = a[mr > 5 ? 5 : 0], *a6 = a[mr > 6 ? 6 : 0], *a7 = a[mr > 7 ? 7 : 0];
-    __m512 z = _mm512_setzero_ps();
-    __m512 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z;
-    __m512 c40 = z, c41 = z, c50 = z, c51 = z, c60 = z, c61 = z, c70 = z, c71 = z;
-    for (int64_t k = 0; k < K; ++k) {
-        __m512 v0 = _mm512_loadu_ps(b0 + k * PANEL), v1 = _mm512_loadu_ps(b1 + k * PANEL);
-        ROW512(0) ROW512(1) ROW512(2) ROW512(3) ROW512(4) ROW512(5) ROW512(6) ROW512(7)
-    }
-    STORE512(0) STORE512(1) STORE512(2) STORE512(3) STORE512(4) STORE512(5) STORE512(6) STORE512(7)
-}
-
 __attribute__((target("avx512f,avx2,fma"))) static void tile512_any(int mr, const float *const *a, const float *b0,
                                                                     const float *b1, int64_t K, float *c) {
     switch (mr) {
-    case 8: tile512(8, a, b0, b1, K, c); break;
-    case 7: tile512(7, a, b0, b1, K, c); break;
-    case 6: tile512(6, a, b0, b1, K, c); break;
-    case 5: tile512(5, a, b0, b1, K, c); break;
-    case 4: tile512(4, a, b0, b1, K, c); break;
-    case 3: tile512(3, a, b0, b1, K, c); break;
-    case 2: tile512(2, a, b0, b1, K, c); break;
-    default: tile512(1, a, b0, b1, K, c); break;
+    case 8: f32_tile512(8, a, b0, b1, K, c); break;
+    case 7: f32_tile512(7, a, b0, b1, K, c); break;
+    case 6: f32_tile512(6, a, b0, b1, K, c); break;
+    case 5: f32_tile512(5, a, b0, b1, K, c); break;
+    case 4: f32_tile512(4, a, b0, b1, K, c); break;
+    case 3: f32_tile512(3, a, b0, b1, K, c); break;
+    case 2: f32_tile512(2, a, b0, b1, K, c); break;
+    default: f32_tile512(1, a, b0, b1, K, c); break;
     }
-}
-
-#define AVX2 __attribute__((always_inline)) static inline
-#define ROW256(R)                                                                    \
-    if (mr > R) {                                                                    \
-        __m256 av = _mm256_broadcast_ss(a##R + k * MR_AVX2);                         \
-        c##R##0 = _mm256_fmadd_ps(av, v0, c##R##0);                                  \
-        c##R##1 = _mm256_fmadd_ps(av, v1, c##R##1);                                  \
-    }
-#define STORE256(R)                                                                  \
-    if (mr > R) {                                                                    \
-        _mm256_storeu_ps(c + R * 16, c##R##0);                                       \
-        _mm256_storeu_ps(c + R * 16 + 8, c##R##1);                                   \
-    }
-
-AVX2 void tile256(const int mr, const float *const *a, const float *b0, const float *b1, int64_t K, float *c) {
-    const float *a0 = a[0], *a1 = a[mr > 1 ? 1 : 0], *a2 = a[mr > 2 ? 2 : 0], *a3 = a[mr > 3 ? 3 : 0],
-                *a4 = a[mr > 4 ? 4 : 0], *a5 = a[mr > 5 ? 5 : 0];
-    __m256 z = _mm256_setzero_ps();
-    __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z, c40 = z, c41 = z, c50 = z, c51 = z;
-    for (int64_t k = 0; k < K; ++k) {
-        __m256 v0 = _mm256_loadu_ps(b0 + k * PANEL), v1 = _mm256_loadu_ps(b1 + k * PANEL);
-        ROW256(0) ROW256(1) ROW256(2) ROW256(3) ROW256(4) ROW256(5)
-    }
-    STORE256(0) STORE256(1) STORE256(2) STORE256(3) STORE256(4) STORE256(5)
 }
 
 static void tile256_any(int mr, const float *const *a, const float *b0, const float *b1, int64_t K, float *c) {
     switch (mr) {
-    case 6: tile256(6, a, b0, b1, K, c); break;
-    case 5: tile256(5, a, b0, b1, K, c); break;
-    case 4: tile256(4, a, b0, b1, K, c); break;
-    case 3: tile256(3, a, b0, b1, K, c); break;
-    case 2: tile256(2, a, b0, b1, K, c); break;
-    default: tile256(1, a, b0, b1, K, c); break;
+    case 6: f32_tile256(6, a, b0, b1, K, c, MR_AVX2, 16, 8); break;
+    case 5: f32_tile256(5, a, b0, b1, K, c, MR_AVX2, 16, 8); break;
+    case 4: f32_tile256(4, a, b0, b1, K, c, MR_AVX2, 16, 8); break;
+    case 3: f32_tile256(3, a, b0, b1, K, c, MR_AVX2, 16, 8); break;
+    case 2: f32_tile256(2, a, b0, b1, K, c, MR_AVX2, 16, 8); break;
+    default: f32_tile256(1, a, b0, b1, K, c, MR_AVX2, 16, 8); break;
     }
 }
 
