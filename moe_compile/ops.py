@@ -176,6 +176,21 @@ _INFER_LIB.define(INFER_OP_NAME.split("::")[1] + op_args_schema() + " -> Tensor"
 
 
 def _fused_moe_infer(*args) -> torch.Tensor:
+    """The Python kernel of ``fused_moe_infer``, registered for every backend.  Its first CPU call
+    installs the C++ CPU kernel (``kernels/cpu/decode_op.py``), which then serves CPU calls ahead
+    of this one, handing all but plain fp32 decode steps to ``fused_moe_infer_general``."""
+    if args[0].device.type == "cpu" and not _DECODE_OP_TRIED:
+        _DECODE_OP_TRIED.append(True)
+        from moe_compile.kernels.cpu import decode_op
+
+        decode_op.install()
+    return _fused_moe_infer_general(*args)
+
+
+_DECODE_OP_TRIED: list = []
+
+
+def _fused_moe_infer_general(*args) -> torch.Tensor:
     if torch.is_grad_enabled() and _needs_grad(args):  # torch alone would warn at backward, grads missing
         raise RuntimeError("moe_compile::fused_moe_infer has no backward; call moe_compile::fused_moe (or "
                            "run under torch.no_grad()) where gradients must flow through the MoE")
@@ -193,8 +208,14 @@ def _needs_grad(args) -> bool:
     return any(t.requires_grad for t in tensors)
 
 
+# The C++ CPU kernel (decode_op.cpp), once installed, is registered for the CPU key, which takes
+# precedence over this Python kernel's CompositeExplicitAutograd registration; its calls that are
+# not plain decode steps come back to Python through ``fused_moe_infer_general``.
+_INFER_LIB.impl("fused_moe_infer", _fused_moe_infer, "CompositeExplicitAutograd")
+_INFER_LIB.define("fused_moe_infer_general" + op_args_schema() + " -> Tensor")
 for _key in ("CPU", "CUDA"):
-    _INFER_LIB.impl("fused_moe_infer", _fused_moe_infer, _key)
+    _INFER_LIB.impl("fused_moe_infer_general", _fused_moe_infer_general, _key)
+torch.library.register_fake("moe_compile::fused_moe_infer_general", lib=_INFER_LIB)(_fused_moe_fake)
 torch.library.register_fake(INFER_OP_NAME, lib=_INFER_LIB)(_fused_moe_fake)
 
 # ``fused_moe_quant``: ``fused_moe_infer`` plus the quantization the passes chose (inference only,

@@ -1,4 +1,5 @@
-"""Builds the package's C kernels (``skinny.c``, ``rows.c``, ``experts.c``) on first use.
+"""Builds the package's C kernels (``skinny.c``, ``rows.c``, ``experts.c``, ...) and its one C++ torch
+kernel (``decode_op.cpp``) on first use.
 
 A kernel is compiled with the system C compiler into a cache directory (``$MOE_COMPILE_CACHE`` or
 ``~/.cache/moe_compile``), under a name hashed from its source and flags, and loaded with ctypes.
@@ -35,30 +36,57 @@ def lacks_avx2() -> str | None:
     return None if cap in ("AVX2", "AVX512") else f"CPU capability {cap}, the kernel needs AVX2"
 
 
-def _build(stem: str, source: bytes, headers: dict[str, bytes] | None = None) -> Path:
-    """Compile ``stem``.c (with ``headers``, name -> text, beside it) into the cache unless it is
-    there.  Written to a temporary name then renamed, so concurrent processes never load half a file."""
+def _build(stem: str, source: bytes, headers: dict[str, bytes] | None = None, *, suffix: str = ".c",
+           compiler: str | None = None, flags: tuple = FLAGS, link: tuple = ()) -> Path:
+    """Compile ``stem`` + ``suffix`` (with ``headers``, name -> text, beside it) into the cache unless
+    it is there.  Written to a temporary name then renamed, so concurrent processes never load half
+    a file."""
     headers = headers or {}
     text = source + b"".join(name.encode() + body for name, body in sorted(headers.items()))
-    tag = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:16]
+    tag = hashlib.sha256(text + " ".join(flags + link).encode()).hexdigest()[:16]
     lib = cache_dir() / f"{stem}_{tag}.so"
     if lib.exists():
         return lib
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
+    compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     lib.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-        src, out = Path(tmp) / f"{stem}.c", Path(tmp) / f"{stem}.so"
+        src, out = Path(tmp) / f"{stem}{suffix}", Path(tmp) / f"{stem}.so"
         src.write_bytes(source)
         for name, body in headers.items():
             (Path(tmp) / name).write_bytes(body)
-        done = subprocess.run([cc, *FLAGS, str(src), "-o", str(out)], capture_output=True, text=True)
+        done = subprocess.run([compiler, *flags, str(src), "-o", str(out), *link], capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[:500]}")
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[:500]}")
         os.replace(out, lib)
     _prune(stem, keep=lib)
     return lib
+
+
+def _torch_flags() -> tuple[tuple, tuple]:
+    """Compile and link flags of a C++ file against this torch's headers and libraries (what
+    ``torch.utils.cpp_extension`` would pass, without importing it); the torch version is in the
+    flags, so each version gets its own build."""
+    root = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    flags = ("-O2", "-std=c++20", "-fPIC", "-shared", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+             f"-DMOE_COMPILE_TORCH={torch.__version__}", f"-I{root / 'include'}",
+             f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}")
+    link = (f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}")
+    return flags, link
+
+
+def build_torch_library(stem: str) -> Path:
+    """``moe_compile/kernels/cpu/<stem>.cpp`` compiled against torch (C++ compiler: ``$CXX``, c++ or
+    g++); the caller loads it with ``torch.ops.load_library``.  Raises RuntimeError when it cannot
+    be built."""
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (c++/g++) on PATH")
+    flags, link = _torch_flags()
+    source = resources.files(__package__).joinpath(f"{stem}.cpp").read_bytes()
+    return _build(stem, source, suffix=".cpp", compiler=compiler, flags=flags, link=link)
 
 
 STALE_AFTER_S = 7 * 24 * 3600

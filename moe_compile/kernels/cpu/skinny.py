@@ -106,6 +106,11 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
+def decode_kernel_address() -> int:
+    """The address of ``moe_skinny_decode`` (``decode_op.cpp`` calls it directly)."""
+    return ctypes.cast(_lib().moe_skinny_decode, ctypes.c_void_p).value
+
+
 def _packed(fields: list[int]):
     return (ctypes.c_int64 * len(fields))(*fields)
 
