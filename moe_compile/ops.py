@@ -226,6 +226,18 @@ _INFER_LIB.define(QUANT_OP_NAME.split("::")[1] + op_args_schema()[:-1] + ", str 
 
 
 def _fused_moe_quant(*args) -> torch.Tensor:
+    """The Python kernel of ``fused_moe_quant`` (as ``_fused_moe_infer``: its first CPU call installs
+    the C++ CPU kernel, which runs decode steps on layers Python has packed and registered and hands
+    every other call to ``fused_moe_quant_general``)."""
+    if args[0].device.type == "cpu" and not _DECODE_OP_TRIED:
+        _DECODE_OP_TRIED.append(True)
+        from moe_compile.kernels.cpu import decode_op
+
+        decode_op.install()
+    return _fused_moe_quant_general(*args)
+
+
+def _fused_moe_quant_general(*args) -> torch.Tensor:
     *op_args, quant, accuracy_db, tag = args
     x, topk_ids, topk_weights, w, attrs = parse_op_args(op_args)
     from moe_compile.kernels.cpu import quant as cpu_quant
@@ -237,7 +249,10 @@ def _fused_moe_quant_fake(*args):
     return parse_op_args(args[:-3])[0].new_empty(args[0].shape)
 
 
-_INFER_LIB.impl("fused_moe_quant", _fused_moe_quant, "CPU")
+_INFER_LIB.impl("fused_moe_quant", _fused_moe_quant, "CompositeExplicitAutograd")
+_INFER_LIB.define("fused_moe_quant_general" + op_args_schema()[:-1] + ", str quant, float accuracy_db, str tag) -> Tensor")
+_INFER_LIB.impl("fused_moe_quant_general", _fused_moe_quant_general, "CPU")
+torch.library.register_fake("moe_compile::fused_moe_quant_general", lib=_INFER_LIB)(_fused_moe_quant_fake)
 torch.library.register_fake(QUANT_OP_NAME, lib=_INFER_LIB)(_fused_moe_quant_fake)
 
 # Under torch.autocast the op behaves like the Linears it replaces: floating inputs (activations,

@@ -72,6 +72,18 @@ def _kernel_reason() -> str | None:
     return None
 
 
+def kernel_address() -> int | None:
+    """The address of ``moe_qdecode_run`` (``decode_op.cpp`` calls it directly), None without the kernel."""
+    if _kernel_reason() is not None:
+        return None
+    return ctypes.cast(_KERNEL.lib().moe_qdecode_run, ctypes.c_void_p).value
+
+
+def role_fields(w, n: int, k: int) -> list[int]:
+    """The C side's [data, scale, format code, group] of a role, logically [E, n, k] (checked)."""
+    return _role_fields(w, "weight", n, k)
+
+
 @functools.cache
 def best_isa() -> int:
     """ISA_AVX512 where the CPU has it (F, BW, DQ, VL), else ISA_AVX2, or what ``MOE_COMPILE_FUSED_ISA``

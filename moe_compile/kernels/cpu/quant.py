@@ -80,7 +80,19 @@ def _shape_refusal(mod, fmt: str, E: int, H: int, F: int) -> str | None:
 
 
 def kernel_for(fmt: str, reg: str, E: int, H: int, F: int):
-    """(module, None) of the kernel that runs ``fmt`` natively in regime ``reg``, or (None, why not)."""
+    """(module, None) of the kernel that runs ``fmt`` natively in regime ``reg``, or (None, why not).
+    Asked once per (format, regime, shape, kernel list): the kernels' availability is settled on
+    first use, and the checks cost ~15 us a call, a tenth of a 4-bit decode step's roof."""
+    key = (fmt, reg, E, H, F, KERNELS[reg])
+    if key not in _KERNEL_FOR:
+        _KERNEL_FOR[key] = _find_kernel(fmt, reg, E, H, F)
+    return _KERNEL_FOR[key]
+
+
+_KERNEL_FOR: dict = {}
+
+
+def _find_kernel(fmt: str, reg: str, E: int, H: int, F: int):
     reasons = []
     try:
         check_group(H, default_group(fmt, H), fmt)
@@ -173,8 +185,13 @@ def stats() -> dict:
 
 def clear() -> None:
     """Drop every pack and every auto choice (``moe_compile.empty_cache()``); rebuilt on next use."""
+    from moe_compile.kernels.cpu import decode_op
+
     _PACKS.clear()
     _CHOICES.clear()
+    _REGISTERED.clear()
+    _KERNEL_FOR.clear()
+    decode_op.forget_quant_layers()
 
 
 def _drop_fp32_packs(w: ExpertWeights) -> None:
@@ -222,7 +239,33 @@ def run(x, ids, weights, w: ExpertWeights, attrs: FFNAttrs, quant: str, accuracy
     y = _run_format(fmt, reg, x, ids, weights, w, attrs)
     if quant != "auto":
         selection.note_packed(tag, layer_pack(w, attrs, fmt).nbytes())
+    if reg == "decode":
+        _register_decode(tag, quant, accuracy_db, fmt, w, attrs)
     return y
+
+
+_REGISTERED: dict = {}  # (tag, quant, accuracy_db) -> the _LayerPack handed to decode_op.cpp
+
+
+def _register_decode(tag: str, quant: str, accuracy_db: float, fmt: str, w: ExpertWeights, attrs: FFNAttrs) -> None:
+    """Hand this layer's packs to the C++ kernel (``decode_op``) once they served a decode call in
+    qdecode, so its next decode calls skip Python.  Per-expert weight lists and biases stay here."""
+    from moe_compile.kernels.cpu import decode_op, qdecode
+
+    E, H, F = w.num_experts, w.hidden(), w.ffn()
+    mod, _ = kernel_for(fmt, "decode", E, H, F)
+    if mod is not qdecode or w.fc1_bias or w.fc1_up_bias or w.fc2_bias:
+        return
+    if len(w.fc1) != 1 or len(w.fc2) != 1 or len(w.fc1_up) > 1:
+        return
+    p, key = layer_pack(w, attrs, fmt), (tag, quant, accuracy_db)
+    if _REGISTERED.get(key) is p:
+        return
+    packs = [t for q in (p.w1, p.w2) for t in (q.data, q.scale) if t is not None]
+    fields = qdecode.role_fields(p.w1, 2 * F, H) + qdecode.role_fields(p.w2, H, F)
+    if decode_op.register_quant_layer(tag, quant, accuracy_db, _tensors(w), packs, fields, attrs.gate_up,
+                                      w.transposed, qdecode.best_isa(), E, H, F):
+        _REGISTERED[key] = p
 
 
 def _auto_choice(x, ids, weights, w, attrs, budget, tag, reg) -> str:

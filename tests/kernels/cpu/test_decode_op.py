@@ -82,3 +82,85 @@ def test_switch_turns_it_off(monkeypatch):
     state = {}
     monkeypatch.setattr(decode_op, "_state", state)
     assert decode_op._install() is False and "turned off" in state["error"]
+
+
+# ---- fused_moe_quant: decode calls on layers Python has packed and registered ----
+
+def _quant_case(E=8, H=256, F=128, K=2, T=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    W1, W2 = torch.randn(E, 2 * F, H, generator=g) * 0.05, torch.randn(E, H, F, generator=g) * 0.05
+    x, gates = torch.randn(T, H, generator=g), torch.rand(T, K, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    return x, ids, gates, W1, W2
+
+
+def _quant_args(x, ids, gates, W1, W2, fmt, tag="layer", b2=()):
+    return (x, ids, gates, [W1], [], [W2], [], [], list(b2), "concat", False, "silu", 0.0, 1.702, "output", fmt, 20.0,
+            tag)
+
+
+def _quant_reference(fmt, x, ids, gates, W1, W2):
+    from moe_compile import quant
+    from moe_compile.ir import FFNAttrs
+
+    return quant.reference_moe(x, ids, gates, quant.pack(fmt, W1), quant.pack(fmt, W2), FFNAttrs())
+
+
+def _quant_ran_in_cpp(args):
+    before = decode_op.fast_calls()
+    with torch.no_grad():
+        y = torch.ops.moe_compile.fused_moe_quant(*args)
+    return y, decode_op.fast_calls() - before == 1
+
+
+@pytest.mark.parametrize("fmt", ["w16", "w8-int", "w4-int", "mxfp4", "mxfp8"])
+def test_quant_decode_runs_in_cpp_once_registered(installed, fmt):
+    from moe_compile.kernels.cpu import qdecode
+
+    if qdecode.unavailable_reason(fmt):
+        pytest.skip(qdecode.unavailable_reason(fmt))
+    x, ids, gates, W1, W2 = _quant_case()
+    args = _quant_args(x, ids, gates, W1, W2, fmt, tag=f"layer-{fmt}")
+    first, in_cpp = _quant_ran_in_cpp(args)
+    assert not in_cpp  # the first call packs, in Python, and registers the packs
+    second, in_cpp = _quant_ran_in_cpp(args)
+    assert in_cpp
+    torch.testing.assert_close(second, first, rtol=0, atol=0)  # the same qdecode kernel behind both
+    # fp32 sums in another order than the reference's (as test_qdecode): ~1e-6 of the output scale
+    want = _quant_reference(fmt, x, ids, gates, W1, W2)
+    torch.testing.assert_close(second, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_quant_decode_sees_in_place_updates_and_other_tensors(installed):
+    x, ids, gates, W1, W2 = _quant_case()
+    args = _quant_args(x, ids, gates, W1, W2, "w8-int", tag="updated")
+    _quant_ran_in_cpp(args)
+    assert _quant_ran_in_cpp(args)[1]
+    with torch.no_grad():
+        W1.mul_(-2.0)  # an in-place update: the registered packs are stale
+    y, in_cpp = _quant_ran_in_cpp(args)
+    assert not in_cpp
+    want = _quant_reference("w8-int", x, ids, gates, W1, W2)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert _quant_ran_in_cpp(args)[1]  # registered again with the new packs
+    # another model's tensors under the same tag (same shapes): not the registered ones
+    x2, ids2, gates2, V1, V2 = _quant_case(seed=1)
+    y, in_cpp = _quant_ran_in_cpp(_quant_args(x2, ids2, gates2, V1, V2, "w8-int", tag="updated"))
+    assert not in_cpp
+    want = _quant_reference("w8-int", x2, ids2, gates2, V1, V2)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_quant_calls_the_cpp_kernel_does_not_take(installed):
+    import moe_compile
+
+    x, ids, gates, W1, W2 = _quant_case(T=20)  # prefill: qgemm, in Python
+    _quant_ran_in_cpp(_quant_args(x, ids, gates, W1, W2, "w8-int", tag="others"))
+    assert not _quant_ran_in_cpp(_quant_args(x, ids, gates, W1, W2, "w8-int", tag="others"))[1]
+    x, ids, gates, W1, W2 = _quant_case()
+    args = _quant_args(x, ids, gates, W1, W2, "w8-int", tag="others")
+    _quant_ran_in_cpp(args)
+    assert not _quant_ran_in_cpp(_replace(args, 1, ids.int()))[1]  # int32 ids: Python casts them
+    assert not _quant_ran_in_cpp(_replace(args, 16, 25.0))[1]  # another budget: another registration
+    moe_compile.empty_cache()  # forgets the registrations with the packs
+    assert not _quant_ran_in_cpp(args)[1]
