@@ -7,8 +7,13 @@ Expert FFN (SwiGLU, weight after FC2): y[t] = sum_k g[t,k] * W2_e (silu(W1g_e x_
 Data: fp32 W1 [E, 2F, H] (gate rows, then up rows) and W2 [E, H, F] drawn from normal(0, 0.02),
 x [T, H] ~ normal(0, 1), K distinct random experts per token, softmax routing weights.
 
+  op <fmt>        ``torch.ops.moe_compile.fused_moe_quant`` with ``quant=fmt`` on the fp32 weights:
+                  what the backend emits and users run (its first call packs and registers the
+                  layer, later decode calls run qdecode from the op's C++ CPU kernel); the
+                  ratios to llama.cpp and the roof are this side's.  Not for w16-fp16 (the op's
+                  w16 is bf16).
   qdecode <fmt>   ``qdecode.run`` on ``moe_compile.quant.pack(fmt, W)`` (w16: bf16 and fp16),
-                  the host call included (checks, plan, ctypes); 2 torch threads.
+                  the kernel's Python host call (checks, plan, ctypes); 2 torch threads.
   llama <type>    llama.cpp (ggml ``MUL_MAT_ID`` graph as llama.cpp's ``build_moe_ffn`` builds it)
                   through the peer library ``libmoe_peer.so`` (``--peer-lib``), weights converted by
                   ggml into f16 / q8_0 / q4_0; every variant timed (FC1 as two tensors or one merged
@@ -46,6 +51,7 @@ import torch
 SHAPES = {"mixtral-like": (1024, 2048, 8, 2), "fine-grained": (1024, 512, 64, 8)}  # (H, F, E, K)
 FORMATS = ("w16", "w16-fp16", "w8-int", "w4-int", "mxfp4", "mxfp8")
 GGML_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 8, "q4_K": 12}
+OP_FORMATS = ("w16", "w8-int", "w4-int", "mxfp4", "mxfp8")  # the op's quant= names among FORMATS
 PEER_OF = {"w16": "f16", "w16-fp16": "f16", "w8-int": "q8_0", "w4-int": "q4_0", "mxfp4": "q4_0", "mxfp8": "q8_0"}
 
 
@@ -166,6 +172,9 @@ def main(argv=None):
     from moe_compile import quant
     from moe_compile.ir import FFNAttrs
     from moe_compile.kernels.cpu import qdecode
+    import moe_compile.ops  # noqa: F401  registers the op
+
+    quant_op = torch.ops.moe_compile.fused_moe_quant
 
     lib = open_peer(a.peer_lib) if a.peer_lib and os.path.exists(a.peer_lib) else None  # after torch: one libgomp
     isa = {qdecode.ISA_AVX2: "avx2", qdecode.ISA_AVX512: "avx512"}[qdecode.best_isa()]
@@ -197,7 +206,14 @@ def main(argv=None):
             fns, errs, attrs = {}, {}, FFNAttrs()
             for f, (w1, w2) in packed.items():
                 fns[f"qdecode {f}"] = lambda w1=w1, w2=w2: qdecode.run(x, ids, g, w1, w2, attrs, None)
-                errs[f"qdecode {f}"] = rel_err(fns[f"qdecode {f}"](), quant.reference_moe(x, ids, g, w1, w2, attrs))
+                ref_q = quant.reference_moe(x, ids, g, w1, w2, attrs)
+                errs[f"qdecode {f}"] = rel_err(fns[f"qdecode {f}"](), ref_q)
+                if f in OP_FORMATS:
+                    args = (x, ids, g, [W1], [], [W2], [], [], [], "concat", False, "silu", 0.0, 1.702, "output", f,
+                            30.0, f"bench {shape}")
+                    fns[f"op {f}"] = lambda args=args: quant_op(*args)
+                    with torch.no_grad():
+                        errs[f"op {f}"] = rel_err(fns[f"op {f}"](), ref_q)
             peers = peer_sides(lib, H, F, E, K, T, W1, W2, x, ids, g, a.peer_types, peer_keep) if lib else {}
             ref32 = fp32_reference(x, ids, g, W1, W2)
             for name, (fn, call) in peers.items():
@@ -237,6 +253,10 @@ def main(argv=None):
             row["roof_over_qdecode"] = {f: round(roofs[f] / med[f"qdecode {f}"], 3) for f in packed}
             row["llama_over_qdecode"] = {f: round(best_peer[PEER_OF[f]][1] / med[f"qdecode {f}"], 3)
                                          for f in packed if PEER_OF[f] in best_peer}
+            ops_run = [f for f in packed if f in OP_FORMATS]
+            row["roof_over_op"] = {f: round(roofs[f] / med[f"op {f}"], 3) for f in ops_run}
+            row["llama_over_op"] = {f: round(best_peer[PEER_OF[f]][1] / med[f"op {f}"], 3)
+                                    for f in ops_run if PEER_OF[f] in best_peer}
             line = json.dumps(row)
             print(line, flush=True)
             if out_f:
@@ -245,10 +265,11 @@ def main(argv=None):
             print(f"# {shape} T={T} ({touched} experts, {bw / 1e9:.0f} GB/s, isa {isa}, other processes "
                   f"{others:.2f} cores before, {max(0.0, during):.2f} during):", flush=True)
             for f in packed:
+                side = f"op {f}" if f in OP_FORMATS else f"qdecode {f}"
                 peer = best_peer.get(PEER_OF[f])
-                vs = f"  llama {PEER_OF[f]} {peer[1]:.3f} ms -> {peer[1] / med[f'qdecode {f}']:.2f}x" if peer else ""
-                print(f"#   {f:9s} {med[f'qdecode {f}']:.3f} ms  roof {roofs[f]:.3f} ({roofs[f] / med[f'qdecode {f}']:.2f})"
-                      f"{vs}  err {errs[f'qdecode {f}']:.1e}", flush=True)
+                vs = f"  llama {PEER_OF[f]} {peer[1]:.3f} ms -> {peer[1] / med[side]:.2f}x" if peer else ""
+                print(f"#   {side:12s} {med[side]:.3f} ms (qdecode.run {med[f'qdecode {f}']:.3f})  roof {roofs[f]:.3f} "
+                      f"({roofs[f] / med[side]:.2f}){vs}  err {errs[side]:.1e}", flush=True)
             for call in peer_keep[1]:
                 lib.peer_free(call)
             peer_keep[1].clear()

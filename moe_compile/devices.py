@@ -40,7 +40,7 @@ class DeviceKind:
 
 _FP32 = Variant("a16w16", "kernels/cpu/forward.py", True)
 _DECODE_PREFILL = "kernels/cpu/qdecode.c (T <= 16) + qgemm.c"
-_WEIGHT_ONLY = ("w16", "w8-int", "w4-int", "mxfp4")
+_WEIGHT_ONLY = ("w16", "w8-int", "w4-int", "mxfp4", "mxfp8")
 
 
 def _cpu_kind(name: str, features: str, isa: str, verified: bool, note: str) -> DeviceKind:
@@ -49,7 +49,6 @@ def _cpu_kind(name: str, features: str, isa: str, verified: bool, note: str) -> 
 
 def _cpu_variants(isa: str, verified: bool) -> tuple[Variant, ...]:
     rows = [_FP32] + [Variant(f, _DECODE_PREFILL, verified) for f in _WEIGHT_ONLY]
-    rows.append(Variant("mxfp8", "kernels/cpu/qdecode.c (decode only: no prefill kernel)", verified))
     rows += [Variant(f, f"kernels/cpu/qgemm.c ({isa} int8 tile)", verified) for f in ("a8w8-int", "a8w4-int")]
     rows.append(Variant("a8w8-fp8", "", False, "no CPU fp8 kernel"))
     return tuple(rows)
@@ -156,7 +155,12 @@ def _skinny_status() -> str:
     from moe_compile.kernels.cpu import cc as cpu_cc, skinny as cpu_skinny
 
     if cpu_skinny.available():
-        return f"kernels/cpu/skinny.c (fp32, <= {cpu_skinny.MAX_ROWS} rows per expert, or small experts), built in {cpu_cc.cache_dir()}"
+        from moe_compile.kernels.cpu import decode_op
+
+        entry = ("the op's C++ CPU kernel (kernels/cpu/decode_op.cpp) calls it directly" if decode_op.install()
+                 else f"entered from Python (decode_op.cpp: {decode_op.unavailable_reason()})")
+        return (f"kernels/cpu/skinny.c (fp32, <= {cpu_skinny.MAX_ROWS} rows per expert, or small experts), built in "
+                f"{cpu_cc.cache_dir()}; {entry}")
     return f"torch GEMMs per expert (skinny kernel unavailable: {cpu_skinny.unavailable_reason()})"
 
 

@@ -1,13 +1,14 @@
 """The demo's model through ``model.generate`` under backend="moe": decode steps reuse the compiled
 graphs (no recompile per step) and every decode-step MoE call takes the skinny kernel's fast path
-(``kernels/cpu/decode.py: decode_args``), not the general path.  A recompile per step or a
+(the op's C++ CPU kernel, ``kernels/cpu/decode_op.cpp``, or where that is not built the Python
+one, ``kernels/cpu/decode.py: decode_args``), not the general path.  A recompile per step or a
 fallback to the general path would cost the demo most of its decode speed without changing a
 token, so only these counts show it (speed itself is the demo's and the benchmarks' to measure)."""
 
 import torch
 
 from moe_compile import demo
-from moe_compile.kernels.cpu import decode as cpu_decode
+from moe_compile.kernels.cpu import decode as cpu_decode, decode_op
 
 
 def test_generate_decodes_on_the_compiled_graphs_and_the_fast_path(monkeypatch):
@@ -37,10 +38,12 @@ def test_generate_decodes_on_the_compiled_graphs_and_the_fast_path(monkeypatch):
     assert counter.frame_count <= 3, counter.frame_count
     frames = counter.frame_count
     fast_path.clear()
+    in_cpp = decode_op.fast_calls()
     again = demo.generate(model, prompt, 8)
+    in_cpp = decode_op.fast_calls() - in_cpp  # decode steps the C++ kernel ran (none reach decode_args then)
     assert counter.frame_count == frames  # the second generate compiles nothing
     decode_calls = [taken for T, taken in fast_path if T == 1]
-    assert len(decode_calls) == 7 and all(decode_calls), fast_path  # 7 decode steps, 1 MoE layer
+    assert all(decode_calls) and in_cpp + len(decode_calls) == 7, (in_cpp, fast_path)  # 7 decode steps, 1 MoE layer
     for run in (first, again):
         assert torch.equal(run.tokens, want.tokens)
         assert demo.max_logit_error(run, want) <= demo.LOGITS_TOL

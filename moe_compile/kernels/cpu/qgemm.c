@@ -12,7 +12,7 @@
  *           Float GEMM on fp32 activations, one weight panel dequantized at a time into a
  *           [K][16] fp32 buffer of the thread (never a dequantized copy of a whole weight):
  *             w4-int (nibble - 8) * fp16 group scale, mxfp4 e2m1 * 2^(e8m0 - 127),
- *             w8-int q * fp16 group scale, w16 bf16 / fp16.
+ *             w8-int q * fp16 group scale, mxfp8 e4m3 * 2^(e8m0 - 127), w16 bf16 / fp16.
  * Panels:   16 output rows each (qgemm.py packs them once):
  *             int8 (a8w8)   [K/4][16][4] bytes: byte (k, j) at (k/4)*64 + 4j + k%4
  *             4-bit (a8w4)  [K/8][16][4] bytes: (k, j) in byte (k/8)*64 + 4j + k%4, low nibble
@@ -57,9 +57,10 @@
 #include "tiles.h" /* after PANEL: the tiles step PANEL floats per k */
 
 enum { ISA_AVX2 = 2, ISA_AVX512 = 512 };
-enum { FMT_A8W8 = 1, FMT_A8W4 = 2, FMT_W8 = 3, FMT_W4 = 4, FMT_MXFP4 = 5, FMT_BF16 = 6, FMT_F16 = 7 };
+enum { FMT_A8W8 = 1, FMT_A8W4 = 2, FMT_W8 = 3, FMT_W4 = 4, FMT_MXFP4 = 5, FMT_BF16 = 6, FMT_F16 = 7, FMT_MXFP8 = 8 };
 
 static int is_int(int fmt) { return fmt == FMT_A8W8 || fmt == FMT_A8W4; }
+static int is_mx(int fmt) { return fmt == FMT_MXFP4 || fmt == FMT_MXFP8; } /* e8m0 group scales, one byte each */
 
 static inline int32_t load32(const void *p) {
     int32_t v;
@@ -264,9 +265,20 @@ static inline __m256 e2m1_8(__m256i code) {
 
 /* 8 scales of columns 8h .. 8h + 7 of group g. */
 static inline __m256 scales8(int fmt, const void *scales, int64_t g, int h) {
-    if (fmt == FMT_MXFP4)
+    if (is_mx(fmt))
         return e8m0_8(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)scales + g * 16 + 8 * h))));
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)scales + g * 16 + 8 * h)));
+}
+
+/* e4m3fn codes (one per lane, 0..255) -> fp32: the 7 magnitude bits placed under an fp32's
+ * exponent and mantissa (2^-120 off, subnormals included), the sign moved to bit 31; S.1111.111 NaN. */
+static inline __m256 e4m3_8(__m256i code) {
+    const __m256i mag_mask = _mm256_set1_epi32(0x7F);
+    __m256i mag = _mm256_and_si256(code, mag_mask);
+    __m256i bits = _mm256_or_si256(_mm256_slli_epi32(mag, 20),
+                                   _mm256_and_si256(_mm256_slli_epi32(code, 24), _mm256_set1_epi32((int)0x80000000u)));
+    __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f));
+    return _mm256_blendv_ps(v, _mm256_set1_ps(__builtin_nanf("")), _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, mag_mask)));
 }
 
 /* 4-bit values (low nibbles of 8 lanes) -> fp32 before the scale. */
@@ -296,6 +308,15 @@ __attribute__((noinline)) static void dequant_panel(int fmt, const uint8_t *code
                     _mm256_storeu_ps(out + k * 16 + 8 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(q), s));
                 }
             }
+    } else if (fmt == FMT_MXFP8) {
+        for (int64_t g = 0; g < K / G; ++g)
+            for (int h = 0; h < 2; ++h) {
+                __m256 s = scales8(fmt, scales, g, h);
+                for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+                    __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + k * 16 + 8 * h)));
+                    _mm256_storeu_ps(out + k * 16 + 8 * h, _mm256_mul_ps(e4m3_8(c), s));
+                }
+            }
     } else {  /* 16-bit weights */
         const uint16_t *w = (const uint16_t *)codes;
         for (int64_t i = 0; i < K * 16; i += 8) {
@@ -311,7 +332,7 @@ __attribute__((noinline)) static void dequant_panel(int fmt, const uint8_t *code
 #define DQ512 __attribute__((target("avx512f,avx2,fma,f16c"), noinline)) static
 
 __attribute__((target("avx512f,avx2,fma,f16c"))) static inline __m512 scales16(int fmt, const void *scales, int64_t g) {
-    if (fmt != FMT_MXFP4) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)scales + g * 16)));
+    if (!is_mx(fmt)) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)scales + g * 16)));
     __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)scales + g * 16)));
     __m512i bits = _mm512_slli_epi32(e, 23);  /* 2^(e - 127); e = 0: 2^-127 (subnormal), 255: NaN */
     bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
@@ -339,6 +360,20 @@ DQ512 void dequant_panel512(int fmt, const uint8_t *codes, const void *scales, i
             for (int64_t k = g * G; k < (g + 1) * G; ++k) {
                 __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + k * 16)));
                 _mm512_storeu_ps(out + k * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(q), s));
+            }
+        }
+    } else if (fmt == FMT_MXFP8) { /* e4m3 as in e4m3_8, 16 lanes */
+        const __m512i mag_mask = _mm512_set1_epi32(0x7F);
+        for (int64_t g = 0; g < K / G; ++g) {
+            __m512 s = scales16(fmt, scales, g);
+            for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+                __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + k * 16)));
+                __m512i mag = _mm512_and_si512(c, mag_mask);
+                __m512i bits = _mm512_or_si512(_mm512_slli_epi32(mag, 20),
+                                               _mm512_and_si512(_mm512_slli_epi32(c, 24), _mm512_set1_epi32((int)0x80000000u)));
+                __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
+                v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(mag, mag_mask), _mm512_set1_ps(__builtin_nanf("")));
+                _mm512_storeu_ps(out + k * 16, _mm512_mul_ps(v, s));
             }
         }
     } else {
@@ -566,7 +601,7 @@ static void ftile(Shape s, int mr, const float *const *a, const float *b0, const
 
 /* Group scales of panel p of a float-format weight with K inputs, group G. */
 static const void *panel_scales(int fmt, const void *scales, int64_t p, int64_t K, int64_t G) {
-    int64_t bytes = fmt == FMT_MXFP4 ? 1 : 2;
+    int64_t bytes = is_mx(fmt) ? 1 : 2;
     return (const uint8_t *)scales + p * (K / G) * 16 * bytes;
 }
 

@@ -45,7 +45,7 @@ _KERNEL = cpu_cc.Kernel(
 PANEL = 16  # output rows per packed panel (the C file's PANEL)
 MAX_TILE_ROWS = 8  # the C file's MR_MAX
 H_MULTIPLE, F_MULTIPLE = 32, 16  # FC2's widest unit spans 32 columns of y; FC1's 16 features
-FORMAT_CODES = {"a8w8-int": 1, "a8w4-int": 2, "w8-int": 3, "w4-int": 4, "mxfp4": 5}  # w16: 6 bf16, 7 fp16
+FORMAT_CODES = {"a8w8-int": 1, "a8w4-int": 2, "w8-int": 3, "w4-int": 4, "mxfp4": 5, "mxfp8": 8}  # w16: 6 bf16, 7 fp16
 INTEGER = ("a8w8-int", "a8w4-int")
 FORMATS = (*FORMAT_CODES, "w16")
 # Rows of one expert per FC1 -> FC2 step (experts.py's reason: FC1's fp32 scratch is 2 x CHUNK_ROWS x F

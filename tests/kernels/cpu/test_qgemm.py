@@ -25,7 +25,7 @@ def _isas(fmt):
 
 
 INT_FORMATS = ["a8w8-int", "a8w4-int"]
-FLOAT_FORMATS = ["w4-int", "mxfp4", "w8-int", "w16"]
+FLOAT_FORMATS = ["w4-int", "mxfp4", "w8-int", "mxfp8", "w16"]
 CASES = [(f, isa) for f in INT_FORMATS + FLOAT_FORMATS for isa in _isas(f)]
 
 
@@ -73,10 +73,12 @@ def test_panel_dequantization_is_exact(fmt, isa):
          else w16.pack(torch.randn(2, 32, 64, generator=gen), torch.float16))
     if fmt in ("w4-int", "mxfp4"):
         w.data[1, :8] = torch.arange(256, dtype=torch.uint8).reshape(8, 32)  # every pair of nibbles
-    if fmt == "mxfp4":
+    if fmt == "mxfp8":  # every e4m3 code, NaN (0x7F, 0xFF) and subnormals included
+        w.data[1, :8] = torch.arange(256, dtype=torch.uint8).reshape(8, 32).repeat(1, 2)
+    if fmt in ("mxfp4", "mxfp8"):
         w.scale[1, 0, 0], w.scale[1, 0, 1], w.scale[1, 1, 0] = 0, 254, 1
     got = qgemm.dequantized_rows(qgemm.pack(w), 1, isa)
-    torch.testing.assert_close(got, quant.dequantize(w)[1], rtol=0, atol=0)
+    torch.testing.assert_close(got, quant.dequantize(w)[1], rtol=0, atol=0, equal_nan=True)
 
 
 def test_quantizer_matches_per_token_int8_bit_for_bit():
@@ -130,7 +132,7 @@ def assert_matches(fmt, y, ref):
 # T = 513 for every format in the default run would double its time: the integer formats and
 # w4-int there, the other float formats (the same tile behind another panel decoder) marked slow.
 WIDE_T = [(T, fmt, isa) for T in (17, 64, 513) for fmt, isa in CASES]
-WIDE_T = [pytest.param(*c, marks=pytest.mark.slow) if c[0] == 513 and c[1] in ("mxfp4", "w8-int", "w16") else c
+WIDE_T = [pytest.param(*c, marks=pytest.mark.slow) if c[0] == 513 and c[1] in ("mxfp4", "w8-int", "mxfp8", "w16") else c
           for c in WIDE_T]
 
 
@@ -187,7 +189,7 @@ def test_refuses_what_it_does_not_compute():
         qgemm.run(x, ids, g, w1, w2, FFNAttrs(weight_on="input"), {})
     with pytest.raises(ValueError, match="fp32"):
         qgemm.run(x.double(), ids, g, w1, w2, FFNAttrs(), {})
-    assert qgemm.unavailable_reason("mxfp8") is not None and qgemm.unavailable_reason("a8w8-int") is None
+    assert qgemm.unavailable_reason("a8w8-fp8") is not None and qgemm.unavailable_reason("a8w8-int") is None
 
 
 @pytest.mark.parametrize("fmt,H_,F_,group,match", [
