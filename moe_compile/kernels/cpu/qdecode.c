@@ -54,13 +54,19 @@ enum { FMT_BF16 = 1, FMT_FP16, FMT_W8, FMT_W4, FMT_MXFP4, FMT_MXFP8, FMT_COUNT }
 enum { ISA_AVX2 = 2, ISA_AVX512 = 512 };
 /* Group scales of one weight row converted to fp32 SEG at a time (a stack buffer per row). */
 enum { SEG = 256 };
-/* Software prefetch distance into the weight rows, bytes: ~2 KiB in flight per stream covers
- * DRAM latency at one core's read rate (rows of one expert are contiguous, so it runs on into the
- * next rows; past an expert's end it is harmless).  A/B in one process (1 thread, AVX-512, T=1,
- * 64 MiB read before each call, medians of 40 interleaved, 2-core EPYC with other jobs running),
- * with / without, ms: Mixtral-like w4-int 0.338 / 0.438, w8-int 0.542 / 0.577, bf16 0.721 / 0.713;
- * fine-grained w4-int 0.385 / 0.416, w8-int 0.552 / 0.676, bf16 0.787 / 0.887. */
-enum { PREFETCH_BYTES = 2048 };
+/* Software prefetch distance into the weight rows, in elements (so the same time ahead whatever
+ * the format's bytes: 2 KiB of 4-bit codes, 4 KiB of int8 / fp8, 8 KiB of bf16); rows of one
+ * expert are contiguous, so it runs on into the next rows, and past an expert's end it is
+ * harmless.  A/B in one process, 2 threads, 64 MiB read before each call, medians of 100
+ * interleaved, 2-core EPYC (Zen 5), 4 runs, ms at 2 KiB (the old fixed distance) / this:
+ *   w8-int: Mixtral-like T=1 0.371-0.396 / 0.304-0.335 (AVX2 and AVX-512), T=4 1.14-1.34 / 0.99-1.15;
+ *   bf16: from 0.569 / 0.470 (Mixtral-like T=1, AVX2) to level (0.62 / 0.64) from run to run;
+ *   w4-int: level (compute-bound on AVX2).
+ * Earlier, prefetching at all against not: w4-int 0.338 / 0.438, w8-int 0.542 / 0.577 (1 thread). */
+#ifndef QDECODE_PREFETCH_ELEMENTS /* a -D override for A/B builds */
+#define QDECODE_PREFETCH_ELEMENTS 4096
+#endif
+enum { PREFETCH_ELEMENTS = QDECODE_PREFETCH_ELEMENTS };
 
 #define ALWAYS_INLINE __attribute__((always_inline)) static inline
 
@@ -483,8 +489,10 @@ ALWAYS_INLINE void SFX(chunk)(const int fmt, const int NW, const int R, const ui
     vf w0[2], w1[2];
     /* one prefetch per 64-byte line: a chunk is 16 (AVX2 4-bit) to 64 bytes */
     const int64_t at = fmt == FMT_W4 || fmt == FMT_MXFP4 ? k / 2 : fmt == FMT_BF16 || fmt == FMT_FP16 ? 2 * k : k;
+    const int64_t ahead = fmt == FMT_W4 || fmt == FMT_MXFP4 ? PREFETCH_ELEMENTS / 2
+                          : fmt == FMT_BF16 || fmt == FMT_FP16 ? 2 * PREFETCH_ELEMENTS : PREFETCH_ELEMENTS;
     _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) {
-        if ((at & 63) == 0) _mm_prefetch((const char *)(rows[w] + at + PREFETCH_BYTES), _MM_HINT_T0);
+        if ((at & 63) == 0) _mm_prefetch((const char *)(rows[w] + at + ahead), _MM_HINT_T0);
         SFX(dequant)(fmt, rows[w], k, gs[w], &w0[w], &w1[w]);
     }
     _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
@@ -509,7 +517,7 @@ ALWAYS_INLINE void t8_block(const int NW, const int R, const uint8_t *const *row
     vf p[2][RMAX][2];
     _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) {
         d[w] = _mm512_loadu_si512((const void *)(rows[w] + k / 2));
-        _mm_prefetch((const char *)(rows[w] + k / 2 + PREFETCH_BYTES), _MM_HINT_T0);
+        _mm_prefetch((const char *)(rows[w] + k / 2 + PREFETCH_ELEMENTS / 2), _MM_HINT_T0);
     }
     _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j) {
         vf wj[2];
