@@ -9,9 +9,11 @@
 #   bench_gpu_moe.log    the benchmark's progress
 #   bench_gpu_moe.md     its table            bench_gpu_moe.json   its raw numbers
 #                        (incl. deepseek_v3_ep8_train: forward+backward vs grouped_mm autograd)
+#   bench_gpu_quant.md   Triton quantized GEMMs (unverified until pytest_gpu passes) vs the bf16 op
+#                        bench_gpu_quant.log / .json beside it
 #   triton_autotune.json the tile configs the autotuner picked (seed for autotune.py's lists)
 #   summary.txt          exit codes of each step
-# Time: at most ~7.2 minutes (45 + 180 + 200 s of timeouts) on an H200 (each step runs under `timeout`; the benchmark also stops
+# Time: at most ~8.8 minutes (45 + 180 + 200 + 100 s of timeouts) on an H200 (each step runs under `timeout`; the benchmark also stops
 # starting new shapes after --budget-s and keeps what it measured).  Needs no network.
 set -u
 
@@ -60,10 +62,16 @@ timeout 200 "$PY" benchmarks/bench_gpu_moe.py --out "$OUT/bench_gpu_moe" --budge
 BENCH_RC=$?
 tail -n 30 "$OUT/bench_gpu_moe.log"
 
+echo "== bench_gpu_quant (timeout 100 s)"
+timeout 100 "$PY" benchmarks/bench_gpu_quant.py --out "$OUT" --budget-s 70 >"$OUT/bench_gpu_quant.log" 2>&1
+QUANT_RC=$?
+tail -n 12 "$OUT/bench_gpu_quant.log"
+
 cp "$MOE_COMPILE_CACHE_DIR/triton_autotune.json" "$OUT/triton_autotune.json" 2>/dev/null
 {
   echo "pip_install_rc=$PIP_RC"
   echo "pytest_gpu_rc=$TEST_RC (124 = timeout)"
   echo "bench_rc=$BENCH_RC (124 = timeout; partial table/json are still written per shape)"
+  echo "bench_gpu_quant_rc=$QUANT_RC (124 = timeout)"
 } | tee "$OUT/summary.txt"
 [ "$TEST_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ]
