@@ -650,6 +650,49 @@ DOT_ROWS(FMT_W4)
 DOT_ROWS(FMT_MXFP4)
 DOT_ROWS(FMT_MXFP8)
 
+#if QDECODE_ISA == 2
+/* w4-int against one x row on AVX2 (T = 1, the most common decode step): the group scale taken
+ * out of the inner loop.  dot_body dequantizes each weight with one FMA, (u - 8) s, before the FMA
+ * with x: two FMAs per weight and token, and AVX2 has two FMA ports, so 4-bit decode is bound by
+ * them, not by memory.  Here u - 8 is an integer subtraction (any vector port), the products
+ * (u - 8) x of a group are summed unscaled and the group's sum is scaled once: 1 + 1/8 FMAs per
+ * weight instead of 2.  Two rows, two chains each (one per nibble), fresh partial sums per group. */
+static void w4_one_row(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales,
+                       const float *const *x, float *out) {
+    const uint64_t K = (uint64_t)wt->k, G = (uint64_t)wt->group; /* unsigned: k / 2 is a shift */
+    const __m256i low = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+    const float *xr = x[0];
+    __m256 acc[2][2] = {{VZERO(), VZERO()}, {VZERO(), VZERO()}};
+    float sbuf[2][SEG];
+    for (uint64_t seg = 0; seg < K; seg += SEG * G) {
+        uint64_t end = seg + SEG * G < K ? seg + SEG * G : K;
+        for (int w = 0; w < 2; ++w) convert_scales(FMT_W4, scales[w], (int64_t)(seg / G), (int64_t)((end - seg) / G), sbuf[w]);
+        const float *sg[2] = {sbuf[0], sbuf[1]};
+        for (uint64_t k0 = seg; k0 < end; k0 += G, ++sg[0], ++sg[1]) {
+            __m256 p[2][2] = {{VZERO(), VZERO()}, {VZERO(), VZERO()}};
+            _Pragma("GCC unroll 2") for (int w = 0; w < 2; ++w) /* a group is >= 16 bytes: once per group */
+                _mm_prefetch((const char *)(rows[w] + k0 / 2 + PREFETCH_ELEMENTS / 2), _MM_HINT_T0);
+            for (uint64_t k = k0; k < k0 + G; k += 16) { /* 16 elements: 8 bytes of each row */
+                __m256 x0 = VLOAD(xr + k), x1 = VLOAD(xr + k + 8); /* PAIRED: evens, then odds */
+                _Pragma("GCC unroll 2") for (int w = 0; w < 2; ++w) {
+                    __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rows[w] + k / 2)));
+                    __m256 lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(d, low), eight));
+                    __m256 hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(d, 4), eight));
+                    p[w][0] = VFMA(lo, x0, p[w][0]);
+                    p[w][1] = VFMA(hi, x1, p[w][1]);
+                }
+            }
+            _Pragma("GCC unroll 2") for (int w = 0; w < 2; ++w) {
+                __m256 sc = VSET1(*sg[w]);
+                acc[w][0] = VFMA(p[w][0], sc, acc[w][0]);
+                acc[w][1] = VFMA(p[w][1], sc, acc[w][1]);
+            }
+        }
+    }
+    for (int w = 0; w < 2; ++w) out[w] = VHSUM(VADD(acc[w][0], acc[w][1]));
+}
+#endif
+
 /* out[w * nr + r] = row w . x_r for the two rows and nr x rows (nr one of the instantiated counts). */
 static void SFX(dot)(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales,
                      const float *const *x, int nr, float *out) {
@@ -657,7 +700,11 @@ static void SFX(dot)(const qweight_t *wt, const uint8_t *const *rows, const uint
     case FMT_BF16: DOT_CASES(FMT_BF16)
     case FMT_FP16: DOT_CASES(FMT_FP16)
     case FMT_W8: DOT_CASES(FMT_W8)
-    case FMT_W4: DOT_CASES(FMT_W4)
+    case FMT_W4:
+#if QDECODE_ISA == 2
+        if (nr == 1) return w4_one_row(wt, rows, scales, x, out);
+#endif
+        DOT_CASES(FMT_W4)
     case FMT_MXFP4: DOT_CASES(FMT_MXFP4)
     default: DOT_CASES(FMT_MXFP8)
     }
