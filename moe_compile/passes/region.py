@@ -230,6 +230,46 @@ def _capacity_cut(deps: Deps, nodes, ids) -> fx.Node | None:
     return None
 
 
+# Ops that count tokens per expert from the ids (an expert's load, a slot's place in its queue)
+# and ops that bound a value from above.  A count bounded by a constant is an expert capacity.
+_COUNTING = {"cumsum", "bincount", "histc", "sum", "scatter_add", "scatter_add_", "count_nonzero"}
+_BOUNDS = {"lt", "le", "gt", "ge", "__lt__", "__le__", "__gt__", "__ge__", "less", "less_equal", "greater",
+           "greater_equal", "clamp", "clip", "clamp_max", "minimum", "min"}
+# A bound below this is a presence test (counts > 0, rank >= 1), not a capacity.
+_SMALLEST_CAPACITY = 2
+
+
+def _constant_capacity(deps: Deps, nodes, ids, tokens) -> fx.Node | None:
+    """A count of the ids (cumsum, bincount, sum, ...) compared with, capped at, or sliced to a
+    constant number, in a region whose token count is symbolic.  The proof's crowded round sends
+    every token to the same experts at the compiled T only: a constant capacity above it passes
+    there and binds at a larger T, where the fused op (which drops nothing) would differ."""
+    if isinstance(tokens, int):
+        return None  # a static graph: the crowded round shows whether the capacity binds
+    from_ids = deps.descendants([ids])
+    counts = [n for n in nodes if n in from_ids and target_name(n) in _COUNTING]
+    counted = deps.descendants(counts)
+    for node in nodes:
+        if node not in counted:
+            continue
+        name = target_name(node)
+        if name in _BOUNDS:
+            bounds = (node.kwargs.get("max"), *(node.args[2:3] if name in ("clamp", "clip") else ())) \
+                if name in ("clamp", "clip") else (*node.args, *node.kwargs.values())
+            if any(_is_constant_number(b) and b >= _SMALLEST_CAPACITY for b in bounds):
+                return node
+        if name in ("getitem", "__getitem__") and node.args[0] in counted:
+            index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+            if any(isinstance(i, slice) and _is_constant_number(i.stop) and i.stop >= _SMALLEST_CAPACITY
+                   for i in index):
+                return node
+    return None
+
+
+def _is_constant_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _token_list(node) -> bool:
     """``where(mask)[i]`` / ``nonzero(mask)`` (and views): the tokens routed to one expert."""
     for _ in range(4):
@@ -267,6 +307,11 @@ def cut_between(graph, deps: Deps, ids, weights, output, params, dense=False, de
     if capped is not None:
         raise Refusal("capacity-limited routing: an expert's tokens are cut to a fixed count and the rest "
                       "dropped; the fused op keeps every routed token — not rewritten", capped)
+    capped = _constant_capacity(deps, nodes, ids, (value_shape(x) or (0,))[0])
+    if capped is not None:
+        raise Refusal("capacity-limited routing: a count of the ids is bounded by a constant (an expert "
+                      "capacity) in a graph whose token count varies; it would drop tokens at a larger batch "
+                      "than the proof ran, which the fused op never does — not rewritten", capped)
     buffer = _root_buffer(output)
     _absorb_dead_ends(graph, deps, nodes, stop | set(frontier))
     shared = _sizes_used_outside(nodes, deps)
