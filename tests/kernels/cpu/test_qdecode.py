@@ -5,6 +5,11 @@ in fp32, then the MoE in fp32).  The kernel dequantizes exactly too and sums in 
 order, so the only differences are fp32 rounding of the sums (K <= 256 terms of unit scale, on
 both sides) and the kernels' e^x in the SwiGLU (simd.h, ~2e-7 relative): 1e-5 of the output's
 scale per element.  A wrong nibble, scale, lane order or slot fails it by orders of magnitude.
+
+On AVX2 the 4-bit formats take an expert's single row (T = 1's steps) as int16 blocks of 32
+(qdecode.c: quantize_i16): each activation within 2^-16 of its block's largest, which across FC1,
+the SwiGLU and FC2 measures up to 5.3e-5 of the output's scale here (small H and F, Gaussian
+data): those cases are held to 1.5e-4 of it, still 1000x below what a wrong nibble costs.
 """
 
 from __future__ import annotations
@@ -61,11 +66,16 @@ def _case(fmt, T, H, F, E, K, seed=0, ids_mode="random", group=32, random_codes=
 FORMATS = ["w16-bf16", "w16-fp16", "w8-int", "w4-int", "mxfp4", "mxfp8"]
 
 
+def tolerance(fmt: str, isa: int) -> float:
+    """Allowed error, relative to the output's scale (the module docstring says why)."""
+    return 1.5e-4 if isa == qdecode.ISA_AVX2 and fmt in ("w4-int", "mxfp4") else 1e-5
+
+
 def _check(x, ids, g, w1, w2, attrs, isa):
     got = qdecode.run(x, ids, g, w1, w2, attrs, None, isa=isa)
     want = reference_moe(x, ids, g, w1, w2, attrs)
     scale = max(want.abs().max().item(), 1e-30)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=tolerance(w1.fmt, isa) * scale)
     return got, want
 
 
@@ -155,6 +165,23 @@ def test_nan_codes_propagate(isa):
     assert torch.isnan(got[1, 5]) and not torch.isnan(got[1, :5]).any() and not torch.isnan(got[1, 6:]).any()
 
 
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["w4-int", "mxfp4"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_non_finite_activations_propagate_and_zero_rows_stay_zero(fmt, isa):
+    # The AVX2 4-bit loop holds a single row's activations as int16 blocks: a NaN or inf in x must
+    # still make that token's output non-finite (as in the reference), and an all-zero x row (its
+    # block scale would be 0 / 32767) must give exactly zero, not NaN.
+    x, _, g, w1, w2 = _case(fmt, 3, H=64, F=32, E=2, K=1, seed=6)
+    ids = torch.tensor([[0], [1], [0]])
+    x[0, 5], x[1, 40], x[2] = float("nan"), float("inf"), 0.0
+    got = qdecode.run(x, ids, g, w1, w2, FFNAttrs(), None, isa=isa)
+    want = reference_moe(x, ids, g, w1, w2, FFNAttrs())
+    assert not torch.isfinite(want[0]).any() and not torch.isfinite(got[0]).any()
+    assert torch.isfinite(got[1]).sum() == torch.isfinite(want[1]).sum() == 0
+    assert torch.equal(got[2], torch.zeros_like(got[2])) and torch.equal(want[2], torch.zeros_like(want[2]))
+
+
 def test_check_call_reads_shapes_only():
     # The dispatcher asks before packing: roles given as (fmt, shape, group) only, no tensors.
     Role = dataclasses.make_dataclass("Role", ["fmt", "shape", "group"])
@@ -187,3 +214,20 @@ def test_bad_input_has_clear_error():
     a8 = quant.pack("a8w8-int", torch.randn(2, 64, 64))
     with pytest.raises(ValueError, match="qgemm"):
         qdecode.run(x, ids, g, a8, w2, FFNAttrs())
+
+
+@needs_kernel
+def test_int16_switch_keeps_fp32_activations():
+    # MOE_COMPILE_QDECODE_I16=0 runs the AVX2 4-bit loops on fp32 activations: back to the
+    # reference's 1e-5; with the default, the int16 blocks show as a larger (still tiny) error.
+    from tests.conftest import run_python
+
+    code = ("import torch; from tests.kernels.cpu.test_qdecode import _case; from moe_compile.kernels.cpu import qdecode;"
+            "from moe_compile.quant import reference_moe; from moe_compile.ir import FFNAttrs;"
+            "x, ids, g, w1, w2 = _case('w4-int', 1, H=256, F=128, E=4, K=2, seed=9);"
+            "got = qdecode.run(x, ids, g, w1, w2, FFNAttrs(), None, isa=qdecode.ISA_AVX2);"
+            "want = reference_moe(x, ids, g, w1, w2, FFNAttrs());"
+            "print(float((got - want).abs().max() / want.abs().max()))")
+    exact = float(run_python(code, MOE_COMPILE_QDECODE_I16="0").stdout.split()[-1])
+    blocks = float(run_python(code).stdout.split()[-1])
+    assert exact <= 1e-5 < blocks <= tolerance("w4-int", qdecode.ISA_AVX2), (exact, blocks)
