@@ -75,7 +75,8 @@ enum { PREFETCH_ELEMENTS = QDECODE_PREFETCH_ELEMENTS };
 typedef struct {
     const uint8_t *data, *scale;
     int64_t fmt, n, k, group, layout; /* layout: how its x rows are held (LAYOUT_*) */
-    int64_t i16; /* 1: against one row, its input is read as int16 blocks (I16_BLOCK, below) */
+    int64_t i16; /* against one row its input is read as int16 blocks (I16_BLOCK, below): 0 no,
+                  * I16_PAIRED (4-bit: evens then odds) or I16_NATURAL (int8: in order) */
 } qweight_t;
 
 /* How a weight's input rows (x for FC1, the activations for FC2) are held, see the header:
@@ -183,24 +184,25 @@ static void split(int64_t n, int64_t align, int64_t part, int64_t parts, int64_t
 typedef void (*dot_fn)(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales,
                        const float *const *x, int nr, float *out);
 
-/* dot of two 4-bit weight rows with one input row held as int16 blocks: out[w] = row_w . x. */
+/* dot of two 4- or 8-bit weight rows with one input row held as int16 blocks: out[w] = row_w . x. */
 typedef void (*dot16_fn)(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales,
                          const int16_t *xq, const float *xs, float *out);
 
-/* 4-bit weights against one input row on AVX2 (the T = 1 step of most users' CPUs): dequantizing
- * a nibble to fp32 and an FMA per weight and token keep AVX2's vector ports busy well below the
- * memory's speed (~20 G weights/s a core).  Instead that row is held as 16-bit integers per block
+/* 4- and 8-bit weights against one input row on AVX2 (the T = 1 step of most users' CPUs):
+ * dequantizing a code to fp32 and an FMA per weight and token keep AVX2's vector ports busy well
+ * below the memory's speed (~20 G 4-bit weights/s a core).  Instead that row is held as 16-bit integers per block
  * of I16_BLOCK elements (q = round-half-even(x / s), s = max|x| / 32767 of the block: every element
  * within 2^-16 of its block's largest), the nibbles map to small integers by a byte shuffle, and
  * vpmaddwd sums weight x activation pairs exactly in int32; a block's sum is scaled once by
  * s_w s_x.  1.7-1.8x the fp32 loop's weights per second in one-core A/B, error from the fp32
  * activations' result 1.6e-5 of the output's scale (Gaussian x, K = 1024).  A non-finite element
  * makes its block's scale non-finite, so NaN and inf still reach the output. */
-enum { I16_BLOCK = 32, I16_MAX = 32767 };
+enum { I16_BLOCK = 32, I16_MAX = 32767, I16_PAIRED = 1, I16_NATURAL = 2 };
 
-/* q (I16_BLOCK int16 per block: its 16 even elements, then its 16 odd ones: the order the
- * nibbles of 16 packed bytes come in) and one scale per block, of n elements (whole blocks). */
-static void quantize_i16(const float *x, int64_t n, int16_t *q, float *scale) {
+/* q (I16_BLOCK int16 per block; `paired`: its 16 even elements, then its 16 odd ones, the order the
+ * nibbles of 16 packed bytes come in; else in order) and one scale per block, of n elements
+ * (whole blocks). */
+static void quantize_i16(const float *x, int64_t n, int paired, int16_t *q, float *scale) {
     for (int64_t b = 0; b < n; b += I16_BLOCK) {
         __m256 m = _mm256_setzero_ps();
         const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
@@ -213,7 +215,8 @@ static void quantize_i16(const float *x, int64_t n, int16_t *q, float *scale) {
         scale[b / I16_BLOCK] = sc;
         for (int j = 0; j < I16_BLOCK; ++j) {
             int v = _mm_cvtss_si32(_mm_set_ss(x[b + j] / sc)); /* MXCSR's round half to even */
-            q[b + (j & 1) * (I16_BLOCK / 2) + j / 2] = (int16_t)(v > I16_MAX ? I16_MAX : v < -I16_MAX ? -I16_MAX : v);
+            q[b + (paired ? (j & 1) * (I16_BLOCK / 2) + j / 2 : j)] =
+                (int16_t)(v > I16_MAX ? I16_MAX : v < -I16_MAX ? -I16_MAX : v);
         }
     }
 }
@@ -300,7 +303,8 @@ static void fc1_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t
             int64_t m = f1 - c < 128 ? f1 - c : 128;
             swiglu_span(blk, hr + c, hr + s->F + c, 0, m, limit, g);
             layout_copy(s->a + r * s->F + c, blk, m, s->v, s->w2.layout);
-            if (s->w2.i16) quantize_i16(blk, m, s->aq + r * s->F + c, s->as + (r * s->F + c) / I16_BLOCK);
+            if (s->w2.i16)
+                quantize_i16(blk, m, s->w2.i16 == I16_PAIRED, s->aq + r * s->F + c, s->as + (r * s->F + c) / I16_BLOCK);
         }
     }
 }
@@ -372,8 +376,8 @@ int moe_qdecode_run(const int64_t *plan, float limit, int64_t nparts) {
     for (int i = 0; i < 2; ++i) {
         qweight_t *w = i ? &s.w2 : &s.w1;
         const char *off = getenv("MOE_COMPILE_QDECODE_I16"); /* "0": the fp32 loop (exact, slower) */
-        w->i16 = isa == ISA_AVX2 && (w->fmt == FMT_W4 || w->fmt == FMT_MXFP4) && w->k % I16_BLOCK == 0 &&
-                 !(off && strcmp(off, "0") == 0);
+        int on = isa == ISA_AVX2 && w->k % I16_BLOCK == 0 && !(off && strcmp(off, "0") == 0);
+        w->i16 = !on ? 0 : w->fmt == FMT_W4 || w->fmt == FMT_MXFP4 ? I16_PAIRED : w->fmt == FMT_W8 ? I16_NATURAL : 0;
     }
     int64_t *start = calloc((size_t)s.E + 2, sizeof(int64_t)), *tok = malloc((size_t)(2 * s.S + 1) * sizeof(int64_t));
     /* floats: xp, h, a, then the block scales of x and a; int16: x and a blocks */
@@ -398,7 +402,8 @@ int moe_qdecode_run(const int64_t *plan, float limit, int64_t nparts) {
     s.xq = (int16_t *)(s.as + s.S * s.F / I16_BLOCK + 16), s.aq = s.xq + s.T * s.H;
     for (int64_t t = 0; t < s.T; ++t) layout_copy(s.xp + t * s.H, x + t * s.H, s.H, s.v, s.w1.layout);
     if (s.w1.i16)
-        for (int64_t t = 0; t < s.T; ++t) quantize_i16(x + t * s.H, s.H, s.xq + t * s.H, s.xs + t * s.H / I16_BLOCK);
+        for (int64_t t = 0; t < s.T; ++t)
+            quantize_i16(x + t * s.H, s.H, s.w1.i16 == I16_PAIRED, s.xq + t * s.H, s.xs + t * s.H / I16_BLOCK);
 #pragma omp parallel num_threads(nparts)
     run_parts(&s, limit, omp_get_thread_num(), omp_get_num_threads());
     status = 0;
@@ -712,13 +717,13 @@ DOT_ROWS(FMT_MXFP4)
 DOT_ROWS(FMT_MXFP8)
 
 #if QDECODE_ISA == 2
-/* 4-bit weights against one input row held as int16 blocks (see quantize_i16 for why): two rows,
- * one I16_BLOCK (16 bytes of each row) per step, the nibbles mapped by vpshufb to the format's
- * values as integers (w4-int u - 8; mxfp4 twice its e2m1 value, so the scale takes the 1/2). */
+/* 4- and 8-bit weights against one input row held as int16 blocks (see quantize_i16 for why): two
+ * rows, one I16_BLOCK per step, the nibbles mapped by vpshufb to the format's values as integers
+ * (w4-int u - 8; mxfp4 twice its e2m1 value, so the scale takes the 1/2), int8 sign-extended. */
 static void dot16_2(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales,
                     const int16_t *xq, const float *xs, float *out) {
     const uint64_t K = (uint64_t)wt->k, G = (uint64_t)wt->group, blocks_per_group = G / I16_BLOCK;
-    const int mx = wt->fmt == FMT_MXFP4;
+    const int mx = wt->fmt == FMT_MXFP4, w8 = wt->fmt == FMT_W8; /* |q| <= 127: pair sums < 2^24, exact as fp32 */
     const __m128i low = _mm_set1_epi8(15);
     const __m128i values = mx ? _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
                               : _mm_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
@@ -734,10 +739,17 @@ static void dot16_2(const qweight_t *wt, const uint8_t *const *rows, const uint8
             __m256i qo = _mm256_loadu_si256((const __m256i *)(xq + k0 + I16_BLOCK / 2));
             float sx = xs[k0 / I16_BLOCK] * unit;
             _Pragma("GCC unroll 2") for (int w = 0; w < 2; ++w) {
-                _mm_prefetch((const char *)(rows[w] + k0 / 2 + PREFETCH_ELEMENTS / 2), _MM_HINT_T0);
-                __m128i v = _mm_loadu_si128((const __m128i *)(rows[w] + k0 / 2));
-                __m256i lo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(values, _mm_and_si128(v, low)));
-                __m256i hi = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(v, 4), low)));
+                __m256i lo, hi; /* the block's elements as int16: 4-bit evens / odds, int8 first / second half */
+                if (w8) {
+                    _mm_prefetch((const char *)(rows[w] + k0 + PREFETCH_ELEMENTS), _MM_HINT_T0);
+                    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(rows[w] + k0)));
+                    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(rows[w] + k0 + 16)));
+                } else {
+                    _mm_prefetch((const char *)(rows[w] + k0 / 2 + PREFETCH_ELEMENTS / 2), _MM_HINT_T0);
+                    __m128i v = _mm_loadu_si128((const __m128i *)(rows[w] + k0 / 2));
+                    lo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(values, _mm_and_si128(v, low)));
+                    hi = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(v, 4), low)));
+                }
                 __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, qe), _mm256_madd_epi16(hi, qo));
                 acc[w] = VFMA(_mm256_cvtepi32_ps(p), VSET1(sbuf[w][g] * sx), acc[w]);
             }
