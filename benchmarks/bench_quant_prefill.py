@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
 SHAPES = {"mixtral-like": (1024, 2048, 8, 2), "fine-grained": (1024, 512, 64, 8)}  # (H, F, E, K)
-FORMATS = ("a8w8-int", "a8w4-int", "w4-int", "mxfp4", "w8-int", "w16")
+FORMATS = ("a8w8-int", "a8w4-int", "w4-int", "mxfp4", "w8-int", "mxfp8", "w16")
 PEER_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 8, "q4_K": 12}  # ggml type ids
 PEER_REPACKABLE = ("q4_0", "q4_K")
 PEER_DIR = "/work/peer"
