@@ -299,22 +299,14 @@ __attribute__((noinline)) static void dequant_panel(int fmt, const uint8_t *code
                     _mm256_storeu_ps(out + (k + 1) * 16 + 8 * h, _mm256_mul_ps(nibble8(fmt, _mm256_srli_epi32(b, 4)), s));
                 }
             }
-    } else if (fmt == FMT_W8) {
+    } else if (fmt == FMT_W8 || fmt == FMT_MXFP8) {  /* one byte per element: int8, or e4m3 codes */
         for (int64_t g = 0; g < K / G; ++g)
             for (int h = 0; h < 2; ++h) {
                 __m256 s = scales8(fmt, scales, g, h);
                 for (int64_t k = g * G; k < (g + 1) * G; ++k) {
-                    __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + k * 16 + 8 * h)));
-                    _mm256_storeu_ps(out + k * 16 + 8 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(q), s));
-                }
-            }
-    } else if (fmt == FMT_MXFP8) {
-        for (int64_t g = 0; g < K / G; ++g)
-            for (int h = 0; h < 2; ++h) {
-                __m256 s = scales8(fmt, scales, g, h);
-                for (int64_t k = g * G; k < (g + 1) * G; ++k) {
-                    __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + k * 16 + 8 * h)));
-                    _mm256_storeu_ps(out + k * 16 + 8 * h, _mm256_mul_ps(e4m3_8(c), s));
+                    __m128i b = _mm_loadl_epi64((const __m128i *)(codes + k * 16 + 8 * h));
+                    __m256 v = fmt == FMT_W8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)) : e4m3_8(_mm256_cvtepu8_epi32(b));
+                    _mm256_storeu_ps(out + k * 16 + 8 * h, _mm256_mul_ps(v, s));
                 }
             }
     } else {  /* 16-bit weights */
