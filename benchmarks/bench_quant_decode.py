@@ -49,10 +49,11 @@ import time
 import torch
 
 SHAPES = {"mixtral-like": (1024, 2048, 8, 2), "fine-grained": (1024, 512, 64, 8)}  # (H, F, E, K)
-FORMATS = ("w16", "w16-fp16", "w8-int", "w4-int", "mxfp4", "mxfp8")
+FORMATS = ("w16", "w16-fp16", "w8-int", "w4-int", "mxfp4", "mxfp8", "a8w8-int", "a8w4-int")
 GGML_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 8, "q4_K": 12}
-OP_FORMATS = ("w16", "w8-int", "w4-int", "mxfp4", "mxfp8")  # the op's quant= names among FORMATS
-PEER_OF = {"w16": "f16", "w16-fp16": "f16", "w8-int": "q8_0", "w4-int": "q4_0", "mxfp4": "q4_0", "mxfp8": "q8_0"}
+OP_FORMATS = ("w16", "w8-int", "w4-int", "mxfp4", "mxfp8", "a8w8-int", "a8w4-int")  # the op's quant= names among FORMATS
+PEER_OF = {"w16": "f16", "w16-fp16": "f16", "w8-int": "q8_0", "w4-int": "q4_0", "mxfp4": "q4_0", "mxfp8": "q8_0",
+           "a8w8-int": "q8_0", "a8w4-int": "q4_0"}
 
 
 def open_peer(path: str):

@@ -49,7 +49,8 @@ def _cpu_kind(name: str, features: str, isa: str, verified: bool, note: str) -> 
 
 def _cpu_variants(isa: str, verified: bool) -> tuple[Variant, ...]:
     rows = [_FP32] + [Variant(f, _DECODE_PREFILL, verified) for f in _WEIGHT_ONLY]
-    rows += [Variant(f, f"kernels/cpu/qgemm.c ({isa} int8 tile)", verified) for f in ("a8w8-int", "a8w4-int")]
+    rows += [Variant(f, f"kernels/cpu/qdecode.c (T <= 16, vpmaddubsw) + qgemm.c ({isa} int8 tile)", verified)
+             for f in ("a8w8-int", "a8w4-int")]
     rows.append(Variant("a8w8-fp8", "", False, "no CPU fp8 kernel"))
     return tuple(rows)
 

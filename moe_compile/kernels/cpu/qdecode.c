@@ -50,7 +50,7 @@
 #pragma GCC target("f16c")
 
 /* Weight formats (qdecode.py: _FORMATS). */
-enum { FMT_BF16 = 1, FMT_FP16, FMT_W8, FMT_W4, FMT_MXFP4, FMT_MXFP8, FMT_COUNT };
+enum { FMT_BF16 = 1, FMT_FP16, FMT_W8, FMT_W4, FMT_MXFP4, FMT_MXFP8, FMT_A8W8, FMT_A8W4, FMT_COUNT };
 enum { ISA_AVX2 = 2, ISA_AVX512 = 512 };
 /* Group scales of one weight row converted to fp32 SEG at a time (a stack buffer per row). */
 enum { SEG = 256 };
@@ -86,8 +86,14 @@ typedef struct {
 enum { LAYOUT_NATURAL, LAYOUT_PAIRED, LAYOUT_T8 };
 
 static int64_t row_bytes(const qweight_t *w) {
-    return w->fmt == FMT_W4 || w->fmt == FMT_MXFP4 ? w->k / 2 : w->fmt == FMT_BF16 || w->fmt == FMT_FP16 ? 2 * w->k : w->k;
+    return w->fmt == FMT_W4 || w->fmt == FMT_MXFP4 || w->fmt == FMT_A8W4 ? w->k / 2
+           : w->fmt == FMT_BF16 || w->fmt == FMT_FP16                  ? 2 * w->k
+                                                                       : w->k;
 }
+
+/* The a8 formats: activations quantized per row to int8 (quant/common.py: quantize_per_token_int8),
+ * weights int8 / int4 per output channel with an fp32 scale, int32 sums (int8_dot below). */
+static int int8_activations(int64_t fmt) { return fmt == FMT_A8W8 || fmt == FMT_A8W4; }
 
 static int has_scales(int64_t fmt) { return fmt != FMT_BF16 && fmt != FMT_FP16; }
 
@@ -96,7 +102,7 @@ static const uint8_t *row_at(const qweight_t *w, int64_t e, int64_t n) {
 }
 
 static const uint8_t *scales_at(const qweight_t *w, int64_t e, int64_t n) {
-    int64_t per_row = w->k / w->group, bytes = w->fmt == FMT_W8 || w->fmt == FMT_W4 ? 2 : 1;
+    int64_t per_row = w->k / w->group, bytes = w->fmt == FMT_W8 || w->fmt == FMT_W4 ? 2 : int8_activations(w->fmt) ? 4 : 1;
     return has_scales(w->fmt) ? w->scale + (e * w->n + n) * per_row * bytes : NULL;
 }
 
@@ -105,7 +111,7 @@ static const uint8_t *scales_at(const qweight_t *w, int64_t e, int64_t n) {
 static int64_t layout_of(int64_t fmt, int64_t group, int64_t isa) {
     int four_bit = fmt == FMT_W4 || fmt == FMT_MXFP4;
     if (four_bit && isa == ISA_AVX512 && (128 % group == 0 || group % 128 == 0)) return LAYOUT_T8;
-    return four_bit || fmt == FMT_BF16 ? LAYOUT_PAIRED : LAYOUT_NATURAL;
+    return (four_bit || fmt == FMT_BF16) && !int8_activations(fmt) ? LAYOUT_PAIRED : LAYOUT_NATURAL;
 }
 
 static float bits_float(uint32_t b) {
@@ -221,6 +227,90 @@ static void quantize_i16(const float *x, int64_t n, int paired, int16_t *q, floa
     }
 }
 
+/* quantize_per_token_int8 (quant/common.py) of one row of n floats (a multiple of 32), bit for
+ * bit: s = max|x| / 127 (1 for an all-zero row, or one holding NaN as torch's where(s > 0) gives),
+ * q = clamp(round_half_even(x / s), -127, 127) in `paired` order per 32 elements (16 evens, then 16
+ * odds: the nibbles' order) or in order.  Returns s; *sum = sum of q (a8w4's offset). */
+static float quantize_int8_row(const float *x, int64_t n, int paired, int8_t *q, int32_t *sum) {
+    float big = 0.f;
+    int nan = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        float a = x[i] < 0 ? -x[i] : x[i];
+        nan |= a != a;
+        big = a > big ? a : big;
+    }
+    float s = big / 127.f;
+    s = nan || !(s > 0.f) ? 1.f : s;
+    int32_t total = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        int v = _mm_cvtss_si32(_mm_set_ss(x[i] / s)); /* MXCSR's round half to even */
+        v = v > 127 ? 127 : v < -127 ? -127 : v;
+        q[paired ? (i & ~31) + (i & 1) * 16 + (i & 31) / 2 : i] = (int8_t)v;
+        total += v;
+    }
+    *sum = total;
+    return s;
+}
+
+/* acc[w][r] = q_w . q_x[r] in int32, exact, for two weight rows of an a8 format and n int8
+ * activation rows: a8w4 as vpmaddubsw of the nibbles u = q_w + 8 (unsigned) with q_x, less
+ * 8 sum(q_x); int16 partial sums of 8 blocks (4 per chain) stay below 8 * 2 * 15 * 127 < 2^15.  a8w8 with the
+ * sign trick (|w| x sign(x, w): pairs <= 2 * 127 * 127 < 2^15), widened every block. */
+/* One block of 32 elements of weight row `row` into `part` (see int8_dot). */
+ALWAYS_INLINE __m256i int8_block(int64_t fmt, const uint8_t *row, int64_t k, __m256i q, __m256i part, int fetch) {
+    if (fmt == FMT_A8W4) {
+        if (fetch) _mm_prefetch((const char *)(row + k / 2 + PREFETCH_ELEMENTS / 2), _MM_HINT_T0);
+        const __m128i low = _mm_set1_epi8(15);
+        __m128i v = _mm_loadu_si128((const __m128i *)(row + k / 2));
+        __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+        return _mm256_add_epi16(part, _mm256_maddubs_epi16(u, q));
+    }
+    if (fetch) _mm_prefetch((const char *)(row + k + PREFETCH_ELEMENTS), _MM_HINT_T0);
+    __m256i c = _mm256_loadu_si256((const __m256i *)(row + k));
+    __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(q, c));
+    return _mm256_add_epi32(part, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+static int32_t hsum_epi32(__m256i v) {
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    return _mm_cvtsi128_si32(t);
+}
+
+static void int8_dot(int64_t fmt, int64_t K, const uint8_t *const *rows, const int8_t *const *xq,
+                     const int32_t *sums, int64_t n, int32_t acc[2][16]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t r = 0; r < n; ++r) {
+        __m256i tot0 = _mm256_setzero_si256(), tot1 = _mm256_setzero_si256();
+        for (int64_t k0 = 0; k0 < K; k0 += 256) { /* 4 chains: two rows x two blocks */
+            int64_t end = k0 + 256 < K ? k0 + 256 : K, k = k0;
+            __m256i p00 = _mm256_setzero_si256(), p01 = p00, p10 = p00, p11 = p00;
+            for (; k + 64 <= end; k += 64) {
+                __m256i qa = _mm256_loadu_si256((const __m256i *)(xq[r] + k));
+                __m256i qb = _mm256_loadu_si256((const __m256i *)(xq[r] + k + 32));
+                p00 = int8_block(fmt, rows[0], k, qa, p00, r == 0);
+                p10 = int8_block(fmt, rows[1], k, qa, p10, r == 0);
+                p01 = int8_block(fmt, rows[0], k + 32, qb, p01, 0);
+                p11 = int8_block(fmt, rows[1], k + 32, qb, p11, 0);
+            }
+            if (k < end) { /* K is whole blocks of 32: one left */
+                __m256i qa = _mm256_loadu_si256((const __m256i *)(xq[r] + k));
+                p00 = int8_block(fmt, rows[0], k, qa, p00, r == 0);
+                p10 = int8_block(fmt, rows[1], k, qa, p10, r == 0);
+            }
+            if (fmt == FMT_A8W4) { /* int16 pair sums -> int32 */
+                p00 = _mm256_madd_epi16(p00, ones), p01 = _mm256_madd_epi16(p01, ones);
+                p10 = _mm256_madd_epi16(p10, ones), p11 = _mm256_madd_epi16(p11, ones);
+            }
+            tot0 = _mm256_add_epi32(tot0, _mm256_add_epi32(p00, p01));
+            tot1 = _mm256_add_epi32(tot1, _mm256_add_epi32(p10, p11));
+        }
+        int32_t offset = fmt == FMT_A8W4 ? 8 * sums[r] : 0;
+        acc[0][r] = hsum_epi32(tot0) - offset, acc[1][r] = hsum_epi32(tot1) - offset;
+    }
+}
+
 #define QDECODE_ISA 2
 #pragma GCC push_options
 #include "qdecode.c"
@@ -254,6 +344,9 @@ typedef struct {
     float *y, *xp, *h, *a;             /* xp [T, H] x paired for FC1; h [S, 2F]; a [S, F] paired for FC2 */
     const int64_t *start, *tok, *slot; /* start [E + 1] over the sorted slots; token and slot (t*K+k) of each */
     int16_t *xq, *aq;                  /* x [T, H] and a [S, F] as int16 blocks (roles with i16) */
+    int8_t *x8, *a8;                   /* x [T, H] and a [S, F] quantized per row (a8 formats) */
+    float *x8s, *a8s;                  /* their scales [T], [S] */
+    int32_t *x8sum, *a8sum;            /* their sums of q [T], [S] */
     float *xs, *as;                    /* their block scales [T, H / I16_BLOCK], [S, F / I16_BLOCK] */
     qweight_t w1, w2;
     dot_fn dot;
@@ -273,6 +366,26 @@ static int gather_rows(const float *base, int64_t ld, const int64_t *index, int6
     return padded;
 }
 
+/* out[w * nr + r] = (acc * s_x) * s_w (the reference's order) of two rows of an a8 format and
+ * activation rows r0 .. r0 + n - 1 (through `index` when given) of q / scales / sums. */
+static void int8_rows(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales, const int8_t *q,
+                      int64_t ld, const float *qs, const int32_t *sums, const int64_t *index, int64_t r0, int64_t n,
+                      int nr, float *out) {
+    const int8_t *xr[16];
+    int32_t acc[2][16], sum[16];
+    for (int64_t r = 0; r < n; ++r) {
+        int64_t i = index ? index[r0 + r] : r0 + r;
+        xr[r] = q + i * ld, sum[r] = sums[i];
+    }
+    int8_dot(wt->fmt, wt->k, rows, xr, sum, n, acc);
+    for (int w = 0; w < 2; ++w)
+        for (int64_t r = 0; r < n; ++r) {
+            float sw;
+            memcpy(&sw, scales[w], 4);
+            out[w * nr + r] = ((float)acc[w][r] * qs[index ? index[r0 + r] : r0 + r]) * sw;
+        }
+}
+
 /* FC1 + SwiGLU of this thread's features [f0, f1) of expert e's slots [lo, hi). */
 static void fc1_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t f0, int64_t f1, float limit) {
     const float *rows[16];
@@ -283,7 +396,9 @@ static void fc1_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t
         for (int64_t f = f0; f < f1; ++f) {
             const uint8_t *w[2] = {row_at(&s->w1, e, f), row_at(&s->w1, e, s->F + f)};
             const uint8_t *sc[2] = {scales_at(&s->w1, e, f), scales_at(&s->w1, e, s->F + f)};
-            if (n == 1 && s->w1.i16) {
+            if (int8_activations(s->w1.fmt)) {
+                int8_rows(&s->w1, w, sc, s->x8, s->H, s->x8s, s->x8sum, s->tok, r0, n, nr, out);
+            } else if (n == 1 && s->w1.i16) {
                 int64_t t = s->tok[r0];
                 s->dot16(&s->w1, w, sc, s->xq + t * s->H, s->xs + t * (s->H / I16_BLOCK), out);
             } else {
@@ -320,7 +435,9 @@ static void fc2_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t
             int64_t c2 = c + 1 < n1 ? c + 1 : c; /* an odd count: the last row twice, once kept */
             const uint8_t *w[2] = {row_at(&s->w2, e, c), row_at(&s->w2, e, c2)};
             const uint8_t *sc[2] = {scales_at(&s->w2, e, c), scales_at(&s->w2, e, c2)};
-            if (n == 1 && s->w2.i16)
+            if (int8_activations(s->w2.fmt))
+                int8_rows(&s->w2, w, sc, s->a8, s->F, s->a8s, s->a8sum, NULL, r0, n, nr, out);
+            else if (n == 1 && s->w2.i16)
                 s->dot16(&s->w2, w, sc, s->aq + r0 * s->F, s->as + r0 * (s->F / I16_BLOCK), out);
             else
                 s->dot(&s->w2, w, sc, rows, nr, out);
@@ -340,6 +457,13 @@ static void run_parts(const step_t *s, float limit, int64_t part, int64_t parts)
     for (int64_t e = 0; e < s->E && f0 < f1; ++e)
         if (s->start[e + 1] > s->start[e]) fc1_part(s, e, s->start[e], s->start[e + 1], f0, f1, limit);
 #pragma omp barrier
+    if (int8_activations(s->w2.fmt)) { /* FC2's input re-quantized per row: whole rows, after FC1 */
+        int64_t r0, r1;
+        split(s->S, 1, part, parts, &r0, &r1);
+        for (int64_t r = r0; r < r1; ++r)
+            s->a8s[r] = quantize_int8_row(s->a + r * s->F, s->F, s->w2.fmt == FMT_A8W4, s->a8 + r * s->F, s->a8sum + r);
+#pragma omp barrier
+    }
     split(s->H, 2, part, parts, &n0, &n1);
     for (int64_t e = 0; e < s->E && n0 < n1; ++e)
         if (s->start[e + 1] > s->start[e]) fc2_part(s, e, s->start[e], s->start[e + 1], n0, n1);
@@ -367,6 +491,7 @@ int moe_qdecode_run(const int64_t *plan, float limit, int64_t nparts) {
         const qweight_t *w = i ? &s.w2 : &s.w1;
         if (w->fmt < 1 || w->fmt >= FMT_COUNT || (has_scales(w->fmt) && (w->group % 32 || w->k % w->group)))
             return -2;
+        if (int8_activations(w->fmt) && (w->k % 32 || w->group != w->k)) return -2; /* per channel, 32-wide blocks */
     }
     s.v = isa == ISA_AVX512 ? 16 : 8;
     s.w1.layout = layout_of(s.w1.fmt, s.w1.group, isa), s.w2.layout = layout_of(s.w2.fmt, s.w2.group, isa);
@@ -380,9 +505,11 @@ int moe_qdecode_run(const int64_t *plan, float limit, int64_t nparts) {
         w->i16 = !on ? 0 : w->fmt == FMT_W4 || w->fmt == FMT_MXFP4 ? I16_PAIRED : w->fmt == FMT_W8 ? I16_NATURAL : 0;
     }
     int64_t *start = calloc((size_t)s.E + 2, sizeof(int64_t)), *tok = malloc((size_t)(2 * s.S + 1) * sizeof(int64_t));
-    /* floats: xp, h, a, then the block scales of x and a; int16: x and a blocks */
+    /* floats: xp, h, a, the block scales of x and a, the int8 rows' scales; int32: their sums;
+     * int16: x and a blocks; int8: x and a rows */
     int64_t floats = s.T * s.H + 2 * s.S * s.F + s.S * s.F + (s.T * s.H + s.S * s.F) / I16_BLOCK + 16;
-    float *xp = aligned_alloc(64, (size_t)((floats * 4 + (s.T * s.H + s.S * s.F) * 2) + 64) / 64 * 64);
+    int64_t rows8 = s.T + s.S + 16;
+    float *xp = aligned_alloc(64, (size_t)((floats + 2 * rows8) * 4 + (s.T * s.H + s.S * s.F) * 3 + 128) / 64 * 64);
     int status = -1;
     if (!start || !tok || !xp) goto done;
     const int64_t *ids = (const int64_t *)(intptr_t)plan[P_IDS];
@@ -400,6 +527,12 @@ int moe_qdecode_run(const int64_t *plan, float limit, int64_t nparts) {
     s.xp = xp, s.h = xp + s.T * s.H, s.a = s.h + 2 * s.S * s.F;
     s.xs = s.a + s.S * s.F, s.as = s.xs + s.T * s.H / I16_BLOCK;
     s.xq = (int16_t *)(s.as + s.S * s.F / I16_BLOCK + 16), s.aq = s.xq + s.T * s.H;
+    s.x8s = (float *)(s.aq + s.S * s.F), s.a8s = s.x8s + s.T;
+    s.x8sum = (int32_t *)(s.a8s + s.S + 8), s.a8sum = s.x8sum + s.T;
+    s.x8 = (int8_t *)(s.a8sum + s.S + 8), s.a8 = s.x8 + s.T * s.H;
+    if (int8_activations(s.w1.fmt))
+        for (int64_t t = 0; t < s.T; ++t)
+            s.x8s[t] = quantize_int8_row(x + t * s.H, s.H, s.w1.fmt == FMT_A8W4, s.x8 + t * s.H, s.x8sum + t);
     for (int64_t t = 0; t < s.T; ++t) layout_copy(s.xp + t * s.H, x + t * s.H, s.H, s.v, s.w1.layout);
     if (s.w1.i16)
         for (int64_t t = 0; t < s.T; ++t)

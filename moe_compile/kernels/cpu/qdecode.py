@@ -11,6 +11,8 @@ Shapes:  T tokens, H hidden, F expert FFN width, E experts, K experts per token.
   w4-int   uint8 [E, N, K/2]           fp16 [E, N, K/G]        (nibble - 8) * scale
   mxfp4    uint8 [E, N, K/2] e2m1      uint8 e8m0 [E, N, K/32]  e2m1(code) * 2^(scale - 127)
   mxfp8    uint8 [E, N, K] e4m3fn      uint8 e8m0 [E, N, K/32]  e4m3(code) * 2^(scale - 127)
+  a8w8-int int8 [E, N, K]              fp32 [E, N, 1]          q * scale, activations int8 per row
+  a8w4-int uint8 [E, N, K/2] u = q + 8 fp32 [E, N, 1]          (u - 8) * scale, the same
 
   (4-bit: byte j of a row holds element 2j in its low nibble, 2j+1 in its high one.)
 
@@ -21,9 +23,10 @@ loops take an expert's single row as int16 blocks of 32 (qdecode.c: quantize_i16
 scale from the reference; ``MOE_COMPILE_QDECODE_I16=0`` turns it off).  The kernel reads the canonical tensors as they are: no
 repacked copy, nothing kept in ``pack_cache``.
 
-``a8w8-int``, ``a8w4-int`` and ``a8w8-fp8`` (activations quantized per token) are not served here
-(``unavailable_reason`` says so): at decode their weights stream no faster than w8-int / w4-int
-ones, and the prefill kernel (``qgemm``) owns their integer tiles.
+``a8w8-int`` / ``a8w4-int`` quantize the activations per row as their reference does (x per token,
+FC2's input per slot, ``quantize_per_token_int8``) and sum int8 x int8 / int4 exactly in int32
+(``vpmaddubsw``; the a8w4 nibbles u = q + 8 less 8 sum(q_x)), then scale in the reference's order
+(acc * s_x) * s_w.  ``a8w8-fp8`` has no CPU kernel.
 
 The C file is built on first use (``cpu_cc``); ``MOE_COMPILE_QDECODE=0`` turns it off.  It runs
 AVX-512 where the CPU has it, AVX2 otherwise; ``MOE_COMPILE_FUSED_ISA=avx2`` (the switch
@@ -45,9 +48,10 @@ from moe_compile.kernels.cpu.isa import ISA_AVX2, ISA_AVX512, ISA_ENV  # noqa: F
 ENV = "MOE_COMPILE_QDECODE"
 MAX_ROWS = 16  # tokens per call: decode (the prefill kernel takes more)
 GROUP_MULTIPLE = 32  # scale groups must span whole 32-element blocks (a 16-byte load of 4-bit codes)
-_FORMATS = {"w16-bf16": 1, "w16-fp16": 2, "w8-int": 3, "w4-int": 4, "mxfp4": 5, "mxfp8": 6}  # the C file's FMT_*
-SERVED = ("w16", "w8-int", "w4-int", "mxfp4", "mxfp8")
-_ACTIVATION_QUANTIZED = ("a8w8-int", "a8w4-int", "a8w8-fp8")
+_FORMATS = {"w16-bf16": 1, "w16-fp16": 2, "w8-int": 3, "w4-int": 4, "mxfp4": 5, "mxfp8": 6, "a8w8-int": 7,
+            "a8w4-int": 8}  # the C file's FMT_*
+SERVED = ("w16", "w8-int", "w4-int", "mxfp4", "mxfp8", "a8w8-int", "a8w4-int")
+_NO_KERNEL = ("a8w8-fp8",)
 _KERNEL = cpu_cc.Kernel("qdecode", ENV,
                         {"moe_qdecode_run": ([ctypes.c_void_p, ctypes.c_float, ctypes.c_int64], ctypes.c_int),
                          "moe_qdecode_best_isa": ([], ctypes.c_int64)},
@@ -56,9 +60,8 @@ _KERNEL = cpu_cc.Kernel("qdecode", ENV,
 
 def unavailable_reason(fmt: str) -> str | None:
     """None when this CPU runs ``fmt`` here; else why not."""
-    if fmt in _ACTIVATION_QUANTIZED:
-        return (f"qdecode serves weight-only formats {SERVED}; {fmt} quantizes activations per token "
-                "and runs in the qgemm kernel")
+    if fmt in _NO_KERNEL:
+        return f"qdecode serves {SERVED}; {fmt} has no CPU kernel (no fp8 arithmetic here)"
     if fmt not in SERVED:
         return f"unknown format {fmt!r}; qdecode serves {SERVED}"
     return _kernel_reason()
@@ -131,7 +134,7 @@ def check_call(x: torch.Tensor, w1, w2, attrs: FFNAttrs) -> None:
 def _check_weight(w, name: str, n: int, k: int) -> None:
     """The tensors the C side reads: [E, n, k'] contiguous CPU data, contiguous scales."""
     E = w.shape[0]
-    packed_k = k // 2 if w.fmt in ("w4-int", "mxfp4") else k
+    packed_k = k // 2 if w.fmt in ("w4-int", "mxfp4", "a8w4-int") else k
     if tuple(w.data.shape) != (E, n, packed_k) or not w.data.is_contiguous() or w.data.device.type != "cpu":
         raise ValueError(f"qdecode: {name} data must be contiguous CPU [{E}, {n}, {packed_k}], got "
                          f"{tuple(w.data.shape)} on {w.data.device}")

@@ -63,11 +63,13 @@ def _case(fmt, T, H, F, E, K, seed=0, ids_mode="random", group=32, random_codes=
     return x, ids, g, w1, w2
 
 
-FORMATS = ["w16-bf16", "w16-fp16", "w8-int", "w4-int", "mxfp4", "mxfp8"]
+FORMATS = ["w16-bf16", "w16-fp16", "w8-int", "w4-int", "mxfp4", "mxfp8", "a8w8-int", "a8w4-int"]
 
 
 def tolerance(fmt: str, isa: int) -> float:
     """Allowed error, relative to the output's scale (the module docstring says why)."""
+    if fmt.startswith("a8"):
+        return 1e-3  # see _check
     return 1.5e-4 if isa == qdecode.ISA_AVX2 and fmt in ("w4-int", "mxfp4", "w8-int") else 1e-5
 
 
@@ -75,6 +77,13 @@ def _check(x, ids, g, w1, w2, attrs, isa):
     got = qdecode.run(x, ids, g, w1, w2, attrs, None, isa=isa)
     want = reference_moe(x, ids, g, w1, w2, attrs)
     scale = max(want.abs().max().item(), 1e-30)
+    if w1.fmt.startswith("a8"):
+        # The a8 formats' int32 sums are exact and scale in the reference's order; only where a
+        # SwiGLU value sits within an ulp of a rounding boundary of FC2's per-row re-quantization
+        # (the kernel's e^x is not torch's) can its code move by 1, moving that slot's output by one
+        # step of one FC2 product (as test_qgemm.assert_matches).
+        off = (got - want).abs() > 1e-5 * scale
+        assert off.float().mean() <= 2e-2, f"{int(off.sum())} of {off.numel()} elements off by more than 1e-5"
     torch.testing.assert_close(got, want, rtol=1e-5, atol=tolerance(w1.fmt, isa) * scale)
     return got, want
 
@@ -194,8 +203,7 @@ def test_check_call_reads_shapes_only():
 
 
 def test_unavailable_formats_say_why():
-    for fmt in ("a8w8-int", "a8w4-int", "a8w8-fp8"):
-        assert "qgemm" in qdecode.unavailable_reason(fmt)
+    assert "no CPU kernel" in qdecode.unavailable_reason("a8w8-fp8")
     assert "unknown format" in qdecode.unavailable_reason("w3")
 
 
@@ -211,9 +219,9 @@ def test_bad_input_has_clear_error():
     bad = dataclasses.replace(w1, group=16, scale=torch.zeros(2, 64, 4, dtype=torch.float16))
     with pytest.raises(ValueError, match="multiple of 32"):
         qdecode.run(x, ids, g, bad, w2, FFNAttrs())
-    a8 = quant.pack("a8w8-int", torch.randn(2, 64, 64))
-    with pytest.raises(ValueError, match="qgemm"):
-        qdecode.run(x, ids, g, a8, w2, FFNAttrs())
+    fp8 = quant.pack("a8w8-fp8", torch.randn(2, 64, 64))
+    with pytest.raises(ValueError, match="no CPU kernel"):
+        qdecode.run(x, ids, g, fp8, w2, FFNAttrs())
 
 
 @needs_kernel
