@@ -239,3 +239,18 @@ def test_int16_switch_keeps_fp32_activations():
     exact = float(run_python(code, MOE_COMPILE_QDECODE_I16="0").stdout.split()[-1])
     blocks = float(run_python(code).stdout.split()[-1])
     assert exact <= 1e-5 < blocks <= tolerance("w4-int", qdecode.ISA_AVX2), (exact, blocks)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["a8w4-int", "a8w8-int"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_a8_sums_at_their_bounds_are_exact(fmt, isa):
+    # Every weight at the format's largest magnitude and every activation quantized to +-127: the
+    # int16 partial sums of vpmaddubsw reach their bound (8 x 2 x 15 x 127 for a8w4), over K = 1024
+    # (two 512-element windows): an overflow anywhere shows as a wrong sign or size.
+    x, ids, g, w1, w2 = _case(fmt, 2, H=1024, F=64, E=2, K=1, seed=7)
+    ids = torch.tensor([[0], [1]])
+    x[0], x[1] = 1.0, torch.where(torch.arange(1024) % 2 == 0, 1.0, -1.0)
+    for w in (w1, w2):
+        w.data.fill_(0xFF if fmt == "a8w4-int" else 127)  # a8w4: u = 15 (q = 7); a8w8: q = 127
+    _check(x, ids, g, w1, w2, FFNAttrs(), isa)
