@@ -113,7 +113,7 @@ def _quant_ran_in_cpp(args):
     return y, decode_op.fast_calls() - before == 1
 
 
-@pytest.mark.parametrize("fmt", ["w16", "w8-int", "w4-int", "mxfp4", "mxfp8"])
+@pytest.mark.parametrize("fmt", ["w16", "w8-int", "w4-int", "mxfp4", "mxfp8", "a8w8-int", "a8w4-int"])
 def test_quant_decode_runs_in_cpp_once_registered(installed, fmt):
     from moe_compile.kernels.cpu import qdecode
 
