@@ -10,9 +10,10 @@ Side by side in one process, timed round-robin (``harness.time_interleaved``), p
             a8w8-int, a8w4-int, w4-int, mxfp4, w8-int, w16 (bf16) (the kernel's pack made before
             timing, as the op keeps it)
   llama_*   llama.cpp's MoE expert path (ggml MUL_MAT_ID: FC1 -> swiglu -> FC2 -> weighted sum)
-            through ``libmoe_peer.so`` (``/work/peer/build``, or ``build-avx2`` when
-            MOE_COMPILE_FUSED_ISA=avx2), weights converted by ggml into q8_0 / q4_0 / q4_K (plain
-            and CPU_REPACK buffers) and f16; skipped when the library is absent.
+            through the llama.cpp peer tool's ``libmoe_peer.so`` (``--peer-lib``, or
+            ``$MOE_COMPILE_LLAMACPP_PEER`` as bench_cpu_llamacpp.py reads it; build it AVX2-only to
+            compare with MOE_COMPILE_FUSED_ISA=avx2), weights converted by ggml into q8_0 / q4_0 /
+            q4_K (plain and CPU_REPACK buffers) and f16; skipped when the library is absent.
   roof      one dense fp32 ``torch.mm`` [T*K, H] x [H, 3F] (the experts' FLOPs).
 
 Clock: wall time (default), or with ``--clock cpu`` this process's CPU time per call (on a machine
@@ -22,9 +23,10 @@ Inputs as the llama.cpp peer's driver draws them: W ~ normal(0, 0.02), x ~ norma
 distinct random experts per token, softmax weights.  Each variant's error is reported against the
 fp32 op (max |y - ref| / max |ref|).  Ratios: ``x fp32`` = fp32 time / variant time (> 1: faster).
 
-    python benchmarks/bench_quant_prefill.py --out benchmarks/results/quant_prefill
+    python benchmarks/bench_quant_prefill.py --peer-lib PEER/libmoe_peer.so --out benchmarks/results/quant_prefill
     MOE_COMPILE_FUSED_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \\
-        ATEN_CPU_CAPABILITY=avx2 python benchmarks/bench_quant_prefill.py    # AVX2 emulated
+        ATEN_CPU_CAPABILITY=avx2 python benchmarks/bench_quant_prefill.py \\
+        --peer-lib PEER_AVX2/libmoe_peer.so                                # AVX2 emulated
 """
 
 from __future__ import annotations
@@ -45,17 +47,13 @@ SHAPES = {"mixtral-like": (1024, 2048, 8, 2), "fine-grained": (1024, 512, 64, 8)
 FORMATS = ("a8w8-int", "a8w4-int", "w4-int", "mxfp4", "w8-int", "mxfp8", "w16")
 PEER_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 8, "q4_K": 12}  # ggml type ids
 PEER_REPACKABLE = ("q4_0", "q4_K")
-PEER_DIR = "/work/peer"
 
 
-# ---- the llama.cpp peer (ctypes, its C API as /work/peer/moe_peer.c exports it) ----
+# ---- the llama.cpp peer (ctypes, the C API of the peer tool's libmoe_peer.so) ----
 
-def peer_lib(avx2: bool):
-    build = "build-avx2" if avx2 else "build"
-    ready = os.path.join(PEER_DIR, "READY-avx2" if avx2 else "READY")
-    path = os.path.join(PEER_DIR, build, "libmoe_peer.so")
-    if not (os.path.exists(ready) and os.path.exists(path)):
-        return None, f"{path} absent (no {ready})"
+def peer_lib(path: str | None):
+    if not path or not os.path.exists(path):
+        return None, f"{path!r} absent (--peer-lib / $MOE_COMPILE_LLAMACPP_PEER)"
     lib = ctypes.CDLL(path)  # after torch: ggml's libgomp.so.1 resolves to torch's
     P, I, D = ctypes.c_void_p, ctypes.c_int, ctypes.c_double
     for name, res, args in (("peer_weights_new", P, [I, I, I, I, I, I, P, P]), ("peer_weights_free", None, [P]),
@@ -172,6 +170,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--peer-lib", default=os.environ.get("MOE_COMPILE_LLAMACPP_PEER"),
+                    help="the llama.cpp peer tool's libmoe_peer.so (an AVX2-only build for MOE_COMPILE_FUSED_ISA=avx2)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: this process's CPU time per call (time.process_time, all its threads): on a "
                          "loaded machine, with --threads 1, what each variant costs a core, free of time slicing")
@@ -182,7 +182,7 @@ def main(argv=None):
     from moe_compile.kernels.cpu import qgemm
 
     avx2 = os.environ.get("MOE_COMPILE_FUSED_ISA", "").lower() == "avx2"
-    lib, peer = (None, "--no-peer") if a.no_peer else peer_lib(avx2)
+    lib, peer = (None, "--no-peer") if a.no_peer else peer_lib(a.peer_lib)
     info = harness.machine_info()
     info.update(flags=simd_flags(), isa={f: qgemm.best_isa(f) for f in a.formats}, emulated_avx2=avx2, peer=peer, clock=a.clock,
                 peer_ggml=lib.peer_system_info().decode() if lib is not None else None,
