@@ -106,8 +106,7 @@ def run(H, F, E, K, T, rounds, llama_lib) -> dict:
 
 def to_markdown(data: dict) -> str:
     m, s = data["machine"], data["shape"]
-    head = (f"Fixed cost of one call, fp32, {m['torch_threads']} threads, {m['cpu']} (AVX2={m['avx2']}, "
-            f"AVX-512={m['avx512f']}), torch {m['torch']}, {m['date']}; H={s['H']} F={s['F']} E={s['E']} K={s['K']} "
+    head = (f"Fixed cost of one call, fp32, {harness.machine_line(m)}; H={s['H']} F={s['F']} E={s['E']} K={s['K']} "
             f"T={s['T']}; the op's decode fast path taken: {data['fast_path']}. Median us (min..max) of rounds in "
             f"shuffled order; cold = 64 MiB read before each call. Load {data['load_before']} -> {data['load_after']}.\n\n")
     rows = []

@@ -154,8 +154,7 @@ def run(shapes, tokens, lib, decode_rounds, prefill_rounds) -> dict:
 
 def to_markdown(data: dict) -> str:
     m = data["machine"]
-    head = (f"fp32, {m['torch_threads']} threads, {m['cpu']} (AVX2={m['avx2']}, AVX-512={m['avx512f']}), torch "
-            f"{m['torch']}, {m['date']}; ISA switches {m['isa_env']}; llama.cpp: {m['ggml']}. Median ms of rounds in "
+    head = (f"fp32, {harness.machine_line(m)}; ISA switches {m['isa_env']}; llama.cpp: {m['ggml']}. Median ms of rounds in "
             f"shuffled order (decode: 64 MiB read before each call). Roof: decode = torch.sum over the touched "
             f"experts' weights (and, in brackets, their bytes at the best 256 MiB read bandwidth); prefill = "
             f"dense torch.mm of equal FLOPs.\n\n")

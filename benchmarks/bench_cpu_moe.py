@@ -180,8 +180,7 @@ def run(quick: bool, shapes=None, tokens=None) -> dict:
 
 def to_markdown(data: dict) -> str:
     m = data["machine"]
-    head = (f"CPU fp32, {m['torch_threads']} threads, {m['cpu']} (AVX2={m['avx2']}, AVX-512={m['avx512f']}), "
-            f"torch {m['torch']}, {m['date']}. Read bandwidth at the start (torch.sum, 512 MiB) "
+    head = (f"CPU fp32, {harness.machine_line(m)}. Read bandwidth at the start (torch.sum, 512 MiB) "
             f"{data['read_bandwidth_Bps'] / 1e9:.1f} GB/s; the decode roof is timed with the variants. Times: median ms (min..max) of repeats; "
             f"moe vs best peer = best peer / moe (>1: moe faster); roof/moe = roof time / moe time. "
             f"Variants timed round-robin. Load average at start {data['load_at_start']}, at end "

@@ -25,6 +25,7 @@ import time
 import torch
 
 import harness
+from bench_gpu_moe import bench as do_bench_stats, hbm_bandwidth
 
 SHAPES = [  # (name, T, H, F, E, K)
     ("deepseek_v3_ep8_decode", 1, 7168, 2048, 32, 8),
@@ -36,16 +37,8 @@ FORMATS = ("w8-int", "w4-int", "mxfp4", "a8w8-int", "a8w4-int")
 
 
 def bench(fn) -> float:
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=5, rep=40))
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src))
-    return 2 * (1 << 30) / (ms * 1e-3)
+    """Median ms of ``triton.testing.do_bench`` (as bench_gpu_moe.py times its cells)."""
+    return float(do_bench_stats(fn)["ms"])
 
 
 def run_shape(name, T, H, F, E, K, bandwidth, budget_end) -> dict:
@@ -98,7 +91,7 @@ def main(argv=None):
     import triton
 
     end = time.time() + a.budget_s
-    bandwidth = copy_bandwidth()
+    bandwidth = hbm_bandwidth()
     rows = []
     for shape in SHAPES:
         if time.time() > end:

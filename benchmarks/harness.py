@@ -179,6 +179,12 @@ def machine_info() -> dict:
     }
 
 
+def machine_line(m: dict) -> str:
+    """The machine of a ``machine_info()`` dict in one phrase, for a table's heading."""
+    return (f"{m['torch_threads']} threads, {m['cpu']} (AVX2={m['avx2']}, AVX-512={m['avx512f']}), torch {m['torch']}, "
+            f"{m['date']}")
+
+
 def markdown_table(headers: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     for r in rows:

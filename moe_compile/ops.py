@@ -179,15 +179,17 @@ def _fused_moe_infer(*args) -> torch.Tensor:
     """The Python kernel of ``fused_moe_infer``, registered for every backend.  Its first CPU call
     installs the C++ CPU kernel (``kernels/cpu/decode_op.py``), which then serves CPU calls ahead
     of this one, handing all but plain fp32 decode steps to ``fused_moe_infer_general``."""
-    if args[0].device.type == "cpu" and not _DECODE_OP_TRIED:
-        _DECODE_OP_TRIED.append(True)
-        from moe_compile.kernels.cpu import decode_op
-
-        decode_op.install()
+    _install_cpu_kernels(args[0])
     return _fused_moe_infer_general(*args)
 
 
-_DECODE_OP_TRIED: list = []
+def _install_cpu_kernels(x) -> None:
+    """On a CPU call, build and register the inference ops' C++ CPU kernels (``decode_op.install``
+    does it once a process and remembers a failure): later CPU calls then reach C++ first."""
+    if x.device.type == "cpu":
+        from moe_compile.kernels.cpu import decode_op
+
+        decode_op.install()
 
 
 def _fused_moe_infer_general(*args) -> torch.Tensor:
@@ -229,11 +231,7 @@ def _fused_moe_quant(*args) -> torch.Tensor:
     """The Python kernel of ``fused_moe_quant`` (as ``_fused_moe_infer``: its first CPU call installs
     the C++ CPU kernel, which runs decode steps on layers Python has packed and registered and hands
     every other call to ``fused_moe_quant_general``)."""
-    if args[0].device.type == "cpu" and not _DECODE_OP_TRIED:
-        _DECODE_OP_TRIED.append(True)
-        from moe_compile.kernels.cpu import decode_op
-
-        decode_op.install()
+    _install_cpu_kernels(args[0])
     return _fused_moe_quant_general(*args)
 
 

@@ -55,30 +55,7 @@ enum { ISA_AVX2 = 2, ISA_AVX512 = 512 };
  * (a[r] = the tile's base + r, element k at a[r][k * MR_AVX2]: one memory stream for all rows,
  * 3-5% faster for it, 0-5% slower for the AVX-512 tile, in-process A/B, BENCHMARKS.md). */
 
-__attribute__((target("avx512f,avx2,fma"))) static void tile512_any(int mr, const float *const *a, const float *b0,
-                                                                    const float *b1, int64_t K, float *c) {
-    switch (mr) {
-    case 8: f32_tile512(8, a, b0, b1, K, c); break;
-    case 7: f32_tile512(7, a, b0, b1, K, c); break;
-    case 6: f32_tile512(6, a, b0, b1, K, c); break;
-    case 5: f32_tile512(5, a, b0, b1, K, c); break;
-    case 4: f32_tile512(4, a, b0, b1, K, c); break;
-    case 3: f32_tile512(3, a, b0, b1, K, c); break;
-    case 2: f32_tile512(2, a, b0, b1, K, c); break;
-    default: f32_tile512(1, a, b0, b1, K, c); break;
-    }
-}
-
-static void tile256_any(int mr, const float *const *a, const float *b0, const float *b1, int64_t K, float *c) {
-    switch (mr) {
-    case 6: f32_tile256(6, a, b0, b1, K, c, MR_AVX2, 16, 8); break;
-    case 5: f32_tile256(5, a, b0, b1, K, c, MR_AVX2, 16, 8); break;
-    case 4: f32_tile256(4, a, b0, b1, K, c, MR_AVX2, 16, 8); break;
-    case 3: f32_tile256(3, a, b0, b1, K, c, MR_AVX2, 16, 8); break;
-    case 2: f32_tile256(2, a, b0, b1, K, c, MR_AVX2, 16, 8); break;
-    default: f32_tile256(1, a, b0, b1, K, c, MR_AVX2, 16, 8); break;
-    }
-}
+F32_TILE256_ANY(tile256_any, MR_AVX2, 16, 8)
 
 /* The ISA's tile shape: rows MR, block width V, and whether its A operands are tile-packed:
  * [n, K] held MR rows at a time, each tile [K][MR], the tile of rows r0.. at r0 * K. */
@@ -107,7 +84,7 @@ static int64_t element_at(Shape s, int64_t r, int64_t k, int64_t K) {
 
 static void tile(Shape s, int mr, const float *const *a, const float *b0, const float *b1, int64_t K, float *c) {
     if (s.isa == ISA_AVX512)
-        tile512_any(mr, a, b0, b1, K, c);
+        f32_tile512_any(mr, a, b0, b1, K, c);
     else
         tile256_any(mr, a, b0, b1, K, c);
 }

@@ -210,24 +210,27 @@ typedef void (*dot16_fn)(const qweight_t *wt, const uint8_t *const *rows, const 
  * makes its block's scale non-finite, so NaN and inf still reach the output. */
 enum { I16_BLOCK = 32, I16_MAX = 32767, I16_PAIRED = 1, I16_NATURAL = 2 };
 
-/* q (I16_BLOCK int16 per block; `paired`: its 16 even elements, then its 16 odd ones, the order the
- * nibbles of 16 packed bytes come in; else in order) and one scale per block, of n elements
- * (whole blocks). */
+/* Where element i of a row is stored when each block of `block` elements is held paired (its even
+ * elements, then its odd ones: the order the nibbles of block / 2 packed bytes come in); block 0:
+ * in order. */
+static inline int64_t paired_index(int64_t i, int64_t block) {
+    return block ? i - i % block + (i & 1) * (block / 2) + i % block / 2 : i;
+}
+
+/* q (I16_BLOCK int16 per block, paired or in order) and one scale per block, of n elements (whole
+ * blocks).  A NaN makes its block's scale NaN, an inf infinite: both reach the output. */
 static void quantize_i16(const float *x, int64_t n, int paired, int16_t *q, float *scale) {
     for (int64_t b = 0; b < n; b += I16_BLOCK) {
-        __m256 m = _mm256_setzero_ps();
-        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-        for (int j = 0; j < I16_BLOCK; j += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + b + j), abs_mask));
-        float big = 0.f, tmp[8];
-        _mm256_storeu_ps(tmp, m);
-        for (int j = 0; j < 8; ++j) big = tmp[j] > big || tmp[j] != tmp[j] ? tmp[j] : big; /* a NaN wins */
-        for (int j = 0; j < I16_BLOCK; ++j) big = x[b + j] != x[b + j] ? x[b + j] : big; /* max_ps drops NaN */
+        float big = 0.f;
+        for (int j = 0; j < I16_BLOCK; ++j) {
+            float a = x[b + j] < 0 ? -x[b + j] : x[b + j];
+            big = a > big || a != a ? a : big; /* a NaN wins and stays */
+        }
         float sc = big == 0.f ? 1.f : big / I16_MAX;
         scale[b / I16_BLOCK] = sc;
         for (int j = 0; j < I16_BLOCK; ++j) {
             int v = _mm_cvtss_si32(_mm_set_ss(x[b + j] / sc)); /* MXCSR's round half to even */
-            q[b + (paired ? (j & 1) * (I16_BLOCK / 2) + j / 2 : j)] =
-                (int16_t)(v > I16_MAX ? I16_MAX : v < -I16_MAX ? -I16_MAX : v);
+            q[b + paired_index(j, paired ? I16_BLOCK : 0)] = (int16_t)(v > I16_MAX ? I16_MAX : v < -I16_MAX ? -I16_MAX : v);
         }
     }
 }
@@ -251,7 +254,7 @@ static float quantize_int8_row(const float *x, int64_t n, int64_t block, int8_t 
     for (int64_t i = 0; i < n; ++i) {
         int v = _mm_cvtss_si32(_mm_set_ss(x[i] / s)); /* MXCSR's round half to even */
         v = v > 127 ? 127 : v < -127 ? -127 : v;
-        q[block ? i - i % block + (i & 1) * (block / 2) + i % block / 2 : i] = (int8_t)v;
+        q[paired_index(i, block)] = (int8_t)v;
         total += v;
     }
     *sum = total;
@@ -455,11 +458,14 @@ static void fc1_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t
     for (int64_t r = lo; r < hi; ++r) {
         const float *hr = s->h + r * 2 * s->F;
         float g = s->between ? s->gates[s->slot[r]] : 1.f, blk[128];
+        /* fc2_part takes the int16 blocks only for a chunk of one row: the expert's last, when its
+         * slot count leaves one over the chunks of rmax */
+        int single = r == hi - 1 && (hi - lo - 1) % s->rmax == 0;
         for (int64_t c = f0; c < f1; c += 128) {
             int64_t m = f1 - c < 128 ? f1 - c : 128;
             swiglu_span(blk, hr + c, hr + s->F + c, 0, m, limit, g);
             layout_copy(s->a + r * s->F + c, blk, m, s->v, s->w2.layout);
-            if (s->w2.i16)
+            if (s->w2.i16 && single)
                 quantize_i16(blk, m, s->w2.i16 == I16_PAIRED, s->aq + r * s->F + c, s->as + (r * s->F + c) / I16_BLOCK);
         }
     }

@@ -81,7 +81,6 @@ static inline int32_t load32(const void *p) {
 #define ACC512 \
     __m512i c00 = _mm512_setzero_si512(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, \
             c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00, c61 = c00, c70 = c00, c71 = c00
-#define EACH8(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7)
 #define ISTORE512(R)                                                   \
     if (mr > R) {                                                      \
         _mm512_storeu_si512((void *)(c + R * 32), c##R##0);            \
@@ -101,9 +100,9 @@ VNNI void itile512_w8(const int mr, const void *const *a, const uint8_t *b0, con
     ACC512;
     for (int64_t k = 0; k < K; k += 4) {
         __m512i v0 = _mm512_loadu_si512((const void *)(b0 + k * 16)), v1 = _mm512_loadu_si512((const void *)(b1 + k * 16));
-        EACH8(DP8)
+        TILE_EACH8(DP8)
     }
-    EACH8(ISTORE512)
+    TILE_EACH8(ISTORE512)
 }
 
 /* a8w4: the weights' nibbles u8, a s8. */
@@ -123,9 +122,9 @@ VNNI void itile512_w4(const int mr, const void *const *a, const uint8_t *b0, con
         __m512i r0 = _mm512_loadu_si512((const void *)(b0 + k * 8)), r1 = _mm512_loadu_si512((const void *)(b1 + k * 8));
         __m512i l0 = _mm512_and_si512(r0, m), h0 = _mm512_and_si512(_mm512_srli_epi16(r0, 4), m);
         __m512i l1 = _mm512_and_si512(r1, m), h1 = _mm512_and_si512(_mm512_srli_epi16(r1, 4), m);
-        EACH8(DP4)
+        TILE_EACH8(DP4)
     }
-    EACH8(ISTORE512)
+    TILE_EACH8(ISTORE512)
 }
 
 #define ROWS4(T)                                                                                       \
@@ -217,30 +216,8 @@ DISPATCH4(itile256_w4)
  * of row r at a[r][k * MR_F256]: one memory stream for all rows, as experts.c's AVX2 tile, 3-6%
  * faster there); c rows 32 floats apart, the b1 half at +16 in both ---- */
 
-__attribute__((target("avx512f,avx2,fma"))) static void ftile512_any(int mr, const float *const *a, const float *b0,
-                                                                     const float *b1, int64_t K, float *c) {
-    switch (mr) {
-    case 8: f32_tile512(8, a, b0, b1, K, c); break;
-    case 7: f32_tile512(7, a, b0, b1, K, c); break;
-    case 6: f32_tile512(6, a, b0, b1, K, c); break;
-    case 5: f32_tile512(5, a, b0, b1, K, c); break;
-    case 4: f32_tile512(4, a, b0, b1, K, c); break;
-    case 3: f32_tile512(3, a, b0, b1, K, c); break;
-    case 2: f32_tile512(2, a, b0, b1, K, c); break;
-    default: f32_tile512(1, a, b0, b1, K, c); break;
-    }
-}
-
-static void ftile256_any(int mr, const float *const *a, const float *b0, const float *b1, int64_t K, float *c) {
-    switch (mr) {  /* A tile-packed: the float AVX2 path packs x's rows and writes FC1's output so */
-    case 6: f32_tile256(6, a, b0, b1, K, c, MR_F256, 32, 16); break;
-    case 5: f32_tile256(5, a, b0, b1, K, c, MR_F256, 32, 16); break;
-    case 4: f32_tile256(4, a, b0, b1, K, c, MR_F256, 32, 16); break;
-    case 3: f32_tile256(3, a, b0, b1, K, c, MR_F256, 32, 16); break;
-    case 2: f32_tile256(2, a, b0, b1, K, c, MR_F256, 32, 16); break;
-    default: f32_tile256(1, a, b0, b1, K, c, MR_F256, 32, 16); break;
-    }
-}
+/* the AVX2 float path packs x's rows and writes FC1's output tile-packed */
+F32_TILE256_ANY(ftile256_any, MR_F256, 32, 16)
 
 /* ---- panel dequantization (float formats): out [K][16] fp32 of one panel ---- */
 
@@ -586,7 +563,7 @@ static void ifc2(const Call *cl, Shape s, int64_t lo, int64_t n, const Expert *e
 
 static void ftile(Shape s, int mr, const float *const *a, const float *b0, const float *b1, int64_t K, float *c) {
     if (s.isa == ISA_AVX512)
-        ftile512_any(mr, a, b0, b1, K, c);
+        f32_tile512_any(mr, a, b0, b1, K, c);
     else
         ftile256_any(mr, a, b0, b1, K, c);
 }

@@ -205,7 +205,8 @@ def _drop_fp32_packs(w: ExpertWeights) -> None:
 # ---- the op ----
 
 
-def _run_format(fmt, reg, x, ids, weights, w, attrs) -> torch.Tensor:
+def _run_format(fmt, reg, x, ids, weights, w, attrs):
+    """(y in x's dtype, the layer's pack, the kernel module that ran it)."""
     E, H, F = w.num_experts, w.hidden(), w.ffn()
     mod, why = kernel_for(fmt, reg, E, H, F)
     if mod is None:
@@ -213,7 +214,7 @@ def _run_format(fmt, reg, x, ids, weights, w, attrs) -> torch.Tensor:
     p = layer_pack(w, attrs, fmt)
     y = mod.run(x.float().contiguous(), ids.long().contiguous(), weights.float().contiguous(), p.w1, p.w2, attrs,
                 p.kernel_cache)
-    return y.to(x.dtype)
+    return y.to(x.dtype), p, mod
 
 
 def _unquantized(x, ids, weights, w, attrs) -> torch.Tensor:
@@ -236,29 +237,30 @@ def run(x, ids, weights, w: ExpertWeights, attrs: FFNAttrs, quant: str, accuracy
     fmt = quant if quant != "auto" else _auto_choice(x, ids, weights, w, attrs, accuracy_db, tag, reg)
     if fmt == "none":
         return _unquantized(x, ids, weights, w, attrs)
-    y = _run_format(fmt, reg, x, ids, weights, w, attrs)
+    y, pack, mod = _run_format(fmt, reg, x, ids, weights, w, attrs)
     if quant != "auto":
-        selection.note_packed(tag, layer_pack(w, attrs, fmt).nbytes())
+        selection.note_packed(tag, pack.nbytes())
     if reg == "decode":
-        _register_decode(tag, quant, accuracy_db, fmt, w, attrs)
+        _register_decode(tag, quant, accuracy_db, mod, pack, w, attrs)
     return y
 
 
 _REGISTERED: dict = {}  # (tag, quant, accuracy_db) -> the _LayerPack handed to decode_op.cpp
 
 
-def _register_decode(tag: str, quant: str, accuracy_db: float, fmt: str, w: ExpertWeights, attrs: FFNAttrs) -> None:
-    """Hand this layer's packs to the C++ kernel (``decode_op``) once they served a decode call in
-    qdecode, so its next decode calls skip Python.  Per-expert weight lists and biases stay here."""
+def _register_decode(tag: str, quant: str, accuracy_db: float, mod, p: _LayerPack, w: ExpertWeights,
+                     attrs: FFNAttrs) -> None:
+    """Hand this layer's packs ``p`` to the C++ kernel (``decode_op``) once they served a decode call
+    in ``mod`` = qdecode, so its next decode calls skip Python.  Per-expert weight lists and biases
+    stay here."""
     from moe_compile.kernels.cpu import decode_op, qdecode
 
-    E, H, F = w.num_experts, w.hidden(), w.ffn()
-    mod, _ = kernel_for(fmt, "decode", E, H, F)
     if mod is not qdecode or w.fc1_bias or w.fc1_up_bias or w.fc2_bias:
         return
     if len(w.fc1) != 1 or len(w.fc2) != 1 or len(w.fc1_up) > 1:
         return
-    p, key = layer_pack(w, attrs, fmt), (tag, quant, accuracy_db)
+    E, H, F = w.num_experts, w.hidden(), w.ffn()
+    key = (tag, quant, accuracy_db)
     if _REGISTERED.get(key) is p:
         return
     packs = [t for q in (p.w1, p.w2) for t in (q.data, q.scale) if t is not None]
@@ -296,7 +298,7 @@ def _measure(x, ids, weights, w, attrs, budget, tag, reg) -> str:
             if mod is None:
                 cands.append(selection.Candidate(fmt, None, None, f"not native: {why}"))
                 continue
-            y, ms = _best_time(lambda: _run_format(fmt, reg, x, ids, weights, w, attrs), TIMING_RUNS[reg])
+            y, ms = _best_time(lambda: _run_format(fmt, reg, x, ids, weights, w, attrs)[0], TIMING_RUNS[reg])
             kernel = mod.__name__.rsplit(".", 1)[-1]
             cands.append(selection.Candidate(fmt, sqnr_db(ref.float(), y.float()), ms, f"kernels/cpu/{kernel}"))
     sel = selection.choose(tag, reg, x.shape[0], budget, cands)

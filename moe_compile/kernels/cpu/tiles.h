@@ -7,8 +7,9 @@
  *                6: tile-packed, element k of row r at a[r][k * 6], one memory stream for all
  *                rows); c rows c_stride apart, the b1 block c_half after the b0 block.
  *
- * Always inlined: each caller passes mr, a_stride, c_stride and c_half as constants (one switch per
- * caller over mr), so each instance compiles to the same code a hand-written tile would. */
+ * Always inlined: f32_tile512_any and the callers' F32_TILE256_ANY functions switch over mr and pass
+ * mr, a_stride, c_stride and c_half as constants, so each instance compiles to the same code a
+ * hand-written tile would. */
 #ifndef MOE_TILES_H
 #define MOE_TILES_H
 
@@ -70,5 +71,34 @@ __attribute__((always_inline)) static inline void f32_tile256(const int mr, cons
     }
     TILE_EACH6(TILE_STORE256)
 }
+
+/* f32_tile512 at a run-time row count mr (1..8). */
+__attribute__((target("avx512f,avx2,fma"))) static void f32_tile512_any(int mr, const float *const *a, const float *b0,
+                                                                        const float *b1, int64_t K, float *c) {
+    switch (mr) {
+    case 8: f32_tile512(8, a, b0, b1, K, c); break;
+    case 7: f32_tile512(7, a, b0, b1, K, c); break;
+    case 6: f32_tile512(6, a, b0, b1, K, c); break;
+    case 5: f32_tile512(5, a, b0, b1, K, c); break;
+    case 4: f32_tile512(4, a, b0, b1, K, c); break;
+    case 3: f32_tile512(3, a, b0, b1, K, c); break;
+    case 2: f32_tile512(2, a, b0, b1, K, c); break;
+    default: f32_tile512(1, a, b0, b1, K, c); break;
+    }
+}
+
+/* Defines `static void NAME(int mr, a, b0, b1, K, c)`: f32_tile256 at a run-time row count mr
+ * (1..6) with the caller's constant A stride, c row stride and b1 offset. */
+#define F32_TILE256_ANY(NAME, A_STRIDE, C_STRIDE, C_HALF)                                                  \
+    static void NAME(int mr, const float *const *a, const float *b0, const float *b1, int64_t K, float *c) { \
+        switch (mr) {                                                                                   \
+        case 6: f32_tile256(6, a, b0, b1, K, c, A_STRIDE, C_STRIDE, C_HALF); break;                     \
+        case 5: f32_tile256(5, a, b0, b1, K, c, A_STRIDE, C_STRIDE, C_HALF); break;                     \
+        case 4: f32_tile256(4, a, b0, b1, K, c, A_STRIDE, C_STRIDE, C_HALF); break;                     \
+        case 3: f32_tile256(3, a, b0, b1, K, c, A_STRIDE, C_STRIDE, C_HALF); break;                     \
+        case 2: f32_tile256(2, a, b0, b1, K, c, A_STRIDE, C_STRIDE, C_HALF); break;                     \
+        default: f32_tile256(1, a, b0, b1, K, c, A_STRIDE, C_STRIDE, C_HALF); break;                    \
+        }                                                                                               \
+    }
 
 #endif
