@@ -10,9 +10,60 @@ from moe_compile.config import MoEConfig, split_options
 from moe_compile.report import Note, Report, Skipped
 
 
-def capture_flags():
-    """Dynamo settings that let per-expert loops (``where``/``nonzero``/``.item()``) stay in one graph."""
-    return torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True)
+def capture_flags(fn=None, /):
+    """Dynamo settings that let per-expert loops (``where``/``nonzero``/``.item()``) stay in one graph.
+
+    ``with capture_flags(): compiled(x)`` sets them around a call.  ``capture_flags(compiled)`` returns
+    ``compiled`` wrapped so that each call runs under them and, where Dynamo raises under them what it
+    would not raise without (``torch.bincount`` + ``for n in counts.tolist()``: an unbacked length it
+    cannot iterate), the call runs again without them, as plain ``torch.compile`` would run it; the
+    report names the line (``@optimize`` wraps its function this way).  A ``with`` block cannot run its
+    body twice, so only the wrapped form falls back."""
+    flags = torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True)
+    return flags if fn is None else functools.wraps(fn)(_under_flags(fn, flags))
+
+
+def _under_flags(fn, flags):
+    def call_under_flags(*args, **kwargs):
+        config = torch._dynamo.config
+        if config.capture_dynamic_output_shape_ops and config.capture_scalar_outputs:
+            return fn(*args, **kwargs)  # already on: moe_compile turned nothing on to fall back from
+        try:
+            with flags:
+                return fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 — only Dynamo's own tracing errors are retried
+            if not _raised_while_tracing(exc):
+                raise
+            _record_fallback(exc)
+        # Frames Dynamo compiled before the failure keep their cache entries (their guards pass
+        # again); only the frame that raised is traced anew, now without the flags.  The graphs that
+        # ran before the failure run once more: a forward with side effects outside its outputs
+        # (a cache written in place) repeats them.
+        return fn(*args, **kwargs)
+
+    return call_under_flags
+
+
+def _raised_while_tracing(exc: BaseException) -> bool:
+    """Whether exc is Dynamo failing to trace (not the model's own error, not the backend's: an explicit
+    ``quant=`` this device cannot run stays the user's error to see)."""
+    from torch._dynamo import exc as dynamo_exc
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    if isinstance(exc, dynamo_exc.BackendCompilerFailed):
+        return False
+    return isinstance(exc, (GuardOnDataDependentSymNode, dynamo_exc.TorchDynamoException))
+
+
+def _record_fallback(exc: Exception) -> None:
+    from moe_compile.compiler import record
+
+    refusal = _dynamo_refusal("Dynamo raised under the capture flags moe_compile set", exc)
+    record(Report(skipped=[Skipped(refusal.reason + FELL_BACK)]))
+
+
+FELL_BACK = ("; that frame was compiled again without capture_dynamic_output_shape_ops / capture_scalar_outputs "
+             "(as plain torch.compile compiles it: split at that line)")
 
 
 def empty_cache() -> dict:
@@ -60,12 +111,7 @@ def optimize(fn=None, /, *, dynamic=None, fullgraph=False, **options):
 
     def decorate(f):
         compiled = torch.compile(f, backend=moe, dynamic=dynamic, fullgraph=fullgraph)
-
-        @functools.wraps(f)
-        def wrapper(*args, **kwargs):
-            with capture_flags():
-                return compiled(*args, **kwargs)
-
+        wrapper = functools.wraps(f)(_under_flags(compiled, capture_flags()))  # falls back where they make Dynamo raise
         wrapper._moe_compiled = compiled
         return wrapper
 

@@ -176,6 +176,35 @@ class SortedMoE(nn.Module):
         return y.view(shape)
 
 
+class BincountSplitMoE(nn.Module):
+    """Family B as hand-written loops spell it: ``torch.bincount`` counts and a Python loop over
+    ``counts.tolist()`` slicing the sorted rows.  Under the capture flags Dynamo raises on it (the
+    counts' length is data-dependent, ``tolist`` cannot iterate it); without them it splits there."""
+
+    def __init__(self, hidden=64, ffn=96, experts=8, top_k=2):
+        super().__init__()
+        self.num_experts, self.top_k = experts, top_k
+        self.gate = SoftmaxRouter(hidden, experts, top_k)
+        self.experts = nn.ModuleList([SwiGLU(hidden, ffn) for _ in range(experts)])
+
+    def forward(self, hidden_states):  # [B, S, H]
+        shape = hidden_states.shape
+        x = hidden_states.view(-1, shape[-1])  # [T, H]
+        weights, ids = self.gate(x)
+        flat = ids.reshape(-1)  # [T*K]
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        y, start = torch.zeros_like(x), 0
+        for e, n in enumerate(counts.tolist()):
+            if n == 0:
+                continue
+            rows = order[start:start + n]  # [n]
+            start += n
+            tok = rows // self.top_k
+            y.index_add_(0, tok, self.experts[e](x[tok]) * weights.reshape(-1)[rows, None])
+        return y.view(shape)
+
+
 class GatheredMoE(nn.Module):
     """Family C, gpt-fast style: index stacked weights by ids, einsum per (token, k)."""
 

@@ -135,3 +135,26 @@ def test_dead_host_reads_and_their_checks_are_removed():
     assert remove_dead_splits(graph, was_live) == 4  # item, _check_is_size, ge, _check
     assert [n.target for n in graph.nodes if n.op == "call_method"] == ["add_", "sum"]
     assert {torch.rand, torch._C._set_grad_enabled} <= {n.target for n in graph.nodes}
+
+
+def test_flags_that_make_dynamo_raise_are_dropped_for_that_call():
+    """bincount + ``for n in counts.tolist()`` raises under the capture flags (not without): @optimize
+    and capture_flags(compiled) run it as plain torch.compile does, and the report names the line."""
+    import moe_compile
+
+    block = zoo.BincountSplitMoE(experts=4)
+    x = torch.randn(1, 9, 64)
+    with torch.no_grad():
+        want = block(x)
+        with pytest.raises(Exception, match="data-dependent"), capture_flags():
+            torch.compile(block, backend="moe", options={"inner": "eager"})(x)
+        torch._dynamo.reset()
+        wrapped = (moe_compile.optimize(block.forward, inner="eager"),
+                   capture_flags(torch.compile(block, backend="moe", options={"inner": "eager"})))
+        for fn in wrapped:
+            torch._dynamo.reset()
+            with compiler.collecting_reports() as report:
+                got = fn(x)
+            assert rel_err(got, want) <= TOL[torch.float32]
+            fell_back = [s.reason for s in report.skipped if "compiled again without" in s.reason]
+            assert fell_back and "counts.tolist()" in fell_back[0], report
