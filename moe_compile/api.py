@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -122,19 +123,24 @@ def explain(module_or_fn, *example_inputs, **options) -> Report:
     """What ``backend="moe"`` would rewrite in ``module_or_fn(*example_inputs)``, and why not.
 
     Traces with Dynamo (with the capture flags ``@optimize`` sets) and runs the MoE pass
-    (including its proof); the rewritten graphs are never executed — the traced function runs
-    once, unmodified, to let Dynamo see every graph — except with ``quant="auto"``, whose graphs
-    run rewritten in that one run so that each layer measures its candidates and the report shows
-    what it chose.  Where Dynamo split the function (a graph break, a skipped frame: the model came
-    in several graphs), one more trace with ``fullgraph=True`` finds the first line that split it,
-    and the report names that line and the change that fixes it.  Dynamo's caches are reset before
-    and after (explain's traces must not linger in them), so functions compiled earlier recompile
-    on their next call.
+    (including its proof).  The traced function runs once, to let Dynamo see every graph: unmodified
+    without ``quant``; with ``quant=`` set, its graphs run rewritten in that one run, so that each
+    quantized layer measures what it costs (``"auto"``: every candidate and its choice; a format:
+    the SQNR of the layer's output against the unquantized op) and the report shows it.  Where
+    Dynamo split the function (a graph break, a skipped frame: the model came in several graphs),
+    one more trace with ``fullgraph=True`` finds the first line that split it, and the report names
+    that line and the change that fixes it.  An error the backend itself raises (an explicit
+    ``quant=`` this device has no kernel for) is raised as ``torch.compile`` would raise it.
+    Dynamo's caches are reset before and after (explain's traces must not linger in them), so
+    functions compiled earlier recompile on their next call; ``last_report()`` does not count
+    explain's graphs.
     """
     from moe_compile.compiler import collecting_reports, copy_module, record, rewrite_graph
 
+    from torch._dynamo.exc import BackendCompilerFailed
+
     cfg = MoEConfig.from_options(options)
-    needs_flags, split = [], []
+    needs_flags, split, sqnr = [], [], {}
 
     def explain_backend(gm, inputs):
         original = copy_module(gm)
@@ -143,24 +149,51 @@ def explain(module_or_fn, *example_inputs, **options) -> Report:
             needs_flags.append(line)
         reason = getattr(gm, "compile_subgraph_reason", None)  # Dynamo's: why this graph ended where it did
         split.append(bool(getattr(reason, "graph_break", False)))
-        record(report)
+        record(report, last_report=False)  # explain's graphs are not the user's compile
         if any(r.variant == "auto" for r in report.rewritten):
             return gm.forward  # quant="auto" chooses on a real call: this run is the one it measures
+        if any(r.quant_tag for r in report.rewritten):
+            return _QuantMeter(gm, sqnr).run  # an explicit format: measure each layer's error on this run
         return original.forward
 
     with collecting_reports() as report, capture_flags(), torch.no_grad():
         torch._dynamo.reset()
         try:
             torch.compile(module_or_fn, backend=explain_backend)(*example_inputs)
+        except BackendCompilerFailed as exc:  # the backend's own error (quant= this device cannot run)
+            torch._dynamo.reset()
+            raise exc.inner_exception from None  # what torch.compile would raise, without Dynamo's wrapping
         except Exception as exc:  # noqa: BLE001 — Dynamo could not trace it at all: that is the answer
-            report.skipped.append(_dynamo_refusal("Dynamo failed to trace this", exc))
+            report.skipped.append(dataclasses.replace(_dynamo_refusal("Dynamo failed to trace this", exc), graph=None))
         else:
             if len(split) != 1 or any(split):  # a graph break, or frames skipped around sub-graphs
                 report.skipped += _first_split(module_or_fn, example_inputs)
     torch._dynamo.reset()
     if needs_flags:
         report.notes.append(Note(NEEDS_FLAGS.format(line=needs_flags[0])))
+    report.rewritten = [dataclasses.replace(r, quant_sqnr_db=sqnr[r.quant_tag]) if r.quant_tag in sqnr else r
+                        for r in report.rewritten]
     return report
+
+
+class _QuantMeter(torch.fx.Interpreter):
+    """Runs a rewritten graph and, beside each call of an explicitly quantized op, the unquantized op
+    on the same inputs: ``sqnr[tag]`` is the SQNR (dB) of that layer's output against it, the error a
+    user buys with ``quant=FORMAT`` (the proof only checked the pattern against the unquantized op)."""
+
+    def __init__(self, gm, sqnr: dict):
+        super().__init__(gm)
+        self.sqnr = sqnr
+
+    def call_function(self, target, args, kwargs):
+        out = super().call_function(target, args, kwargs)
+        if target is torch.ops.moe_compile.fused_moe_quant.default and args[-3] != "auto":
+            from moe_compile.quant.int8 import sqnr_db
+
+            want = torch.ops.moe_compile.fused_moe_infer.default(*args[:-3])
+            tag = args[-1]
+            self.sqnr[tag] = min(self.sqnr.get(tag, float("inf")), sqnr_db(want, out))  # the worst call
+        return out
 
 
 NEEDS_FLAGS = ("the rewritten MoE code has data-dependent sizes ({line}): a plain torch.compile(model, backend='moe') "
@@ -188,7 +221,7 @@ def _first_split(fn, example_inputs) -> list[Skipped]:
     try:
         torch.compile(fn, backend=lambda gm, inputs: gm.forward, fullgraph=True)(*example_inputs)
     except Exception as exc:  # noqa: BLE001 — Dynamo's refusal (Unsupported, UserError, ...) is the answer
-        return [_dynamo_refusal("Dynamo could not capture this in one graph", exc)]
+        return [dataclasses.replace(_dynamo_refusal("Dynamo could not capture this in one graph", exc), graph=None)]
     return []
 
 

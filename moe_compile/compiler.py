@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from moe_compile.config import MoEConfig, split_options
-from moe_compile.report import Note, Report
+from moe_compile.report import Note, Report, Skipped
 
 log = logging.getLogger("moe_compile")
 
@@ -69,6 +69,8 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs, config: MoEConfig) -> Repo
     before = copy_module(gm) if config.dump_dir() else None  # the dump draws the region as it was
     report = run_moe_pass(gm, example_inputs, config.min_experts, config.save_fc1, config.quant,
                           config.quant_budget_db())
+    if not report.rewritten and not report.skipped:
+        _say_why_nothing(gm, report)
     _log_graph(next(_graph_ids), report)
     if before is not None:
         folder = dump.write_graph_dump(config.dump_dir(), before, gm, report)
@@ -80,11 +82,30 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs, config: MoEConfig) -> Repo
     return report
 
 
-def record(report: Report) -> None:
-    """Hand a finished graph's report to explain()'s collectors and to last_report()."""
+def _say_why_nothing(gm: fx.GraphModule, report: Report) -> None:
+    """A graph with nothing rewritten and nothing refused says which it was: no top-k at all (no
+    MoE here), or a top-k whose experts nothing recognised (an MoE left unfused: a skip)."""
+    from moe_compile.passes.clusters import is_id_source
+    from moe_compile.passes.graph import source_line
+
+    routing = next((n for n in gm.graph.nodes if is_id_source(n)), None)
+    if routing is None:
+        report.no_topk.append(0)
+        return
+    where = source_line(routing)
+    report.skipped.append(Skipped(
+        (f"a top-k at {where}" if where else "a top-k") + ", but nothing after it was recognised as MoE experts "
+        "(no expert FFN, FC1 GEMM -> activation -> FC2 GEMM on per-expert weights, reads its ids or weights): if it "
+        "routes an MoE, that MoE is left unfused to the inner compiler"))
+
+
+def record(report: Report, last_report: bool = True) -> None:
+    """Hand a finished graph's report to explain()'s collectors and (unless ``last_report`` is False:
+    explain()'s own traces, which compile nothing the user runs) to last_report()."""
     for collector in _collectors:
         collector.extend(report)
-    _since_asked.extend(report)
+    if last_report:
+        _since_asked.extend(report)
 
 
 def _log_graph(graph_id: int, report: Report) -> None:

@@ -21,7 +21,7 @@ def test_normal_compile_prints_nothing_to_stderr():
     done = run_python(COMPILE.format(verify=False))
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
-    assert done.stdout.strip() == "2 graph(s), 1 MoE region(s) rewritten, 1 skipped"  # last_report(): both graphs
+    assert done.stdout.strip() == "2 graph(s), 1 MoE region(s) rewritten, 1 skipped [report v2]"  # last_report(): both graphs
 
 
 def test_info_one_line_per_graph_debug_the_reasons_verify_its_error():

@@ -1,6 +1,7 @@
 """Reports a user can act on: the line that kept an MoE out of one graph and the change that
 fixes it, identical skips merged, T = 0 proved at the next call, last_report()."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -119,3 +120,86 @@ def test_last_report_is_the_latest_compile():
     first = moe_compile.last_report()
     assert first.graphs == 1 and first.rewritten[0].family == "gathered"
     assert moe_compile.last_report() is first  # nothing compiled since: the same answer
+
+
+# ---- issue 25: what the report says is true (explain -> compile -> last_report, quant, nothing found)
+
+
+def test_last_report_after_explain_counts_only_the_compile():
+    # explain() traces the model too; last_report() must not count its graph as a second compile.
+    torch._dynamo.reset()
+    moe_compile.last_report()
+    block, x = zoo.GatheredMoE(), torch.randn(1, 3, 64)
+    assert moe_compile.explain(block, x).graphs == 1
+    with torch.no_grad():
+        torch.compile(block, backend="moe", options={"inner": "eager"})(x)
+    assert moe_compile.last_report().graphs == 1
+
+
+def test_explain_raises_the_compile_error_for_a_quant_this_cpu_cannot_run():
+    # torch.compile raises "no native kernel ... variants it runs: [...]"; explain() must say the same,
+    # not "Dynamo failed to trace this" with an empty reason.
+    with pytest.raises(ValueError, match="no native kernel.*variants it runs"):
+        moe_compile.explain(zoo.GatheredMoE(), torch.randn(1, 3, 64), quant="a8w8-fp8")
+
+
+def test_a_refusal_outside_any_graph_is_not_labelled_graph_0():
+    def broken(x):
+        return x.no_such_method()
+
+    report = moe_compile.explain(broken, torch.randn(3))
+    text = str(report)
+    assert report.graphs == 0 and "[graph 0]" not in text and "[no graph] Dynamo failed to trace this" in text
+
+
+def test_explicit_quant_reports_its_sqnr_not_only_the_proof():
+    x = torch.randn(1, 16, 64)
+    (entry,) = moe_compile.explain(zoo.GatheredMoE(), x, quant="w8-int").rewritten
+    line = entry.line()
+    assert "pattern proved on the unquantized op" in line and "(proved, rel. err" not in line
+    # w8-int at G=32 on nn.Linear-like weights: ~40 dB (docs/quantization.md); far from exact, far from noise.
+    assert 30 < entry.quant_sqnr_db < 60 and f"SQNR {entry.quant_sqnr_db:.1f} dB" in line
+    torch._dynamo.reset()
+    with torch.no_grad(), collecting_reports() as compiled:
+        torch.compile(zoo.GatheredMoE(), backend="moe", options={"inner": "eager", "quant": "w8-int"})(x)
+    assert "explain(model, x, quant='w8-int') measures its SQNR" in compiled.rewritten[0].line()
+
+
+class SingleLinearExperts(torch.nn.Module):
+    """Routed experts of one Linear each, in a ModuleList loop: a top-k picks experts, but nothing the
+    matcher knows as an expert FFN reads its ids."""
+
+    def __init__(self, hidden=64, experts=4, top_k=2):
+        super().__init__()
+        self.router = torch.nn.Linear(hidden, experts, bias=False)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden, bias=False) for _ in range(experts))
+        self.top_k = top_k
+
+    def forward(self, x):  # [T, H]
+        g, ids = self.router(x).softmax(-1).topk(self.top_k, dim=-1)  # [T, K]
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            g_e = (g * (ids == e)).sum(-1, keepdim=True)  # [T, 1]: 0 where e is not chosen
+            out = out + g_e * expert(x)
+        return out
+
+
+def test_no_moe_and_an_unrecognised_moe_say_different_things():
+    x = torch.randn(5, 64)
+    plain = moe_compile.explain(torch.nn.Linear(64, 64), x)
+    assert plain.summary().startswith("1 graph(s), 0 MoE region(s) rewritten, 0 skipped: no top-k found")
+    assert plain.no_topk == [0]
+    unrecognised = moe_compile.explain(SingleLinearExperts(), x)
+    assert unrecognised.no_topk == [] and unrecognised.summary().startswith("1 graph(s), 0 MoE region(s) rewritten, 1 skipped")
+    (skip,) = unrecognised.skipped
+    assert "a top-k at File" in skip.reason and "test_report.py" in skip.reason and "nothing after it was recognised as MoE experts" in skip.reason
+
+
+def test_report_format_is_numbered_in_the_summary_and_the_json():
+    from moe_compile.report import FORMAT
+
+    report = Report(skipped=[Skipped("why", "", None)], graphs=0)
+    assert report.summary().endswith(f"[report v{FORMAT}]") and report.to_dict()["version"] == FORMAT == 2
+    combined = Report(graphs=2)
+    combined.extend(report)
+    assert combined.skipped[0].graph is None  # no graph to shift
