@@ -18,6 +18,11 @@ INNER_COMPILERS = ("inductor", "eager")
 # "none" keeps the model's numerics; "auto" picks per device and per call size (docs/quantization.md);
 # the rest name one format of moe_compile/quant (the same names as quant.common.FORMATS).
 QUANT_POLICIES = ("none", "auto", "w16", "w8-int", "w4-int", "mxfp4", "mxfp8", "a8w8-int", "a8w4-int", "a8w8-fp8")
+# The dense linears' formats (attention, lm_head, shared experts, dense MLPs; kernels/cpu/dense.py):
+# "none" keeps each weight's own dtype (still on the decode kernels at small T), "same" takes
+# ``quant``'s format, the rest name one format.  No "auto": a dense layer has no MoE output to
+# calibrate against, so its format is always the user's explicit choice.
+QUANT_DENSE_POLICIES = ("none", "same", "w16", "w8-int", "w4-int", "mxfp4", "mxfp8", "a8w8-int", "a8w4-int")
 DEFAULT_ACCURACY_DB = 30.0
 DUMP_ENV = "MOE_COMPILE_DUMP"
 
@@ -40,6 +45,13 @@ class MoEConfig:
                    unquantized op; ``None`` means DEFAULT_ACCURACY_DB (30 dB).  Only with "auto".
     min_experts:   smallest expert count worth rewriting (a 1-expert "MoE" is just an MLP, but the
                    op handles it; the default rewrites everything that matches).
+    quant_dense:   format of every other linear of an inference graph that reads a model weight
+                   (attention q/k/v/o, shared experts, dense MLPs, lm_head): ``"none"`` (default:
+                   the weight's own dtype; fp32 / bf16 still run on moe_compile's decode kernels at
+                   T <= 16, which read them at the memory's speed), a format name (``"w8-int"``,
+                   ``"a8w4-int"``, ...), or ``"same"`` (``quant``'s format).  Routers (a linear
+                   whose output picks experts) always keep their dtype: a quantized router
+                   changes which experts run.  docs/dense-layers.md has the table.
     save_fc1:      training graphs keep FC1's output [T*K, 2F] per MoE layer for the backward (the
                    default: fastest); ``False`` recomputes it in the backward instead — that much
                    less memory, ~1/5 more expert FLOPs per step.
@@ -52,6 +64,7 @@ class MoEConfig:
     accuracy_db: float | None = None
     min_experts: int = 1
     save_fc1: bool = True
+    quant_dense: str = "none"
 
     def __post_init__(self) -> None:
         if not isinstance(self.verify, bool):
@@ -65,6 +78,7 @@ class MoEConfig:
                 f"MoEConfig.quant={self.quant!r} is not available; choose one of {QUANT_POLICIES}"
             )
         self._check_accuracy_db()
+        self._check_quant_dense()
         if not isinstance(self.min_experts, int) or self.min_experts < 1:
             raise ValueError(f"MoEConfig.min_experts must be an int >= 1, got {self.min_experts!r}")
         if not isinstance(self.save_fc1, bool):
@@ -78,6 +92,18 @@ class MoEConfig:
         if self.quant != "auto":
             raise ValueError(f"MoEConfig.accuracy_db is the budget of quant='auto'; with quant={self.quant!r} "
                              f"it would be ignored: drop it or set quant='auto'")
+
+    def _check_quant_dense(self) -> None:
+        if self.quant_dense not in QUANT_DENSE_POLICIES:
+            raise ValueError(f"MoEConfig.quant_dense={self.quant_dense!r} is not available; choose one of "
+                             f"{QUANT_DENSE_POLICIES}")
+        if self.quant_dense == "same" and self.quant in ("none", "auto", "a8w8-fp8"):
+            raise ValueError(f"MoEConfig.quant_dense='same' takes quant's format, but quant={self.quant!r} names "
+                             f"none a dense layer can run: name the dense format (e.g. quant_dense='w8-int')")
+
+    def dense_format(self) -> str:
+        """The dense linears' format in effect ("none" or a format name)."""
+        return self.quant if self.quant_dense == "same" else self.quant_dense
 
     def quant_budget_db(self) -> float:
         """The accuracy budget in effect for quant="auto"."""

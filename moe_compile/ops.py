@@ -296,3 +296,4 @@ def call_fused_moe(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs)
         attrs.gate_up, attrs.transposed, attrs.activation, attrs.limit, attrs.alpha, attrs.weight_on,
     )
 from moe_compile import autograd as _autograd  # noqa: E402,F401  registers the backward
+from moe_compile import dense_ops as _dense_ops  # noqa: E402,F401  registers moe_compile::dense_linear

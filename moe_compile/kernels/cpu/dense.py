@@ -1,0 +1,163 @@
+"""Dense linears on CPU: every weight a decode step reads outside the experts (attention q/k/v/o,
+shared experts, dense MLPs, lm_head), at the memory's speed and in the format the user asked for.
+
+Shapes:  T rows (tokens), K input width, N output width.
+         x [T, K] float, weight [N, K] (``F.linear``'s layout), bias [N] or None -> y [T, N].
+
+Why: a whole MoE model's decode step reads as many bytes outside its experts as inside them
+(Qwen3-30B-A3B-shaped, 4 layers: attention + lm_head 564 MB of 1.16 GB fp32).  torch's fp32 GEMM
+reads one row's weights at 50-90% of the memory's speed, and its int8 / int4 weight-only kernels
+(``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``, what torchao composes on CPU) at 1-10%
+(``benchmarks/bench_dense_cpu.py``).  A dense linear is the E = 1, no-activation case of the MoE
+decode kernels, so it runs on them:
+
+  format        T <= 16 (decode)                                   T > 16 (prefill)
+  none, fp32    skinny.c (T <= ``SKINNY_ROWS``), else torch        torch (MKL / oneDNN)
+  none, bf16    qdecode.c w16 on the model's own bf16 weight       torch
+  a format      qdecode.c ``moe_qdecode_linear`` on the packed     the packed weight dequantized,
+                weight (the loops of a decode step's FC2)          then torch's GEMM
+
+Packing: a weight is packed once per (tensor, version) into the canonical ``moe_compile.quant``
+format ([1, N, K]) and kept here (``stats`` / ``clear``); an in-place update repacks it.
+Results: fp32 and w16 equal ``x @ W^T`` up to the order of fp32 sums; a format equals its
+reference (``quant.matmul`` on the packed weight) as a decode step's FC2 does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from moe_compile.kernels.cpu import qdecode, skinny
+
+DECODE_ROWS = qdecode.MAX_ROWS
+# Rows up to which skinny.c beats torch's fp32 GEMM at these widths (bench_dense_cpu.py); the
+# qdecode loops take any T <= DECODE_ROWS.
+SKINNY_ROWS = 8
+FORMATS = ("w16", "w8-int", "w4-int", "mxfp4", "mxfp8", "a8w8-int", "a8w4-int")
+
+# id(weight) -> _Packed.  A weak reference tells a reused id apart; the version an in-place update.
+_PACKS: dict[int, "_Packed"] = {}
+
+
+class _Packed:
+    __slots__ = ("ref", "version", "fmt", "group", "qweight", "fields")
+
+    def __init__(self, weight: torch.Tensor, fmt: str, group: int | None):
+        from moe_compile import quant
+
+        self.ref, self.version, self.fmt, self.group = weakref.ref(weight), weight._version, fmt, group
+        with torch.no_grad():
+            self.qweight = quant.pack(fmt, weight.detach().float().unsqueeze(0), group)
+        N, K = weight.shape
+        self.fields = qdecode.role_fields(self.qweight, N, K)
+
+    def fresh(self, weight: torch.Tensor, fmt: str, group: int | None) -> bool:
+        return self.ref() is weight and self.version == weight._version and (self.fmt, self.group) == (fmt, group)
+
+
+def packed(weight: torch.Tensor, fmt: str, group: int | None = None) -> _Packed:
+    """The weight's pack in ``fmt``, made on first use and again after an in-place update."""
+    hit = _PACKS.get(id(weight))
+    if hit is not None and hit.fresh(weight, fmt, group):
+        return hit
+    if len(_PACKS) > 4096:  # weights of dropped models: forget their packs
+        for key in [k for k, p in _PACKS.items() if p.ref() is None]:
+            del _PACKS[key]
+    _PACKS[id(weight)] = hit = _Packed(weight, fmt, group)
+    return hit
+
+
+def clear() -> None:
+    _PACKS.clear()
+
+
+def stats() -> dict:
+    live = [p for p in _PACKS.values() if p.ref() is not None]
+    nbytes = sum(p.qweight.data.nbytes + p.qweight.scale.nbytes for p in live)
+    return {"dense_packs": len(live), "dense_pack_bytes": nbytes}
+
+
+def unavailable_reason(fmt: str) -> str | None:
+    """None when ``fmt`` runs natively here for dense linears; else why not."""
+    if fmt not in FORMATS:
+        return f"dense linears run {FORMATS}, not {fmt!r}"
+    return qdecode.unavailable_reason(fmt) or _linear_reason()
+
+
+@functools.cache
+def _linear_reason() -> str | None:
+    if _linear_kernel() is None:
+        return "qdecode.c has no moe_qdecode_linear entry"
+    return None
+
+
+@functools.cache
+def _linear_kernel():
+    lib = qdecode._KERNEL.lib()
+    fn = getattr(lib, "moe_qdecode_linear", None) if lib is not None else None
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64], ctypes.c_int
+    return fn
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fmt: str = "none",
+           group: int | None = None) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ weight [N, K]^T (+ bias), weight read in ``fmt`` ("none": its
+    own dtype).  The result has x's dtype."""
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"dense linear: x [..., {weight.shape[-1] if weight.dim() == 2 else '?'}] and weight "
+                         f"[N, K] expected, got x {tuple(x.shape)} and weight {tuple(weight.shape)}")
+    lead, (N, K) = x.shape[:-1], weight.shape
+    x2 = x.reshape(-1, K)
+    T = x2.shape[0]
+    if fmt == "none":
+        y = _linear_native(x2, weight, bias)
+    elif T <= DECODE_ROWS and T > 0:
+        y = _decode(x2, packed(weight, fmt, group), N, K).to(x.dtype)
+        if bias is not None:
+            y += bias
+    else:
+        from moe_compile import quant
+
+        w = quant.dequantize(packed(weight, fmt, group).qweight)[0]  # [N, K] fp32, this call only
+        y = F.linear(x2.float(), w, None if bias is None else bias.float()).to(x.dtype)
+    return y.reshape(*lead, N)
+
+
+def _linear_native(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The weight in its own dtype: the decode kernels where they take it, torch otherwise."""
+    T = x2.shape[0]
+    if 0 < T <= SKINNY_ROWS and skinny.fits(weight) and skinny.fits(x2) and weight.is_contiguous() \
+            and (bias is None or skinny.fits(bias)) and skinny.available():
+        y = torch.empty(T, weight.shape[0], dtype=torch.float32)
+        skinny.run(skinny.tensor_task(weight, x2.contiguous(), y, bias), torch.get_num_threads())
+        return y
+    if 0 < T <= DECODE_ROWS and weight.dtype == torch.bfloat16 and weight.is_contiguous() \
+            and unavailable_reason("w16") is None:
+        y = _decode(x2, _Bf16View(weight), *weight.shape).to(x2.dtype)
+        return y if bias is None else y + bias
+    return F.linear(x2, weight, bias)
+
+
+class _Bf16View:
+    """A model's own bf16 weight read as the w16 format's [1, N, K] data (no copy, no pack)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.fields = [weight.data_ptr(), 0, 1, weight.shape[1]]  # qdecode.c FMT_BF16, group = K
+
+
+def _decode(x2: torch.Tensor, pack, N: int, K: int) -> torch.Tensor:
+    """y [T, N] fp32 from qdecode.c's linear loops."""
+    T = x2.shape[0]
+    xf = x2.float().contiguous()
+    y = torch.empty(T, N, dtype=torch.float32)
+    plan = [xf.data_ptr(), T, K, N, y.data_ptr(), qdecode.best_isa(), *pack.fields]
+    status = _linear_kernel()((ctypes.c_int64 * len(plan))(*plan), torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"dense linear: the qdecode kernel refused a [{N}, {K}] weight (status {status})")
+    return y
