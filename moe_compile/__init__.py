@@ -13,9 +13,29 @@ Importing this package registers nothing and never initialises CUDA; the fused o
 when the backend first runs.
 """
 
-from moe_compile.api import backend, empty_cache, explain, optimize
-from moe_compile.compiler import last_report
-from moe_compile.config import MoEConfig
+import importlib
 
 __all__ = ["MoEConfig", "backend", "empty_cache", "explain", "last_report", "optimize"]
 __version__ = "0.1.0"
+
+# Loaded on first use (PEP 562), so that ``import moe_compile.cli`` (``moe-compile --help``) does not
+# import torch, which takes seconds on a cold disk.
+_HOME = {"backend": "api", "empty_cache": "api", "explain": "api", "optimize": "api", "last_report": "compiler",
+         "MoEConfig": "config"}
+
+
+def __getattr__(name: str):
+    if name in _HOME:
+        value = getattr(importlib.import_module(f"moe_compile.{_HOME[name]}"), name)
+        globals()[name] = value
+        return value
+    try:  # a submodule not imported yet (``moe_compile.api.capture_flags()`` after ``import moe_compile``)
+        return importlib.import_module(f"moe_compile.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"moe_compile.{name}":
+            raise
+        raise AttributeError(f"module 'moe_compile' has no attribute {name!r}") from None
+
+
+def __dir__():
+    return sorted({*globals(), *__all__})

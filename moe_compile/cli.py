@@ -3,7 +3,9 @@
     moe-compile demo                  a tiny random-weight MoE language model, compiled, checked, timed
     moe-compile demo --world-size N   expert-parallel blocks on N gloo ranks of this host (CPU)
     moe-compile dump SCRIPT [-- ARGS] run a script with graph dumping on and list what was written
-    moe-compile devices               which kernel variants this machine runs
+    moe-compile devices [--verbose]   which kernel variants this machine runs
+
+Nothing here imports torch until a command runs: ``--help`` and ``--version`` stay instant.
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ def demo(args) -> int:
 
 
 def dump(args) -> int:
+    if args.script is None:
+        print("moe-compile dump: give the Python script to run: moe-compile dump SCRIPT [-- ARGS]", file=sys.stderr)
+        return 2
     if not os.path.isfile(args.script):
         print(f"moe-compile dump: no such script: {args.script!r} (give the path of a Python file to run)",
               file=sys.stderr)
@@ -77,6 +82,9 @@ def dump(args) -> int:
     folder = args.dir or tempfile.mkdtemp(prefix="moe_compile_dump_")
     os.environ["MOE_COMPILE_DUMP"] = folder
     sys.argv = [args.script, *args.script_args]
+    from moe_compile import dump as graph_dump
+
+    graph_dump.GRAPHVIZ_HINT.said = True  # this command says it once, below the listing
     try:
         runpy.run_path(args.script, run_name="__main__")
     finally:
@@ -87,24 +95,31 @@ def dump(args) -> int:
               " (the script compiled nothing with backend=\"moe\")"))
         for name in written:
             print(f"  {os.path.join(folder, name)}: {', '.join(sorted(os.listdir(os.path.join(folder, name))))}")
+        if any(f.endswith(".dot") for name in written for f in os.listdir(os.path.join(folder, name))):
+            hint = graph_dump.GRAPHVIZ_HINT.text()
+            if hint:
+                print(hint)
     return 0
 
 
 def devices(args) -> int:
     from moe_compile.devices import describe
 
-    print(describe())
+    print(describe(verbose=args.verbose))
     return 0
 
 
 def _version() -> str:
-    from moe_compile import __version__
+    from moe_compile import __version__  # the package's __init__ imports torch only when its API is touched
 
     return f"moe-compile {__version__}"
 
 
+DEMO_MODELS = ("qwen3-moe", "deepseek-v3")  # demo.MODELS: here, so that --help need not import torch
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from moe_compile.demo import MODELS
+    MODELS = DEMO_MODELS
 
     parser = argparse.ArgumentParser(prog="moe-compile", description=DESCRIPTION,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -130,10 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "backend=\"moe\" gets a folder with its code before and after the rewrite, "
                                    "the report, and a picture of each rewritten MoE region.")
     p.add_argument("--dir", default=None, help="where to dump (default: a new temporary directory)")
-    p.add_argument("script", help="the Python script to run")
+    p.add_argument("script", nargs="?", help="the Python script to run")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script (after --)")
     p.set_defaults(func=dump)
-    p = sub.add_parser("devices", help="which kernel variants this machine runs")
+    p = sub.add_parser("devices", help="which kernel variants this machine runs",
+                       description="A short table of the kernel variants this machine runs and on which kernels.")
+    p.add_argument("--verbose", action="store_true",
+                   help="also each kernel's build state and why, the capability table, and the GPU and Ascend rows")
     p.set_defaults(func=devices)
     return parser
 

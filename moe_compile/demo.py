@@ -28,10 +28,15 @@ import time
 
 import torch
 
-MODELS = ("qwen3-moe", "deepseek-v3")
+from moe_compile.cli import DEMO_MODELS as MODELS  # one list; kept in cli.py so that --help needs no torch
+
 # fp32 paths differ from eager only in summation order (Inductor's fusions, the fused op's sorted
 # segments); logits of a 4-layer model at H=512 stay within ~1e-5 of their scale.
 LOGITS_TOL = 1e-4
+# Measured (issue 25, 2-core VM, caches empty): each variant's first, compiling generate call took
+# 152-208 s (66-92 s of it CPU time this process saw); later runs reuse Inductor's on-disk caches.
+FIRST_CALL_NOTE = (" compiles the prefill and decode graphs (about 2.5-3.5 min on 2 cores with cold compile "
+                   "caches, less once they are warm)")
 
 
 def build_model(name: str, layers: int, seed: int = 0):
@@ -156,12 +161,11 @@ def run_model(name: str, layers: int, prompt_len: int, tokens: int, repeats: int
     torch._dynamo.reset()
     model.compile()
     _, results["torch.compile"] = timed_runs(model, prompt, tokens, repeats, "torch.compile (inductor)",
-                                             " compiles the prefill and decode graphs (~30 s on 2 cores)")
+                                             FIRST_CALL_NOTE)
     torch._dynamo.reset()
     model.compile(backend="moe")
     with collecting_reports() as report:
-        first, results['backend="moe"'] = timed_runs(model, prompt, tokens, repeats, 'backend="moe"',
-                                                      " compiles the prefill and decode graphs (~30 s on 2 cores)")
+        first, results['backend="moe"'] = timed_runs(model, prompt, tokens, repeats, 'backend="moe"', FIRST_CALL_NOTE)
     print_report(report)
     err = max_logit_error(first, eager)
     verdict = tokens_verdict(first, eager)

@@ -141,14 +141,41 @@ def _cpu_kind_and_reason():
 
 
 def _native_here() -> list[str]:
-    """Per quant format, what this machine's checkout runs natively (a Mixtral-like shape)."""
+    """Per quant format, what this machine's checkout runs natively (a Mixtral-like shape), with
+    the whole reason of each one it does not (wrapped, never cut)."""
     from moe_compile.kernels.cpu import quant as cpu_quant
 
-    native, refused = cpu_quant.native_formats(8, 1024, 2048)
+    native, _ = cpu_quant.native_formats(*_SHAPE)
     lines = [f"  {f}: decode on {regs['decode'] or '-'}, prefill on {regs['prefill'] or '-'}"
              for f, regs in native.items()]
-    lines += [f"  {f}: not native here ({why[:160]})" for f, why in refused.items() if f not in native]
+    for fmt in (f for f in cpu_quant.FORMATS if f not in native):
+        lines.append(f"  {fmt}: not native here:")
+        lines += [_wrapped(f"{reg}: {why}", "    ") for reg, why in _refusals(fmt).items()]
     return lines
+
+
+_SHAPE = (8, 1024, 2048)  # E, H, F of the question asked of the kernels (Mixtral-like)
+
+
+def _refusals(fmt: str) -> dict[str, str]:
+    """{regime: why no kernel runs fmt there}, each kernel's reason once (``qdecode: ...``)."""
+    from moe_compile.kernels.cpu import quant as cpu_quant
+
+    out = {}
+    for reg in cpu_quant.KERNELS:
+        mod, why = cpu_quant.kernel_for(fmt, reg, *_SHAPE)
+        if mod is None:
+            # a kernel's own reason may start with its name ("qdecode: qdecode serves ..."): say it once
+            parts = [part.split(": ", 1) for part in why.split("; ")]
+            out[reg] = "; ".join(p[1] if len(p) == 2 and p[1].startswith(p[0]) else ": ".join(p) for p in parts)
+    return out
+
+
+def _wrapped(text: str, indent: str) -> str:
+    import textwrap
+
+    return textwrap.fill(text, width=100, initial_indent=indent, subsequent_indent=indent + "  ",
+                         break_long_words=False, break_on_hyphens=False)
 
 
 def _skinny_status() -> str:
@@ -182,25 +209,78 @@ def _prefill_status() -> str:
     return f"{packs}; {fused}; others oneDNN GEMMs per expert with gather, SwiGLU and combine on {rows}"
 
 
-def describe() -> str:
+def describe(verbose: bool = False) -> str:
+    """``moe-compile devices``: a short table of what this machine runs; ``verbose``: every kernel's
+    state and why, the capability table's row, then the reference data (rows no kernel here runs)."""
+    return _describe_verbose() if verbose else _describe_short()
+
+
+def _describe_short() -> str:
+    """One line per variant: whether this machine runs it, on which kernels, and the table's word."""
+    from moe_compile.kernels.cpu import quant as cpu_quant
+
+    kind = cpu_kind()
+    native, _ = cpu_quant.native_formats(*_SHAPE)
+    state = {v.name: v for v in kind.variants}
+    rows = [("variant", "runs here", "decode (T <= 16)", "prefill", "tested on this CPU kind")]
+    rows.append(("a16w16", "yes", *_fp32_kernels(), _verified(state.get("a16w16"))))
+    for fmt in cpu_quant.FORMATS:
+        regs = native.get(fmt)
+        if regs and all(regs.values()):
+            rows.append((fmt, "yes", f"{regs['decode']}.c", f"{regs['prefill']}.c", _verified(state.get(fmt))))
+        else:
+            why = state[fmt].note if fmt in state and state[fmt].note else "no kernel for this shape here"
+            rows.append((fmt, "no", "-", "-", f"({why})"))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    table = ["  " + "  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
+    cuda = (", ".join(f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count()))
+            if torch.cuda.is_available() else "none")
+    return "\n".join([
+        f"CPU: {kind.name} ({cpu_kind_reason()}); GPU: {cuda}",
+        *table,
+        *([f"{kind.name}: {kind.note}"] if any(not v.verified for v in kind.variants if v.kernel) else []),
+        "quant='auto' chooses among the variants that run here; an explicit quant= that does not is an error.",
+        "On CUDA the op runs a16w16 (Triton); the GPU quantized kernels are not dispatched yet.",
+        "moe-compile devices --verbose: each kernel's state and why, the capability table, GPU and Ascend rows.",
+    ])
+
+
+def _fp32_kernels() -> tuple[str, str]:
+    """(decode, prefill) kernels of the unquantized op here, in a word each."""
+    from moe_compile.kernels.cpu import experts as cpu_experts, onednn as cpu_onednn, skinny as cpu_skinny
+
+    decode = "skinny.c" if cpu_skinny.available() else "torch GEMMs"
+    gemms = "oneDNN" if cpu_onednn.available() else "torch GEMMs"
+    return decode, f"experts.c, {gemms}" if cpu_experts.available() else gemms
+
+
+def _verified(variant: Variant | None) -> str:
+    if variant is None:
+        return ""
+    return "yes" if variant.verified else "no"
+
+
+def _describe_verbose() -> str:
     """This machine's rows and why, then the reference data (rows no kernel here runs)."""
     kind = cpu_kind()
     lines = ["this machine:",
              f"cpu: {torch.backends.cpu.get_cpu_capability()} -> {kind.name} ({cpu_kind_reason()})",
-             f"cpu decode: {_skinny_status()}", f"cpu prefill: {_prefill_status()}",
+             _wrapped(f"cpu decode: {_skinny_status()}", ""), _wrapped(f"cpu prefill: {_prefill_status()}", ""),
              f"cpu variants of {kind.name} (table; {kind.note}):"] + [f"  {v.line()}" for v in kind.variants]
     lines += ["cpu quantized variants this checkout runs (quant='auto' chooses among them):"] + _native_here()
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             cap = torch.cuda.get_device_capability(i)
             ck = CUDA_KINDS.get(cap, DeviceKind(f"sm{cap[0]}{cap[1]}", "unknown", (Variant("a16w16", "reference", False),)))
-            lines.append(f"cuda:{i}: {torch.cuda.get_device_name(i)} -> {ck.name}: " + "; ".join(v.line() for v in ck.variants))
+            lines.append(f"cuda:{i}: {torch.cuda.get_device_name(i)} -> {ck.name}:")
+            lines += [f"  {v.line()}" for v in ck.variants]
     else:
         lines.append("cuda: not available")
     lines.append("")
     lines.append("reference data (no kernel here):")
     for ck in CUDA_KINDS.values():
-        lines.append(f"  cuda {ck.name}: " + "; ".join(v.line() for v in ck.variants))
+        lines.append(f"  cuda {ck.name}:")
+        lines += [f"    {v.line()}" for v in ck.variants]
     for ak in ASCEND_KINDS:
         lines.append(f"  ascend {ak.name}: {', '.join(ak.names() or (v.name for v in ak.variants)) or 'not supported'}")
     return "\n".join(lines)

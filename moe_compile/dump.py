@@ -10,7 +10,9 @@ graph's code around the rewrite), ``report.txt`` / ``report.json`` and, per rewr
 dispatch, experts, combine, each stage one box listing its ops and source lines, the E per-expert
 weights of a role collapsed into one node (``experts[0..7].gate_proj.weight``) — beside the
 fused op that replaced it, labelled with family, E, K, H, F, layout, variant and proof error.
-Where Graphviz's ``dot`` is installed, ``.svg`` and ``.png`` are rendered beside it.
+Where Graphviz's ``dot`` is installed, ``.svg`` and ``.png`` are rendered beside it; where it is
+not, the first dump of the process says so once (``GRAPHVIZ_HINT``).  ``after.py``'s long lines
+(the fused call lists every expert's weights) are wrapped at their commas.
 
 How a region is found again: the rewrite erased the region's nodes and kept everything else, so
 the before-graph's nodes missing from the after-graph, flood-filled from the fused op's inputs,
@@ -50,7 +52,7 @@ def write_graph_dump(root: str, before: fx.GraphModule | str, gm: fx.GraphModule
     folder = os.path.join(root, f"graph_{os.getpid()}_{index:03d}")
     os.makedirs(folder, exist_ok=True)
     _write(folder, "before.py", before if isinstance(before, str) else before.code)
-    _write(folder, "after.py", gm.code)
+    _write(folder, "after.py", wrap_code(gm.code))
     _write(folder, "report.txt", str(report) + "\n")
     _write(folder, "report.json", json.dumps(report.to_dict(), indent=2))
     if not isinstance(before, str):
@@ -62,13 +64,95 @@ def write_graph_dump(root: str, before: fx.GraphModule | str, gm: fx.GraphModule
                 warnings.warn(f"moe_compile dump: no picture of MoE region {i}; see {folder}", RuntimeWarning)
                 continue
             _write(folder, f"moe_region_{i}.dot", dot)
-            render(dot, os.path.join(folder, f"moe_region_{i}"))
+            if not render(dot, os.path.join(folder, f"moe_region_{i}")):
+                GRAPHVIZ_HINT.warn_once()
     return folder
+
+
+class _GraphvizHint:
+    """Says once per process that the pictures are ``.dot`` only because Graphviz is missing
+    (``moe-compile dump`` sets ``said`` and prints it under its listing instead)."""
+
+    said = False
+
+    def text(self) -> str:
+        if shutil.which("dot"):
+            return ""
+        return ("moe_compile dump: Graphviz's `dot` is not installed, so the region pictures are .dot files only; "
+                "install Graphviz (apt install graphviz, brew install graphviz or conda install graphviz) for "
+                ".png/.svg beside them")
+
+    def warn_once(self) -> None:
+        if not self.said and (text := self.text()):
+            self.said = True
+            warnings.warn(text, UserWarning, stacklevel=3)
+
+
+GRAPHVIZ_HINT = _GraphvizHint()
 
 
 def _write(folder: str, name: str, text: str) -> None:
     with open(os.path.join(folder, name), "w") as fh:
         fh.write(text)
+
+
+def wrap_code(code: str, width: int = 110) -> str:
+    """Generated code with each line longer than ``width`` broken after its commas inside brackets
+    (Python continues such lines implicitly), continuation lines indented under the call; FX's
+    ``;  a = b = ... = None`` (freeing the call's inputs) goes on its own lines."""
+    out = []
+    for line in code.split("\n"):
+        if len(line) <= width:
+            out.append(line)
+            continue
+        indent = line[:len(line) - len(line.lstrip())]
+        head, sep, frees = line.partition(";  ")
+        out.append(_wrap_line(head, width))
+        if sep:
+            out.append(_wrap_chain(indent + frees, width))
+    return "\n".join(out)
+
+
+def _wrap_chain(line: str, width: int) -> str:
+    """``a = b = c = None`` longer than width: continued with backslashes at its ``=`` signs."""
+    if len(line) <= width or not re.fullmatch(r"\s*\w+( = \w+)+", line):
+        return line
+    indent = " " * (len(line) - len(line.lstrip()) + 4)
+    out, current = [], ""
+    for name in line.split(" = "):
+        piece = name if not current else f" = {name}" if not current.isspace() else name
+        if current and len(current) + len(piece) + 2 > width:
+            out.append(current + " \\")
+            current = indent + "= " + name
+        else:
+            current += piece
+    return "\n".join(out + [current])
+
+
+def _wrap_line(line: str, width: int) -> str:
+    indent = " " * (len(line) - len(line.lstrip()) + 4)
+    pieces, depth, quote, start = [], 0, "", 0
+    for i, ch in enumerate(line):
+        if quote:
+            quote = "" if ch == quote and line[i - 1] != "\\" else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth > 0 and line[i + 1:i + 2] == " ":
+            pieces.append(line[start:i + 1])
+            start = i + 2
+    pieces.append(line[start:])
+    out, current = [], pieces[0]
+    for piece in pieces[1:]:
+        if len(current) + 1 + len(piece) > width:
+            out.append(current)
+            current = indent + piece
+        else:
+            current += " " + piece
+    return "\n".join(out + [current])
 
 
 def render(dot: str, stem: str) -> list[str]:
@@ -282,9 +366,11 @@ def _shape(node: fx.Node) -> str:
 
 def _value_label(name: str, node: fx.Node) -> str:
     code = _code_line(node)
-    origin = module_path(node) if node.op == "placeholder" else ""
+    origin = module_path(node) if node.op == "placeholder" else ""  # the argument's name in the user's code
     text = f"{name} {_shape(node)}"
-    return text + (f"\n{origin}" if origin else f"\n{code}" if code else "")
+    if origin:
+        return text if origin == name else f"{text}\ninput {origin}"  # "x [4, 64]" once, not "x" twice
+    return text + (f"\n{code}" if code else "")
 
 
 def _stage_label(stage: Stage, region: RegionStages) -> str:

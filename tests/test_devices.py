@@ -1,11 +1,22 @@
 """``moe-compile devices``: what this machine runs, including which CPU decode path and why."""
 
+import itertools
+
 from moe_compile import devices
 from moe_compile.kernels.cpu import cc as cpu_cc, experts as cpu_experts, onednn as cpu_onednn, prepack as cpu_prepack, rows as cpu_rows, skinny as cpu_skinny
 
 
+def _entry(head: str) -> str:
+    """The verbose description's entry that starts with head, its wrapped lines joined."""
+    text = devices.describe(verbose=True)
+    start = text.index("\n" + head) + 1
+    lines = text[start:].splitlines()
+    entry = [lines[0]] + [ln for ln in itertools.takewhile(lambda ln: ln.startswith("  "), lines[1:])]
+    return " ".join(ln.strip() for ln in entry)
+
+
 def test_describe_names_the_cpu_decode_path():
-    line = next(ln for ln in devices.describe().splitlines() if ln.startswith("cpu decode:"))
+    line = _entry("cpu decode:")
     if cpu_skinny.available():
         assert "cpu/skinny.c" in line and str(cpu_cc.cache_dir()) in line
     else:
@@ -14,7 +25,7 @@ def test_describe_names_the_cpu_decode_path():
 
 def test_describe_names_the_cpu_prefill_path(monkeypatch):
     def line():
-        return next(ln for ln in devices.describe().splitlines() if ln.startswith("cpu prefill:"))
+        return _entry("cpu prefill:")
 
     if cpu_prepack.available():
         assert "packs" in line() and "oneDNN" in line()
@@ -42,15 +53,30 @@ def test_capability_table_rows():
 
 
 def test_describe_separates_this_machine_from_reference_data():
-    text = devices.describe()
+    text = devices.describe(verbose=True)
     here, _, reference = text.partition("reference data (no kernel here):")
     assert here.startswith("this machine:") and devices.cpu_kind().name in here
     assert "ascend Atlas A3" in reference and "cuda sm90" in reference and "ascend" not in here
 
 
-def test_cli_devices_prints_the_table(capsys):
-    from moe_compile import cli
+def test_cli_devices_prints_a_short_table_and_the_rest_with_verbose():
+    import subprocess
+    import sys
 
-    assert cli.main(["devices"]) == 0
-    out = capsys.readouterr().out
-    assert "this machine:" in out and "reference data (no kernel here):" in out
+    def run(*flags):
+        done = subprocess.run([sys.executable, "-m", "moe_compile.cli", "devices", *flags], capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    short = run()
+    lines = short.splitlines()
+    assert lines[0].startswith(f"CPU: {devices.cpu_kind().name}") and "variant" in lines[1] and "runs here" in lines[1]
+    rows = {ln.split()[0]: ln for ln in lines[2:] if ln.startswith("  ")}
+    assert set(rows) == {"a16w16", *devices.CPU_KINDS[0].names(), "a8w8-fp8"}
+    assert rows["a8w8-fp8"].split()[1] == "no" and "(no CPU fp8 kernel)" in rows["a8w8-fp8"]
+    assert len(lines) <= 16 and max(map(len, lines)) <= 110  # a table a person reads, nothing cut mid-word
+    assert "reference data" not in short and "--verbose" in short and "qdecode: qdecode" not in short
+    verbose = devices.describe(verbose=True)  # what --verbose prints (test_cli checks the flag parses)
+    assert "this machine:" in verbose and "reference data (no kernel here):" in verbose
+    assert "qdecode: qdecode" not in verbose and "a8w8-fp8 has no CPU kernel (no fp8 arithmetic here)" in verbose

@@ -137,3 +137,37 @@ def test_wrong_dtype_to_compiled_model_is_a_clear_error():
         compiled(torch.randn(1, 3, 64))
         with pytest.raises(Exception, match="dtype|Double|Float"):
             compiled(torch.randn(1, 3, 64, dtype=torch.float64))
+
+
+class TakesTokens(zoo.GatheredMoE):
+    """forward(x) on [T, H] itself: the region's x is the graph's input, named x by the user too."""
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.gate(x).softmax(-1), self.top_k, dim=-1)
+        h = torch.nn.functional.silu(torch.einsum("ti,tkoi->tko", x, self.w1[ids]))
+        h = h * torch.einsum("ti,tkoi->tko", x, self.w3[ids])
+        return torch.einsum("tki,tk->ti", torch.einsum("tko,tkio->tki", h, self.w2[ids]), weights)
+
+
+def test_input_box_names_x_once_and_after_py_has_no_huge_line(tmp_path):
+    with torch.no_grad(), capture_flags():
+        torch.compile(TakesTokens(), backend="moe", options={"dump": str(tmp_path), "inner": "eager"})(torch.randn(4, 64))
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    x_box = next(ln for ln in (folder / "moe_region_0.dot").read_text().splitlines() if ln.startswith("  x ["))
+    assert 'label="x [4, 64] float32\\l"' in x_box, x_box  # not "x [4, 64] float32\lx\l"
+    after = (folder / "after.py").read_text()
+    compile(after, "after.py", "exec")  # still Python
+    assert "fused_moe" in after and max(len(ln) for ln in after.splitlines()) <= 160
+
+
+def test_wrap_code_breaks_a_fused_call_and_its_frees_and_keeps_strings_whole():
+    from moe_compile.dump import wrap_code
+
+    names = [f"l_self_modules_experts_modules_{i}_weight_" for i in range(40)]
+    line = (f"    y = torch.ops.moe_compile.fused_moe_infer.default(x, ids, [{', '.join(names)}], 'a, b', 0.0);  "
+            f"{' = '.join(['x', *names])} = None")
+    wrapped = wrap_code(line)
+    compile("def forward(x, ids):\n" + wrapped, "after.py", "exec")  # the wrapped lines still parse
+    assert max(len(ln) for ln in wrapped.splitlines()) <= 110 and "'a, b'" in wrapped
+    # the same tokens, only re-laid: the call, then the frees on their own lines
+    assert wrapped.replace("\\\n", " ").split() == line.replace(";  ", "\n").split()
