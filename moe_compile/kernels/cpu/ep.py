@@ -1,4 +1,5 @@
-"""CPU compute of the expert-parallel op on received rows (the local experts of one rank).
+"""CPU kernels of the expert-parallel op: the local experts on received rows, and the row moves of
+the 2D all-to-all (``ep_copy.c``).
 
 Shapes:  H hidden, F expert FFN width, El local experts, n received rows of one chunk, src-major
          and sorted by local expert inside each source block; ``counts [r, El]`` gives the blocks.
@@ -6,15 +7,85 @@ Shapes:  H hidden, F expert FFN width, El local experts, n received rows of one 
 Reuses the single-device kernels: ``kernels/cpu.fused_moe_cpu`` with K = 1 (its result copied into
 ``out``, which on the heap transport is a view of the source rank's return window) and ``kernels/cpu_backward.fused_moe_backward_cpu`` (with K = 1 and
 the local expert ids of the rows).
+
+``push`` / ``poll`` / ``unpack`` are ``ep_copy.c``'s three functions (one C call per exchange
+step, whatever the number of blocks); without a C compiler or AVX2 (or ``MOE_COMPILE_EP_COPY=0``)
+they run as a loop of ``ctypes.memmove`` per block — the same bytes, slower.
 """
 
 from __future__ import annotations
 
+import ctypes
+
+import numpy as np
 import torch
 
 from moe_compile.ir import ExpertWeights, FFNAttrs
+from moe_compile.kernels.cpu import cc as cpu_cc
 from moe_compile.kernels.cpu.forward import fused_moe_cpu
 from moe_compile.kernels.cpu.backward import ROLES, Needs, fused_moe_backward_cpu
+
+COPY_ENV = "MOE_COMPILE_EP_COPY"
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_COPY = cpu_cc.Kernel(
+    "ep_copy", COPY_ENV,
+    {"moe_ep_push": [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64],
+     "moe_ep_poll": ([_PTR, _PTR, _I64, _I64, _I64], _I64),
+     "moe_ep_unpack": [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64]},
+    "the exchange copies block by block from Python")
+
+
+def copy_kernel_reason() -> str | None:
+    """Why ``ep_copy.c`` is not in use (None when it is)."""
+    return _COPY.error()
+
+
+def _i64(a) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def push(src_ptr: int, dst_ptrs, row_bytes: int, nblk, src_row, dst_row, rows, flag_ptrs, value: int) -> None:
+    """For each destination j: its ``nblk[j]`` blocks (next entries of the three block arrays) from
+    ``src_ptr`` into ``dst_ptrs[j]``, then the int64 at ``flag_ptrs[j]`` = ``value`` (release)."""
+    dst, flags = np.asarray(dst_ptrs, dtype=np.uint64), np.asarray(flag_ptrs, dtype=np.uint64)
+    nblk, src_row, dst_row, rows = _i64(nblk), _i64(src_row), _i64(dst_row), _i64(rows)
+    lib = _COPY.lib()
+    if lib is not None:
+        lib.moe_ep_push(src_ptr, dst.ctypes.data, row_bytes, dst.size, nblk.ctypes.data, src_row.ctypes.data,
+                        dst_row.ctypes.data, rows.ctypes.data, flags.ctypes.data, value)
+        return
+    at = 0
+    for j in range(dst.size):
+        for i in range(at, at + int(nblk[j])):
+            if rows[i] > 0:
+                ctypes.memmove(int(dst[j]) + int(dst_row[i]) * row_bytes, src_ptr + int(src_row[i]) * row_bytes,
+                               int(rows[i]) * row_bytes)
+        at += int(nblk[j])
+        ctypes.c_int64.from_address(int(flags[j])).value = value  # x86: stores land in program order
+
+
+def poll(flags: np.ndarray, slots: np.ndarray, value: int, spins: int) -> int:
+    """How many of ``flags[slots]`` are still below ``value`` after up to ``spins`` polls."""
+    lib = _COPY.lib()
+    if lib is not None:
+        return int(lib.moe_ep_poll(flags.ctypes.data, slots.ctypes.data, slots.size, value, spins))
+    return int((flags[slots] < value).sum())
+
+
+def unpack(src_ptr: int, out: torch.Tensor, row_bytes: int, off, rows) -> None:
+    """``out`` [M, ...] rows of each block [off, off + rows) copied from ``src_ptr`` at the same
+    rows; every row no block covers zeroed."""
+    off, rows = _i64(off), _i64(rows)
+    total = out.shape[0]
+    lib = _COPY.lib()
+    if lib is not None:
+        if total:
+            lib.moe_ep_unpack(src_ptr, out.data_ptr(), row_bytes, off.size, off.ctypes.data, rows.ctypes.data, total)
+        return
+    out.zero_()
+    for o, n in zip(off.tolist(), rows.tolist()):
+        if n > 0:
+            ctypes.memmove(out.data_ptr() + o * row_bytes, src_ptr + o * row_bytes, n * row_bytes)
 
 
 def _local_ids(counts, n_rows: int, device) -> torch.Tensor:
@@ -51,4 +122,4 @@ def experts_backward_on_rows(x_rows, dy_rows, g, counts, w: ExpertWeights, attrs
     return dx, dg.reshape(-1), roles
 
 
-__all__ = ["experts_on_rows", "experts_backward_on_rows", "ROLES"]
+__all__ = ["experts_on_rows", "experts_backward_on_rows", "push", "poll", "unpack", "copy_kernel_reason", "ROLES"]

@@ -1,0 +1,141 @@
+"""What each rank runs in the ep_dispatch / ep_combine tests (importable by spawned processes).
+
+Every rank draws every rank's tensors from one seed, runs its own part of the collective op, and
+checks it against the pure-torch model of all ranks (``ep/a2a_reference``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import moe_compile.ep.a2a  # noqa: F401  (registers the ops)
+from moe_compile.ep.a2a import dispatch_rows
+from moe_compile.ep.a2a_reference import combine_reference, dispatch_reference
+
+
+def random_dispatch(gen, world, ne, H, dtype=torch.float32):
+    """Every rank's (input, in_splits) and an ``out_rows``, with empty ranks / experts / skewed blocks."""
+    inputs, splits = [], []
+    for _ in range(world):
+        mode = int(torch.randint(0, 4, (1,), generator=gen))
+        if mode == 0:  # T = 0 on this rank
+            s = torch.zeros(world * ne, dtype=torch.long)
+        elif mode == 1:  # everything to rank 0's experts
+            s = torch.zeros(world * ne, dtype=torch.long)
+            s[:ne] = torch.randint(0, 9, (ne,), generator=gen)
+        else:
+            s = torch.randint(0, 6, (world * ne,), generator=gen) * (torch.rand(world * ne, generator=gen) < 0.7)
+        spare = int(torch.randint(0, 3, (1,), generator=gen))  # input rows the splits do not use
+        inputs.append(torch.randn(int(s.sum()) + spare, H, generator=gen).to(dtype))
+        splits.append(s.long())
+    align = [None, 1, 4][int(torch.randint(0, 3, (1,), generator=gen))]
+    return inputs, splits, align
+
+
+def _rows_needed(splits, world, ne, align):
+    from moe_compile.ep.a2a_layout import dispatch_rows_needed
+
+    return int(dispatch_rows_needed(torch.stack(splits), ne, align).max())
+
+
+def random_rounds(rank, world, seeds, ne, H):
+    """Dispatch, then combine of its output (and of randomly padded offsets): bit-identical to the model."""
+    from moe_compile.ep.a2a import ep_combine, ep_dispatch
+
+    group = dist.group.WORLD.group_name
+    bad = []
+    for seed in seeds:
+        gen = torch.Generator().manual_seed(seed)
+        inputs, splits, align = random_dispatch(gen, world, ne, H)
+        out_rows = _rows_needed(splits, world, ne, align) + int(torch.randint(0, 3, (1,), generator=gen))
+        ref = dispatch_reference(inputs, splits, ne, out_rows, align)
+        out, oso = ep_dispatch(inputs[rank], splits[rank], group, out_rows, align)
+        if not (torch.equal(out, ref[rank][0]) and torch.equal(oso, ref[rank][1])):
+            bad.append(("dispatch", seed))
+        # combine the dispatched rows back: out equals the dispatch's input rows, zero beyond
+        rows_in = [t.shape[0] for t in inputs]
+        back, boso = ep_combine(out, oso, group, rows_in[rank])
+        cref = combine_reference([r[0] for r in ref], [r[1] for r in ref], ne, rows_in)
+        want = inputs[rank].clone()
+        want[int(splits[rank].sum()) :] = 0
+        if not (torch.equal(back, cref[rank][0]) and torch.equal(back, want) and torch.equal(boso, cref[rank][1])):
+            bad.append(("combine", seed))
+        # combine from arbitrary offsets (gaps between blocks)
+        cin, ciso = [], []
+        for p in range(world):
+            sp = torch.randint(0, 5, (ne * world,), generator=gen)
+            gaps = torch.randint(0, 3, (ne * world,), generator=gen)
+            off = torch.cumsum(sp + gaps, 0) - sp
+            cin.append(torch.randn(int((off + sp).max()) + 1, H, generator=gen))
+            ciso.append(torch.stack([sp, off]).long())
+        n_out = max(int(ciso[p][0].reshape(ne, world)[:, d].sum()) for p in range(world) for d in range(world)) * world
+        cref = combine_reference(cin, ciso, ne, n_out)
+        got, goso = ep_combine(cin[rank], ciso[rank], group, n_out)
+        if not (torch.equal(got, cref[rank][0]) and torch.equal(goso, cref[rank][1])):
+            bad.append(("combine_offsets", seed))
+    return bad
+
+
+def gradients(rank, world, seed, ne, H):
+    """d/d input of sum_r <dispatch / combine outputs of r, w_r>: the op's backward vs autograd through the model."""
+    from moe_compile.ep.a2a import ep_combine, ep_dispatch
+
+    group = dist.group.WORLD.group_name
+    gen = torch.Generator().manual_seed(seed)
+    inputs, splits, align = random_dispatch(gen, world, ne, H, torch.float64)
+    out_rows = _rows_needed(splits, world, ne, align) + 1
+    ws = [torch.randn(out_rows, H, generator=gen, dtype=torch.float64) for _ in range(world)]
+    # the model, differentiable (slicing)
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    ref = dispatch_reference(leaves, splits, ne, out_rows, align)
+    sum((o * w).sum() for (o, _), w in zip(ref, ws)).backward()
+    x = inputs[rank].clone().requires_grad_()
+    out, oso = ep_dispatch(x, splits[rank], group, out_rows, align)
+    (out * ws[rank]).sum().backward()
+    ok_d = torch.equal(x.grad, leaves[rank].grad)
+    # combine of arbitrary offsets, then its transpose in the backward
+    cin, ciso = [], []
+    for p in range(world):
+        sp = torch.randint(0, 5, (ne * world,), generator=gen)
+        off = torch.cumsum(sp + torch.randint(0, 3, (ne * world,), generator=gen), 0) - sp
+        cin.append(torch.randn(int((off + sp).max()) + 2, H, generator=gen, dtype=torch.float64))
+        ciso.append(torch.stack([sp, off]).long())
+    n_out = int(torch.stack(ciso)[:, 0].sum()) + 1
+    wc = [torch.randn(n_out, H, generator=gen, dtype=torch.float64) for _ in range(world)]
+    leaves = [t.clone().requires_grad_() for t in cin]
+    cref = combine_reference(leaves, ciso, ne, n_out)
+    sum((o * w).sum() for (o, _), w in zip(cref, wc)).backward()
+    xc = cin[rank].clone().requires_grad_()
+    got, _ = ep_combine(xc, ciso[rank], group, n_out)
+    (got * wc[rank]).sum().backward()
+    ok_c = torch.equal(xc.grad, leaves[rank].grad)
+    return ok_d, ok_c
+
+
+def errors(rank, world):
+    """Sizes that do not fit raise the same ValueError on every rank (no hang)."""
+    from moe_compile.ep.a2a import ep_dispatch
+
+    group = dist.group.WORLD.group_name
+    msgs = []
+    splits = torch.full((world * 2,), 3, dtype=torch.long)
+    try:  # out too small
+        ep_dispatch(torch.randn(6 * world, 4), splits, group, 2)
+    except ValueError as exc:
+        msgs.append(str(exc))
+    try:  # rank 0's splits exceed its input
+        n = 1 if rank == 0 else 6 * world
+        ep_dispatch(torch.randn(n, 4), splits, group, dispatch_rows(world, 6 * world, 1, 2) * 2)
+    except ValueError as exc:
+        msgs.append(str(exc))
+    # still in step afterwards
+    out, _ = ep_dispatch(torch.ones(6 * world, 4), splits, group, dispatch_rows(world, 6 * world, 2, 2))
+    msgs.append(float(out.sum()))
+    return msgs
+
+
+def all_checks(rank, world, seeds, ne, H):
+    """One spawn for every check of a world size (spawning ranks costs more than the checks)."""
+    return {"rounds": random_rounds(rank, world, seeds, ne, H), "grads": gradients(rank, world, 7, 2, 4),
+            "errors": errors(rank, world)}
