@@ -65,8 +65,50 @@ def main():
         import traceback
 
         out["fused_moe_ep"] = f"{type(exc).__name__}: {exc} {traceback.format_exc()[-800:]}"
+    out["ep_a2a"] = {path: _check_a2a(dev, g.group_name, path) for path in ("nvshmem", "triton")}
     print(json.dumps(out))
     dist.destroy_process_group()
+
+
+def _check_a2a(dev, group_name: str, path: str):
+    """ep_dispatch / ep_combine / ep_combine_t on CUDA (world 1) against the pure-torch model, and
+    the exchange's time at decode (T=8, H=1024, K=8, 64 local experts); path "triton" forces the
+    rendezvous + Triton form (MOE_COMPILE_EP_NVSHMEM=0)."""
+    os.environ["MOE_COMPILE_EP_NVSHMEM"] = "1" if path == "nvshmem" else "0"
+    try:
+        import moe_compile.ep.a2a  # noqa: F401
+        from moe_compile.ep import a2a_cuda
+        from moe_compile.ep.a2a_reference import combine_reference, dispatch_reference
+
+        if path == "nvshmem" and not a2a_cuda._nvshmem_ok("dispatch"):
+            return "NVSHMEM not available"
+        ops = torch.ops.moe_compile
+        ne, H, T, K = 64, 1024, 8, 8
+        splits = torch.bincount(torch.randint(0, ne, (T * K,)), minlength=ne)
+        x = torch.randn(T * K, H)
+        rows = T * K + ne * 16
+        ref = dispatch_reference([x], [splits], ne, rows, 16)[0]
+        out, oso = ops.ep_dispatch(x.to(dev), splits.to(dev), group_name, rows, 16)
+        back, _ = ops.ep_combine(out, oso, group_name, T * K)
+        t = ops.ep_combine_t(back, oso, group_name, rows)
+        torch.cuda.synchronize()
+        ok = (torch.equal(out.cpu(), ref[0]) and torch.equal(oso.cpu(), ref[1])
+              and torch.equal(back.cpu(), combine_reference([ref[0]], [ref[1]], ne, T * K)[0][0])
+              and torch.equal(t.cpu(), ref[0]))
+        xd, sd = x.to(dev), splits.to(dev)
+        times = []
+        for _ in range(50):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out, oso = ops.ep_dispatch(xd, sd, group_name, rows, 16)
+            ops.ep_combine(out, oso, group_name, T * K)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return {"equal_to_model": ok, "dispatch_combine_ms_median": sorted(times)[len(times) // 2]}
+    except Exception as exc:  # noqa: BLE001
+        import traceback
+
+        return f"{type(exc).__name__}: {exc} {traceback.format_exc()[-800:]}"
 
 
 if __name__ == "__main__":

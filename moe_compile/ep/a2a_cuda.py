@@ -24,12 +24,14 @@ kernel drops rows past ``out`` (the CPU transport raises).
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
 from moe_compile.ep.a2a_layout import combine_layout, dispatch_layout, exclusive_cumsum
 
 TIMEOUT_MS = 60_000
+NVSHMEM_ENV = "MOE_COMPILE_EP_NVSHMEM"  # =0: the rendezvous + Triton form even where NVSHMEM is
 
 
 def pull_table(kind: str, pay: torch.Tensor, me: int, R: int, ne: int, major_align=None):
@@ -77,7 +79,7 @@ def _buffers(group_name, rows, row_elems, dtype, pay_words, device) -> _Buffers:
 
 
 def _nvshmem_ok(kind: str) -> bool:
-    if kind == "combine_t":
+    if kind == "combine_t" or os.environ.get(NVSHMEM_ENV, "1") == "0":
         return False
     try:
         import torch.distributed._symmetric_memory as symm_mem
