@@ -1,6 +1,23 @@
-"""a8w4-int: int8 activations per token, int4 weights per output channel, and the MSD identity.
+"""a8w4-int: int8 activations, int4 weights, int32 sums — group-wise (the default) or per channel (MSD).
 
-Shapes:  E experts, N output rows, K reduction width, T rows of x.
+Shapes:  E experts, N output rows, K reduction width, G weight group, B = K / 32 activation blocks,
+         T rows of x.
+
+Group-wise, ``pack(w, group_size=G)``, G in 32 (the default: ggml's q4_0 block), 64, or a
+multiple of 128 (torchao's "8da4w" semantics):
+
+    weights      s_w[e, n, g] = fp16(+-max|w| / d) per group of G along K, d in 7, 7.25, .. 12 chosen
+                 for the least squared error (``signed_group_scales``: the sign puts the largest
+                 element on the -8 side, as q4_0 does), |s_w| at least 2^-24;
+                 q_w = clamp(round_half_even(w / s_w), -8, 7), nibbles u = q_w + 8 as w4-int:
+                 uint8 [E, N, K/2], fp16 [E, N, K/G], no bias.  The same bytes as w4-int.
+    activations  (q_x [T, K] int8, s_x [T, B] fp32) = quantize_per_block_int8(x): per token and
+                 block of 32 along K, s = max|x_block| / 127, q = round_half_even(x / s)
+    matmul       acc[t, n, b] = sum over block b of q_x q_w     int32, exact (|acc| <= 32 * 127 * 8)
+                 y[t, n] = sum_b (acc[t, n, b] * s_x[t, b]) * s_w[n, 32 b / G]     fp32
+                 (a block's sum scaled once, as ggml's q4_0 x q8_0 dot does per block)
+
+Per channel, ``pack(w, group_size=None)`` (the seed operator's form, ``QuantWeight.scale`` fp32):
 
     weights      s_w[e, n] = max_k |w[e, n, k]| / d (fp32; 1 for an all-zero row), d in 7, 7.25, .. 12
                  chosen per channel for the least squared error (``common.search_scales``:
@@ -25,14 +42,30 @@ from __future__ import annotations
 
 import torch
 
+from moe_compile.quant import wint
 from moe_compile.quant.a8w8_int import MAX_K, int_matmul
-from moe_compile.quant.common import QuantWeight, check_group, pack_nibbles, quantize_per_token_int8, search_scales, unpack_nibbles
+from moe_compile.quant.common import (ACT_BLOCK, QuantRefusal, QuantWeight, check_group, group_view, pack_nibbles,
+                                      quantize_per_block_int8, quantize_per_token_int8, search_scales,
+                                      unpack_nibbles)
 
 QMAX, QMIN = 7, -8
+DEFAULT_GROUP = 32  # the CPU default: q4_0's block, 4.5 bits per weight
+_REFERENCE_ROWS = 64  # the grouped reference works on this many rows of x at a time ([rows, N, B] sums)
 
 
-def pack(w: torch.Tensor) -> QuantWeight:
-    """W [E, N, K] float -> QuantWeight("a8w4-int") with its MSD bias."""
+def check_group_size(K: int, group: int) -> None:
+    """Grouped a8w4-int: G a multiple of the activation block that the kernels' vectors tile
+    (32, 64 or a multiple of 128) and dividing K."""
+    if group not in (32, 64) and (group <= 0 or group % 128):
+        raise QuantRefusal(f"a8w4-int: group_size must be 32, 64 or a multiple of 128, got {group}")
+    check_group(K, group, "a8w4-int")
+
+
+def pack(w: torch.Tensor, group_size: int | None = DEFAULT_GROUP) -> QuantWeight:
+    """W [E, N, K] float -> QuantWeight("a8w4-int"): group-wise fp16 scales (``group_size`` G),
+    or, ``group_size=None``, per channel with the MSD bias (the seed's form)."""
+    if group_size is not None:
+        return _pack_grouped(w, group_size)
     E, N, K = w.shape
     check_group(K, K, "a8w4-int")  # even K
     if K >= MAX_K:
@@ -43,14 +76,68 @@ def pack(w: torch.Tensor) -> QuantWeight:
     return QuantWeight("a8w4-int", pack_nibbles(q + 8), s, K, (E, N, K), bias)
 
 
+def signed_group_scales(w: torch.Tensor, group: int) -> torch.Tensor:
+    """W [E, N, K] -> fp16 [E, N, K/G]: per group, the least-squares s = amax / d of
+    ``common.search_scales`` with the sign that puts the group's largest-magnitude element on the
+    grid's -8 side (q4_0's d = max / -8 does the same), so d in (7, 8.5] keeps it unclipped:
+    +0.3-0.4 dB over positive scales on Gaussian groups of 32.  |s| >= 2^-24 (fp16's step)."""
+    wg = group_view(w.float(), group)  # [E, N, K/G, G]
+    m = wg.gather(-1, wg.abs().argmax(dim=-1, keepdim=True))  # [E, N, K/G, 1]
+    sign = torch.where(m > 0, -torch.ones_like(m), torch.ones_like(m))
+    s = search_scales(wg * sign, QMIN, QMAX) * sign  # the search sees the extreme negative
+    s16 = s[..., 0].to(torch.float16)
+    return (torch.sign(s16) * s16.abs().clamp_min(wint.FP16_TINY)).contiguous()
+
+
+def _pack_grouped(w: torch.Tensor, group: int) -> QuantWeight:
+    E, N, K = w.shape
+    check_group_size(K, group)
+    if K >= MAX_K:
+        raise ValueError(f"a8w4-int: K={K} could overflow the int32 accumulator (K < {MAX_K})")
+    s16 = signed_group_scales(w.detach(), group)  # [E, N, K/G] fp16
+    q = wint.quantize_groups(w.detach(), s16, group, "w4-int")  # [E, N, K] in [-8, 7]
+    return QuantWeight("a8w4-int", pack_nibbles(q + 8), s16, group, (E, N, K))
+
+
 def integers(qw: QuantWeight) -> torch.Tensor:
     """q_w [E, N, K] int32 in [-8, 7]."""
     return unpack_nibbles(qw.data).to(torch.int32) - 8
 
 
 def dequantize(qw: QuantWeight) -> torch.Tensor:
-    """-> [E, N, K] fp32 = q * s."""
+    """-> [E, N, K] fp32 = q * s (per group, or per channel)."""
+    if qw.grouped_activations:
+        E, N, K = qw.shape
+        q = integers(qw).float().reshape(E, N, K // qw.group, qw.group)
+        return (q * qw.scale.float()[..., None]).reshape(E, N, K)
     return integers(qw).float() * qw.scale
+
+
+def block_sums(qx: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """int8 [T, K] x int [N, K] -> acc [T, N, B] fp32: each 32-block's integer dot product, exact
+    (every partial sum is an integer below 32 * 127 * 8 < 2^24, so fp32 holds it in any order)."""
+    T, K = qx.shape
+    N, B = q.shape[0], K // ACT_BLOCK
+    a = qx.float().reshape(T, B, ACT_BLOCK).transpose(0, 1)  # [B, T, 32]
+    w = q.float().reshape(N, B, ACT_BLOCK).permute(1, 2, 0)  # [B, 32, N]
+    return torch.bmm(a, w).permute(1, 2, 0)  # [T, N, B]
+
+
+def block_scales(qw: QuantWeight, e: int) -> torch.Tensor:
+    """Expert e's weight scale of each activation block: fp32 [N, B] (s_w of the group holding it)."""
+    return qw.scale[e].float().repeat_interleave(qw.group // ACT_BLOCK, dim=-1)
+
+
+def grouped_matmul(x: torch.Tensor, qw: QuantWeight, e: int) -> torch.Tensor:
+    """x [T, K] float -> [T, N] fp32: activations per block of 32, int32 block sums, each scaled
+    once: y = sum_b (acc_b * s_x_b) * s_w."""
+    sw = block_scales(qw, e)  # [N, B]
+    q = integers(qw)[e]  # [N, K]
+    out = []
+    for t0 in range(0, x.shape[0], _REFERENCE_ROWS):
+        qx, sx = quantize_per_block_int8(x[t0: t0 + _REFERENCE_ROWS])  # [t, K], [t, B]
+        out.append(((block_sums(qx, q) * sx[:, None, :]) * sw[None]).sum(-1))
+    return torch.cat(out) if out else x.new_zeros(0, qw.shape[1], dtype=torch.float32)
 
 
 def msd_digits(qx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,14 +149,20 @@ def msd_digits(qx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def msd_matmul(qx: torch.Tensor, qw: QuantWeight, e: int) -> torch.Tensor:
-    """int8 [T, K] x expert e -> int32 [T, N] by the MSD identity (two int4 x int4 products + bias)."""
+    """int8 [T, K] x expert e -> int32 [T, N] by the MSD identity (two int4 x int4 products + bias);
+    per-channel weights only (the grouped form has no bias)."""
+    if qw.bias is None:
+        raise ValueError("a8w4-int: the MSD identity needs the per-channel form (pack(w, group_size=None))")
     hi, lo = msd_digits(qx)
     q = integers(qw)[e]  # [N, K]
     return 16 * int_matmul(hi, q) + int_matmul(lo, q) + qw.bias[e].reshape(1, -1)
 
 
 def matmul(x: torch.Tensor, qw: QuantWeight, e: int) -> torch.Tensor:
-    """x [T, K] float -> [T, N] fp32: per-token int8 x per-channel int4, int32 accumulation."""
+    """x [T, K] float -> [T, N] fp32: the grouped form's ``grouped_matmul``, or per-token int8 x
+    per-channel int4 with int32 accumulation."""
+    if qw.grouped_activations:
+        return grouped_matmul(x, qw, e)
     qx, sx = quantize_per_token_int8(x)
     acc = int_matmul(qx, integers(qw)[e])  # [T, N] int32
     return acc.float() * sx * qw.scale[e].reshape(1, -1)

@@ -17,11 +17,15 @@ K = F.
 | mxfp4    | uint8 [E, N, K/2] e2m1 codes | uint8 e8m0 [E,N,K/32] | 32    | e2m1(code) * 2^(scale - 127)       |
 | mxfp8    | uint8 [E, N, K] e4m3fn bits  | uint8 e8m0 [E,N,K/32] | 32    | e4m3(code) * 2^(scale - 127)       |
 | a8w8-int | int8 [E, N, K]               | fp32 [E, N, 1]        | K     | q * s                              |
-| a8w4-int | uint8 [E, N, K/2]            | fp32 [E, N, 1]        | K     | (nibble - 8) * s; bias = 8 sum_k q |
+| a8w4-int | uint8 [E, N, K/2]            | fp16 [E, N, K/G]      | G     | (nibble - 8) * s  (default, G = 32) |
+| a8w4-int | uint8 [E, N, K/2]            | fp32 [E, N, 1]        | K     | per channel (MSD): bias = 8 sum_k q |
 | a8w8-fp8 | uint8 [E, N, K] e4m3fn bits  | fp32 [E, N, 1]        | K     | e4m3(code) * s                     |
 
 Each format's module (``w16.py``, ``wint.py``, ``mx.py``, ``a8w8_int.py``, ``a8w4_int.py``,
 ``fp8.py``) states how the scales are chosen and gives pack, dequantize and a reference matmul.
+a8w4-int has two forms, told apart by the scale's dtype: group-wise (fp16 group scales, no bias;
+activations quantized per token in blocks of ``ACT_BLOCK``, torchao's "8da4w") and the seed's
+per-channel MSD form (fp32 scale per row, int32 bias).
 
 Nibble order (every 4-bit format): byte j of a row holds element 2j in its low nibble and element
 2j + 1 in its high nibble (the GPT-OSS / OCP MX order).
@@ -39,6 +43,7 @@ ACTIVATION_QUANTIZED = ("a8w8-int", "a8w4-int", "a8w8-fp8")
 FOUR_BIT = ("w4-int", "mxfp4", "a8w4-int")
 MX_GROUP = 32  # OCP MX v1.0 block size
 INT8_QMAX = 127.0
+ACT_BLOCK = 32  # grouped a8w4-int: activations get one int8 scale per token per 32 elements of K
 
 
 class QuantRefusal(ValueError):
@@ -56,11 +61,11 @@ def _data_spec(fmt: str) -> tuple[tuple[torch.dtype, ...], int]:
     return (torch.uint8,), 1  # mxfp8, a8w8-fp8: e4m3fn bit patterns
 
 
-def _scale_spec(fmt: str, shape: tuple[int, int, int], group: int) -> tuple[torch.dtype | None, tuple]:
+def _scale_spec(fmt: str, shape: tuple[int, int, int], group: int, grouped: bool = False) -> tuple[torch.dtype | None, tuple]:
     E, N, K = shape
     if fmt == "w16":
         return None, (0,)
-    if fmt in ("w8-int", "w4-int"):
+    if fmt in ("w8-int", "w4-int") or grouped:
         return torch.float16, (E, N, K // group)
     if fmt in ("mxfp4", "mxfp8"):
         return torch.uint8, (E, N, K // group)
@@ -104,7 +109,7 @@ class QuantWeight:
                 f"{self.fmt}: data must be {dtypes} of shape {(E, N, K // per_byte)}, "
                 f"got {self.data.dtype} {tuple(self.data.shape)}"
             )
-        scale_dtype, scale_shape = _scale_spec(self.fmt, self.shape, self.group)
+        scale_dtype, scale_shape = _scale_spec(self.fmt, self.shape, self.group, self.grouped_activations)
         if scale_dtype is not None and (self.scale.dtype != scale_dtype or tuple(self.scale.shape) != scale_shape):
             raise ValueError(
                 f"{self.fmt}: scale must be {scale_dtype} of shape {scale_shape}, "
@@ -116,12 +121,18 @@ class QuantWeight:
 
     def _check_bias(self) -> None:
         E, N, _ = self.shape
-        if self.fmt != "a8w4-int":
+        if self.fmt != "a8w4-int" or self.grouped_activations:
             if self.bias is not None:
-                raise ValueError(f"{self.fmt}: only a8w4-int carries a bias")
+                raise ValueError(f"{self.fmt}: only per-channel a8w4-int (fp32 scales) carries a bias")
             return
         if self.bias is None or self.bias.dtype != torch.int32 or tuple(self.bias.shape) != (E, N):
             raise ValueError(f"a8w4-int: bias must be int32 [{E}, {N}] (8 * sum_k q)")
+
+    @property
+    def grouped_activations(self) -> bool:
+        """Group-wise a8w4-int (fp16 group scales): activations quantized per ``ACT_BLOCK`` elements.
+        The per-channel MSD form holds fp32 scales [E, N, 1]."""
+        return self.fmt == "a8w4-int" and self.scale.dtype == torch.float16
 
     @property
     def num_experts(self) -> int:
@@ -145,6 +156,23 @@ def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     s = torch.where(s > 0, s, torch.ones_like(s))
     q = torch.round(xf / s).clamp_(-INT8_QMAX, INT8_QMAX).to(torch.int8)  # [T, K]
     return q, s
+
+
+def quantize_per_block_int8(x: torch.Tensor, block: int = ACT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] float (K a multiple of ``block``) -> (q int8 [T, K], s fp32 [T, K / block]).
+
+    Per token and block of ``block`` elements along K: s = max|x| / 127 (1 where that is 0;
+    a NaN or inf in the block makes s non-finite, so the output is too), q = clamp(
+    round_half_even(x / s), -127, 127) (0 where x / s is NaN).
+    """
+    xf = x.float()
+    T, K = xf.shape
+    xb = xf.reshape(T, K // block, block)
+    amax = xb.abs().amax(dim=-1)  # [T, B]; NaN propagates
+    s = amax / INT8_QMAX
+    s = torch.where(s == 0, torch.ones_like(s), s)  # zero (or subnormal) blocks: 1, so q = 0
+    q = torch.nan_to_num(torch.round(xb / s[..., None]), nan=0.0).clamp_(-INT8_QMAX, INT8_QMAX)
+    return q.to(torch.int8).reshape(T, K), s
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:

@@ -66,6 +66,6 @@ def test_quant_weight_rejects_wrong_shapes():
 def test_packed_bytes(fmt):
     qw = pack(fmt, torch.randn(2, 8, 64))
     bits = {"w16": 16, "w8-int": 8 + 0.5, "w4-int": 4 + 0.5, "mxfp4": 4 + 0.25, "mxfp8": 8 + 0.25,
-            "a8w8-int": 8, "a8w4-int": 4, "a8w8-fp8": 8}[fmt]
-    per_row = {"a8w8-int": 4, "a8w4-int": 8, "a8w8-fp8": 4}.get(fmt, 0)  # fp32 scale (+ int32 bias)
+            "a8w8-int": 8, "a8w4-int": 4 + 0.5, "a8w8-fp8": 8}[fmt]
+    per_row = {"a8w8-int": 4, "a8w8-fp8": 4}.get(fmt, 0)  # fp32 scale (a8w4-int: fp16 per 32, no bias)
     assert qw.nbytes == 2 * 8 * (64 * bits / 8 + per_row)

@@ -50,7 +50,7 @@
 #pragma GCC target("f16c")
 
 /* Weight formats (qdecode.py: _FORMATS). */
-enum { FMT_BF16 = 1, FMT_FP16, FMT_W8, FMT_W4, FMT_MXFP4, FMT_MXFP8, FMT_A8W8, FMT_A8W4, FMT_COUNT };
+enum { FMT_BF16 = 1, FMT_FP16, FMT_W8, FMT_W4, FMT_MXFP4, FMT_MXFP8, FMT_A8W8, FMT_A8W4, FMT_A8W4G, FMT_COUNT };
 enum { ISA_AVX2 = 2, ISA_AVX512 = 512 };
 /* Group scales of one weight row converted to fp32 SEG at a time (a stack buffer per row). */
 enum { SEG = 256 };
@@ -82,6 +82,7 @@ typedef struct {
     int64_t fmt, n, k, group, layout; /* layout: how its x rows are held (LAYOUT_*) */
     int64_t i16; /* against one row its input is read as int16 blocks (I16_BLOCK, below): 0 no,
                   * I16_PAIRED (4-bit: evens then odds) or I16_NATURAL (int8: in order) */
+    int64_t pairing; /* FMT_A8W4G: its int8 input paired per 64 (AVX2 loop) or 128 (AVX-512 VNNI loop) */
 } qweight_t;
 
 /* How a weight's input rows (x for FC1, the activations for FC2) are held, see the header:
@@ -91,7 +92,7 @@ typedef struct {
 enum { LAYOUT_NATURAL, LAYOUT_PAIRED, LAYOUT_T8 };
 
 static int64_t row_bytes(const qweight_t *w) {
-    return w->fmt == FMT_W4 || w->fmt == FMT_MXFP4 || w->fmt == FMT_A8W4 ? w->k / 2
+    return w->fmt == FMT_W4 || w->fmt == FMT_MXFP4 || w->fmt == FMT_A8W4 || w->fmt == FMT_A8W4G ? w->k / 2
            : w->fmt == FMT_BF16 || w->fmt == FMT_FP16                  ? 2 * w->k
                                                                        : w->k;
 }
@@ -107,7 +108,8 @@ static const uint8_t *row_at(const qweight_t *w, int64_t e, int64_t n) {
 }
 
 static const uint8_t *scales_at(const qweight_t *w, int64_t e, int64_t n) {
-    int64_t per_row = w->k / w->group, bytes = w->fmt == FMT_W8 || w->fmt == FMT_W4 ? 2 : int8_activations(w->fmt) ? 4 : 1;
+    int64_t per_row = w->k / w->group,
+            bytes = w->fmt == FMT_W8 || w->fmt == FMT_W4 || w->fmt == FMT_A8W4G ? 2 : int8_activations(w->fmt) ? 4 : 1;
     return has_scales(w->fmt) ? w->scale + (e * w->n + n) * per_row * bytes : NULL;
 }
 
@@ -355,6 +357,188 @@ static void int8_dot(int64_t fmt, int64_t K, const uint8_t *const *rows, const i
     }
 }
 
+/* ---- a8w4-int, group-wise (FMT_A8W4G: quant/a8w4_int.py's grouped form, torchao's "8da4w") ----
+ * Activations quantized per row in blocks of 32 (quant/common.py: quantize_per_block_int8), 4-bit
+ * weights u = q + 8 with an fp16 scale per group of G (32, 64 or a multiple of 128) along K.  Each
+ * block's int32 sum is scaled once: y = sum_b (acc_b * s_x,b) * s_w,g.  The loops sum u x q_x with
+ * vpmaddubsw (AVX2, 64 elements a step) or vpdpbusd (AVX-512 VNNI, 128 a step) into int32 lanes, 4
+ * lanes per block of 32 (16 bytes of nibbles), starting from the block's offset -8 sum_b(q_x) in its
+ * first lane: so acc_b = q_w . q_x exactly, held as 4 partial sums; each lane is converted to fp32
+ * and scaled (acc * s_x) * s_w, summed in fp32 at the row's end.  The int32 sums are exact; the
+ * result differs from the reference by the fp32 rounding of the 4 scaled partials of a block and
+ * the order of the fp32 sum over blocks. */
+enum { A8G_BLOCK = 32, A8G_LANES = 4 };
+
+static int a8g_vnni(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    }
+    return known;
+}
+
+/* Whether the loops take a grouped a8w4 role of reduction width K and group G. */
+static int a8g_ok(int64_t K, int64_t G) { return (G == 32 || G == 64 || (G > 0 && G % 128 == 0)) && K % G == 0; }
+
+static int64_t a8g_pairing(int64_t K, int64_t isa) { return isa == ISA_AVX512 && a8g_vnni() && K % 128 == 0 ? 128 : 64; }
+
+/* One row of n floats (n a multiple of 32) quantized per block as quantize_per_block_int8, bit for
+ * bit: s = max|x| / 127 (1 where that is 0; a NaN or inf makes it non-finite), q = clamp(round half
+ * to even(x / s), -127, 127), 0 where x / s is NaN; q stored paired per `pairing` elements (a last
+ * 32 that does not fill one: paired per 32, the AVX2 loop's tail).  Per block b:
+ * sxe[4b .. 4b+3] = s (one per int32 lane of the block), off[4b] = -8 sum_b(q), off[4b+1 .. 4b+3] = 0. */
+static void quantize_int8_blocks(const float *x, int64_t n, int64_t pairing, int8_t *q, float *sxe, int32_t *off) {
+    const int64_t whole = n - n % pairing;
+    for (int64_t b = 0; b < n; b += A8G_BLOCK) {
+        const int64_t P = b < whole ? pairing : A8G_BLOCK;
+        float big = 0.f;
+        for (int j = 0; j < A8G_BLOCK; ++j) {
+            float a = x[b + j] < 0 ? -x[b + j] : x[b + j];
+            big = a > big || a != a ? a : big; /* a NaN wins and stays */
+        }
+        float s = big / 127.f;
+        s = s == 0.f ? 1.f : s;
+        int32_t total = 0;
+        for (int j = 0; j < A8G_BLOCK; ++j) {
+            int v = _mm_cvtss_si32(_mm_set_ss(x[b + j] / s)); /* MXCSR's round half to even; NaN -> INT_MIN */
+            v = v == (int)0x80000000 ? 0 : v > 127 ? 127 : v < -127 ? -127 : v;
+            q[paired_index(b + j, P)] = (int8_t)v;
+            total += v;
+        }
+        for (int i = 0; i < A8G_LANES; ++i) sxe[b / 8 + i] = s, off[b / 8 + i] = i ? 0 : -8 * total;
+    }
+}
+
+/* The weight scale of each int32 lane of 64 elements (chunk c): two blocks' groups. */
+static inline __m256 a8g_scales8(const uint8_t *sc, int64_t c, int64_t G) {
+    const uint16_t *h = (const uint16_t *)sc;
+    if (G == 32) {
+        uint32_t two;
+        memcpy(&two, h + 2 * c, 4);
+        __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128((int)two));
+        return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(f), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+    }
+    return _mm256_set1_ps(_cvtsh_ss(h[64 * c / G]));
+}
+
+static float hsum8(__m256 v) {
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+/* out[w * nr + r] of two weight rows and n activation rows (q, block scales, offsets), AVX2. */
+static void a8g_dot_avx2(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales,
+                         const int8_t *const *xq, const float *const *xs, const int32_t *const *xo, int64_t n, int nr,
+                         float *out) {
+    const int64_t K = wt->k, G = wt->group;
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    for (int64_t r = 0; r < n; ++r) {
+        __m256 t0 = _mm256_setzero_ps(), t1 = t0;
+        for (int64_t c = 0; c < K / 64; ++c) {
+            const int64_t k = 64 * c;
+            if (r == 0 && !(c & 1)) {
+                _mm_prefetch((const char *)(rows[0] + k / 2 + PREFETCH_4BIT_BYTES), _MM_HINT_T0);
+                _mm_prefetch((const char *)(rows[1] + k / 2 + PREFETCH_4BIT_BYTES), _MM_HINT_T0);
+            }
+            __m256i qe = _mm256_loadu_si256((const __m256i *)(xq[r] + k)), qo = _mm256_loadu_si256((const __m256i *)(xq[r] + k + 32));
+            __m256i o = _mm256_loadu_si256((const __m256i *)(xo[r] + 8 * c));
+            __m256 sx = _mm256_loadu_ps(xs[r] + 8 * c);
+            __m256i v0 = _mm256_loadu_si256((const __m256i *)(rows[0] + k / 2));
+            __m256i v1 = _mm256_loadu_si256((const __m256i *)(rows[1] + k / 2));
+            /* pair sums <= 2 * 15 * 127; two of them added <= 7620 < 2^15 */
+            __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v0, low), qe),
+                                          _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low), qo));
+            __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v1, low), qe),
+                                          _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low), qo));
+            __m256i a0 = _mm256_add_epi32(_mm256_madd_epi16(p0, ones), o), a1 = _mm256_add_epi32(_mm256_madd_epi16(p1, ones), o);
+            t0 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a0), sx), a8g_scales8(scales[0], c, G), t0);
+            t1 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a1), sx), a8g_scales8(scales[1], c, G), t1);
+        }
+        if (K % 64) { /* the last 32, paired per 32: 16 bytes give [low nibbles | high nibbles], all one block */
+            const int64_t k = K - 32, b = k / A8G_BLOCK;
+            const __m128i low16 = _mm_set1_epi8(15);
+            __m256i qb = _mm256_loadu_si256((const __m256i *)(xq[r] + k));
+            __m256i o = _mm256_setr_epi32(xo[r][4 * b], 0, 0, 0, 0, 0, 0, 0);
+            __m256 sx = _mm256_set1_ps(xs[r][4 * b]);
+            __m256 t[2] = {t0, t1};
+            for (int w = 0; w < 2; ++w) {
+                __m128i v = _mm_loadu_si128((const __m128i *)(rows[w] + k / 2));
+                __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low16), _mm_and_si128(v, low16));
+                __m256i a = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, qb), ones), o);
+                __m256 sw = _mm256_set1_ps(_cvtsh_ss(((const uint16_t *)scales[w])[k / G]));
+                t[w] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a), sx), sw, t[w]);
+            }
+            t0 = t[0], t1 = t[1];
+        }
+        out[r] = hsum8(t0), out[nr + r] = hsum8(t1);
+    }
+}
+
+#define A8G_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+/* The weight scale of each int32 lane of 128 elements (chunk c): four blocks' groups. */
+A8G_VNNI static inline __m512 a8g_scales16(const uint8_t *sc, int64_t c, int64_t G) {
+    const uint16_t *h = (const uint16_t *)sc;
+    if (G == 32) {
+        __m128 f = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(h + 4 * c)));
+        return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_castps128_ps512(f));
+    }
+    if (G == 64) {
+        uint32_t two;
+        memcpy(&two, h + 2 * c, 4);
+        __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128((int)two));
+        return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), _mm512_castps128_ps512(f));
+    }
+    return _mm512_set1_ps(_cvtsh_ss(h[128 * c / G]));
+}
+
+/* As a8g_dot_avx2, AVX-512 VNNI, 128 elements (64 bytes of each row) a step; K a multiple of 128. */
+A8G_VNNI static void a8g_dot_vnni(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales,
+                                  const int8_t *const *xq, const float *const *xs, const int32_t *const *xo, int64_t n,
+                                  int nr, float *out) {
+    const int64_t K = wt->k, G = wt->group;
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int64_t r = 0; r < n; ++r) {
+        __m512 t0 = _mm512_setzero_ps(), t1 = t0;
+        for (int64_t c = 0; c < K / 128; ++c) {
+            const int64_t k = 128 * c;
+            if (r == 0) {
+                _mm_prefetch((const char *)(rows[0] + k / 2 + PREFETCH_4BIT_BYTES), _MM_HINT_T0);
+                _mm_prefetch((const char *)(rows[1] + k / 2 + PREFETCH_4BIT_BYTES), _MM_HINT_T0);
+            }
+            __m512i qe = _mm512_loadu_si512(xq[r] + k), qo = _mm512_loadu_si512(xq[r] + k + 64);
+            __m512i o = _mm512_loadu_si512(xo[r] + 16 * c);
+            __m512 sx = _mm512_loadu_ps(xs[r] + 16 * c);
+            __m512i v0 = _mm512_loadu_si512(rows[0] + k / 2), v1 = _mm512_loadu_si512(rows[1] + k / 2);
+            __m512i a0 = _mm512_dpbusd_epi32(o, _mm512_and_si512(v0, low), qe);
+            __m512i a1 = _mm512_dpbusd_epi32(o, _mm512_and_si512(v1, low), qe);
+            a0 = _mm512_dpbusd_epi32(a0, _mm512_and_si512(_mm512_srli_epi16(v0, 4), low), qo);
+            a1 = _mm512_dpbusd_epi32(a1, _mm512_and_si512(_mm512_srli_epi16(v1, 4), low), qo);
+            t0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a0), sx), a8g_scales16(scales[0], c, G), t0);
+            t1 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a1), sx), a8g_scales16(scales[1], c, G), t1);
+        }
+        out[r] = _mm512_reduce_add_ps(t0), out[nr + r] = _mm512_reduce_add_ps(t1);
+    }
+}
+
+/* out[w * nr + r] of two rows of a grouped a8w4 role and activation rows r0 .. r0 + n - 1 (through
+ * `index` when given) of q [., ld], block scales and offsets [., ld / 8]. */
+static void a8g_rows(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales, const int8_t *q,
+                     int64_t ld, const float *sxe, const int32_t *off, const int64_t *index, int64_t r0, int64_t n,
+                     int nr, float *out) {
+    const int8_t *xr[16];
+    const float *xs[16];
+    const int32_t *xo[16];
+    for (int64_t r = 0; r < n; ++r) {
+        int64_t i = index ? index[r0 + r] : r0 + r;
+        xr[r] = q + i * ld, xs[r] = sxe + i * (ld / 8), xo[r] = off + i * (ld / 8);
+    }
+    (wt->pairing == 128 ? a8g_dot_vnni : a8g_dot_avx2)(wt, rows, scales, xr, xs, xo, n, nr, out);
+}
+
 #define QDECODE_ISA 2
 #pragma GCC push_options
 #include "qdecode.c"
@@ -391,6 +575,8 @@ typedef struct {
     int8_t *x8, *a8;                   /* x [T, H] and a [S, F] quantized per row (a8 formats) */
     float *x8s, *a8s;                  /* their scales [T], [S] */
     int32_t *x8sum, *a8sum;            /* their sums of q [T], [S] */
+    float *x8b, *a8b;                  /* grouped a8w4: x8 / a8 per block of 32, scales [T, H / 8], [S, F / 8] */
+    int32_t *x8o, *a8o;                /* and offsets, same shapes (quantize_int8_blocks) */
     float *xs, *as;                    /* their block scales [T, H / I16_BLOCK], [S, F / I16_BLOCK] */
     qweight_t w1, w2;
     dot_fn dot;
@@ -440,7 +626,9 @@ static void fc1_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t
         for (int64_t f = f0; f < f1; ++f) {
             const uint8_t *w[2] = {row_at(&s->w1, e, f), row_at(&s->w1, e, s->F + f)};
             const uint8_t *sc[2] = {scales_at(&s->w1, e, f), scales_at(&s->w1, e, s->F + f)};
-            if (int8_activations(s->w1.fmt)) {
+            if (s->w1.fmt == FMT_A8W4G) {
+                a8g_rows(&s->w1, w, sc, s->x8, s->H, s->x8b, s->x8o, s->tok, r0, n, nr, out);
+            } else if (int8_activations(s->w1.fmt)) {
                 int8_rows(&s->w1, w, sc, s->x8, s->H, s->x8s, s->x8sum, s->tok, r0, n, nr, out);
             } else if (n == 1 && s->w1.i16) {
                 int64_t t = s->tok[r0];
@@ -482,7 +670,9 @@ static void fc2_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t
             int64_t c2 = c + 1 < n1 ? c + 1 : c; /* an odd count: the last row twice, once kept */
             const uint8_t *w[2] = {row_at(&s->w2, e, c), row_at(&s->w2, e, c2)};
             const uint8_t *sc[2] = {scales_at(&s->w2, e, c), scales_at(&s->w2, e, c2)};
-            if (int8_activations(s->w2.fmt))
+            if (s->w2.fmt == FMT_A8W4G)
+                a8g_rows(&s->w2, w, sc, s->a8, s->F, s->a8b, s->a8o, NULL, r0, n, nr, out);
+            else if (int8_activations(s->w2.fmt))
                 int8_rows(&s->w2, w, sc, s->a8, s->F, s->a8s, s->a8sum, NULL, r0, n, nr, out);
             else if (n == 1 && s->w2.i16)
                 s->dot16(&s->w2, w, sc, s->aq + r0 * s->F, s->as + r0 * (s->F / I16_BLOCK), out);
@@ -504,12 +694,16 @@ static void run_parts(const step_t *s, float limit, int64_t part, int64_t parts)
     for (int64_t e = 0; e < s->E && f0 < f1; ++e)
         if (s->start[e + 1] > s->start[e]) fc1_part(s, e, s->start[e], s->start[e + 1], f0, f1, limit);
 #pragma omp barrier
-    if (int8_activations(s->w2.fmt)) { /* FC2's input re-quantized per row: whole rows, after FC1 */
+    if (int8_activations(s->w2.fmt) || s->w2.fmt == FMT_A8W4G) { /* FC2's input re-quantized per row: whole rows, after FC1 */
         int64_t r0, r1;
         split(s->S, 1, part, parts, &r0, &r1);
         for (int64_t r = r0; r < r1; ++r)
-            s->a8s[r] = quantize_int8_row(s->a + r * s->F, s->F, s->w2.fmt == FMT_A8W4 ? a8w4_block(s->F) : 0,
-                                          s->a8 + r * s->F, s->a8sum + r);
+            if (s->w2.fmt == FMT_A8W4G)
+                quantize_int8_blocks(s->a + r * s->F, s->F, s->w2.pairing, s->a8 + r * s->F, s->a8b + r * (s->F / 8),
+                                     s->a8o + r * (s->F / 8));
+            else
+                s->a8s[r] = quantize_int8_row(s->a + r * s->F, s->F, s->w2.fmt == FMT_A8W4 ? a8w4_block(s->F) : 0,
+                                              s->a8 + r * s->F, s->a8sum + r);
 #pragma omp barrier
     }
     split(s->H, 2, part, parts, &n0, &n1);
@@ -540,9 +734,11 @@ int moe_qdecode_run(const int64_t *plan, float limit, int64_t nparts) {
         if (w->fmt < 1 || w->fmt >= FMT_COUNT || (has_scales(w->fmt) && (w->group % 32 || w->k % w->group)))
             return -2;
         if (int8_activations(w->fmt) && (w->k % 32 || w->group != w->k)) return -2; /* per channel, 32-wide blocks */
+        if (w->fmt == FMT_A8W4G && !a8g_ok(w->k, w->group)) return -2;
     }
     s.v = isa == ISA_AVX512 ? 16 : 8;
     s.w1.layout = layout_of(s.w1.fmt, s.w1.group, isa), s.w2.layout = layout_of(s.w2.fmt, s.w2.group, isa);
+    s.w1.pairing = a8g_pairing(s.w1.k, isa), s.w2.pairing = a8g_pairing(s.w2.k, isa);
     s.dot = isa == ISA_AVX512 ? dot_512 : dot_2;
     s.dot16 = dot16_2;
     s.rmax = isa == ISA_AVX512 ? RMAX_512 : RMAX_2;
@@ -558,8 +754,15 @@ int moe_qdecode_run(const int64_t *plan, float limit, int64_t nparts) {
     int64_t floats = s.T * s.H + 2 * s.S * s.F + s.S * s.F + (s.T * s.H + s.S * s.F) / I16_BLOCK + 16;
     int64_t rows8 = s.T + s.S + 16;
     float *xp = aligned_alloc(64, (size_t)((floats + 2 * rows8) * 4 + (s.T * s.H + s.S * s.F) * 3 + 128) / 64 * 64);
+    /* grouped a8w4: block scales and offsets of x and a, (T H + S F) / 8 of each */
+    int grouped = s.w1.fmt == FMT_A8W4G || s.w2.fmt == FMT_A8W4G;
+    float *blk = grouped ? malloc((size_t)(s.T * s.H + s.S * s.F) / 8 * 8 + 64) : NULL;
     int status = -1;
-    if (!start || !tok || !xp) goto done;
+    if (!start || !tok || !xp || (grouped && !blk)) goto done;
+    if (grouped) {
+        s.x8b = blk, s.a8b = blk + s.T * s.H / 8;
+        s.x8o = (int32_t *)(s.a8b + s.S * s.F / 8), s.a8o = s.x8o + s.T * s.H / 8;
+    }
     const int64_t *ids = (const int64_t *)(intptr_t)plan[P_IDS];
     const float *x = (const float *)(intptr_t)plan[P_X];
     for (int64_t i = 0; i < s.S; ++i) /* a counting sort of the slots by expert; ids outside [0, E) dropped */
@@ -582,6 +785,9 @@ int moe_qdecode_run(const int64_t *plan, float limit, int64_t nparts) {
         for (int64_t t = 0; t < s.T; ++t)
             s.x8s[t] = quantize_int8_row(x + t * s.H, s.H, s.w1.fmt == FMT_A8W4 ? a8w4_block(s.H) : 0, s.x8 + t * s.H,
                                          s.x8sum + t);
+    if (s.w1.fmt == FMT_A8W4G)
+        for (int64_t t = 0; t < s.T; ++t)
+            quantize_int8_blocks(x + t * s.H, s.H, s.w1.pairing, s.x8 + t * s.H, s.x8b + t * (s.H / 8), s.x8o + t * (s.H / 8));
     for (int64_t t = 0; t < s.T; ++t) layout_copy(s.xp + t * s.H, x + t * s.H, s.H, s.v, s.w1.layout);
     if (s.w1.i16)
         for (int64_t t = 0; t < s.T; ++t)
@@ -590,7 +796,98 @@ int moe_qdecode_run(const int64_t *plan, float limit, int64_t nparts) {
     run_parts(&s, limit, omp_get_thread_num(), omp_get_num_threads());
     status = 0;
 done:
-    free(start), free(tok), free(xp);
+    free(start), free(tok), free(xp), free(blk);
+    return status;
+}
+
+/* A dense linear y [T, N] = x [T, K] . W^T on one packed weight (attention projections, lm_head,
+ * dense MLPs: kernels/cpu/dense.py): the E = 1, no-activation case of the decode step, i.e. its
+ * FC2 phase alone with x as FC2's input, every row its own slot and weight 1.  The same loops,
+ * so the same formats, ISA choice and exactness as a decode step's FC2.
+ * Plan: [x, T, K, N, y, isa, data, scale, fmt, group]; y is zeroed here.  Returns as moe_qdecode_run. */
+enum { L_X, L_T, L_K, L_N, L_Y, L_ISA, L_ROLE };
+
+int moe_qdecode_linear(const int64_t *plan, int64_t nparts) {
+    int64_t T = plan[L_T], K = plan[L_K], N = plan[L_N], isa = plan[L_ISA];
+    const int64_t *f = plan + L_ROLE;
+    qweight_t w = {(const uint8_t *)(intptr_t)f[W_DATA], (const uint8_t *)(intptr_t)f[W_SCALE], f[W_FMT], N, K,
+                   f[W_GROUP], LAYOUT_NATURAL};
+    if ((isa != ISA_AVX2 && isa != ISA_AVX512) || isa > moe_qdecode_best_isa() || T < 1) return -2;
+    if (w.fmt < 1 || w.fmt >= FMT_COUNT || (has_scales(w.fmt) && (w.group % 32 || K % w.group))) return -2;
+    if (int8_activations(w.fmt) && (K % 32 || w.group != K)) return -2;
+    if (w.fmt == FMT_A8W4G && !a8g_ok(K, w.group)) return -2;
+    w.pairing = a8g_pairing(K, isa);
+    step_t s = {.T = T, .H = N, .F = K, .K = 1, .E = 1, .S = T, .between = 0, .y = (float *)(intptr_t)plan[L_Y]};
+    s.v = isa == ISA_AVX512 ? 16 : 8;
+    s.w2 = w, s.w2.layout = layout_of(w.fmt, w.group, isa);
+    s.dot = isa == ISA_AVX512 ? dot_512 : dot_2;
+    s.dot16 = dot16_2;
+    s.rmax = isa == ISA_AVX512 ? RMAX_512 : RMAX_2;
+    const char *off = getenv("MOE_COMPILE_QDECODE_I16");
+    int i16 = isa == ISA_AVX2 && K % I16_BLOCK == 0 && !(off && strcmp(off, "0") == 0);
+    s.w2.i16 = !i16 ? 0 : w.fmt == FMT_W4 || w.fmt == FMT_MXFP4 ? I16_PAIRED : w.fmt == FMT_W8 ? I16_NATURAL : 0;
+    int64_t *idx = malloc((size_t)(T + 2) * sizeof(int64_t));
+    float *ones = malloc((size_t)T * sizeof(float));
+    /* a [T, K] in the weight's layout, its int16 blocks and block scales, its int8 rows, scales, sums */
+    size_t bytes = (size_t)(T * K * 4 + T * K / I16_BLOCK * 4 + 64 + T * K * 2 + T * K + 2 * (T + 16) * 4 + 128);
+    float *a = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    float *blk = w.fmt == FMT_A8W4G ? malloc((size_t)(T * K) + 64) : NULL; /* grouped a8w4: block scales, offsets */
+    int status = -1;
+    if (!idx || !ones || !a || (w.fmt == FMT_A8W4G && !blk)) goto done;
+    s.a8b = blk, s.a8o = blk ? (int32_t *)(blk + T * K / 8) : NULL;
+    int64_t start[2] = {0, T};
+    for (int64_t t = 0; t < T; ++t) idx[t] = t, ones[t] = 1.f;
+    s.start = start, s.tok = idx, s.slot = idx, s.gates = ones;
+    s.a = a, s.as = a + T * K;
+    s.aq = (int16_t *)(s.as + T * K / I16_BLOCK + 16);
+    s.a8s = (float *)(s.aq + T * K), s.a8sum = (int32_t *)(s.a8s + T + 16), s.a8 = (int8_t *)(s.a8sum + T + 16);
+    const float *x = (const float *)(intptr_t)plan[L_X];
+    for (int64_t t = 0; t < T; ++t) {
+        layout_copy(s.a + t * K, x + t * K, K, s.v, s.w2.layout);
+        if (s.w2.i16) quantize_i16(x + t * K, K, s.w2.i16 == I16_PAIRED, s.aq + t * K, s.as + t * K / I16_BLOCK);
+        if (int8_activations(w.fmt))
+            s.a8s[t] = quantize_int8_row(s.a + t * K, K, w.fmt == FMT_A8W4 ? a8w4_block(K) : 0, s.a8 + t * K, s.a8sum + t);
+        if (w.fmt == FMT_A8W4G)
+            quantize_int8_blocks(x + t * K, K, w.pairing, s.a8 + t * K, s.a8b + t * (K / 8), s.a8o + t * (K / 8));
+    }
+    memset(s.y, 0, (size_t)(T * N) * sizeof(float));
+#pragma omp parallel num_threads(nparts)
+    {
+        int64_t n0, n1;
+        split(N, 2, omp_get_thread_num(), omp_get_num_threads(), &n0, &n1);
+        if (n0 < n1) fc2_part(&s, 0, 0, T, n0, n1);
+    }
+    status = 0;
+done:
+    free(idx), free(ones), free(a), free(blk);
+    return status;
+}
+
+/* Test entry: y [T, N] = x [T, K] . W^T of one group-wise a8w4 weight [N, K] (N even, T <= 16) by
+ * the decode loops alone on one thread (quantize_int8_blocks, a8g_rows): no SwiGLU, no routing, so
+ * tests hold the loops to quant/a8w4_int.py's grouped_matmul directly.  Returns 0, -2 for what the
+ * loops do not take, -1 without memory. */
+int moe_qdecode_a8g_matmul(const float *x, int64_t T, int64_t K, const uint8_t *data, const uint8_t *scale, int64_t N,
+                           int64_t G, int64_t isa, float *y) {
+    if (T < 1 || T > 16 || N % 2 || !a8g_ok(K, G) || (isa != ISA_AVX2 && isa != ISA_AVX512) || isa > moe_qdecode_best_isa())
+        return -2;
+    qweight_t w = {data, scale, FMT_A8W4G, N, K, G, LAYOUT_NATURAL};
+    w.pairing = a8g_pairing(K, isa);
+    int8_t *q = malloc((size_t)(T * K) + 64);
+    float *sxe = malloc((size_t)(T * K / 8) * 4 + 64);
+    int32_t *off = malloc((size_t)(T * K / 8) * 4 + 64);
+    int status = -1;
+    if (q && sxe && off) {
+        for (int64_t t = 0; t < T; ++t) quantize_int8_blocks(x + t * K, K, w.pairing, q + t * K, sxe + t * K / 8, off + t * K / 8);
+        float out[32];
+        for (int64_t n = 0; n < N; n += 2) {
+            const uint8_t *rows[2] = {row_at(&w, 0, n), row_at(&w, 0, n + 1)}, *sc[2] = {scales_at(&w, 0, n), scales_at(&w, 0, n + 1)};
+            a8g_rows(&w, rows, sc, q, K, sxe, off, NULL, 0, T, (int)T, out);
+            for (int64_t t = 0; t < T; ++t) y[t * N + n] = out[t], y[t * N + n + 1] = out[T + t];
+        }
+        status = 0;
+    }
+    free(q), free(sxe), free(off);
     return status;
 }
 

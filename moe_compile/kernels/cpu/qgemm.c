@@ -9,6 +9,12 @@
  *             a8w8-int  int8 weights, fp32 scale per output channel
  *             a8w4-int  4-bit weights u = q + 8, fp32 scale per output channel
  *           y = acc * s_x * s_w; FC2's input (the SwiGLU output, fp32) re-quantized per row.
+ *           Group-wise a8w4-int (activations int8 per token and block of 32, fp16 group scales:
+ *           quant/a8w4_int.py) runs as w4-int's float panels (its bytes are w4-int's) on
+ *           activations quantized per block and dequantized (x by the host, FC2's input here:
+ *           fake_quantize_blocks), so y equals its reference up to fp32 rounding: sum_k (q_x s_x)
+ *           (q_w s_w) instead of sum_b (acc_b s_x) s_w.  (Integer tiles with per-block scaling: not
+ *           built yet.)
  *           Float GEMM on fp32 activations, one weight panel dequantized at a time into a
  *           [K][16] fp32 buffer of the thread (never a dequantized copy of a whole weight):
  *             w4-int (nibble - 8) * fp16 group scale, mxfp4 e2m1 * 2^(e8m0 - 127),
@@ -452,6 +458,7 @@ typedef struct {
     int8_t *qa;            /* FC2's input quantized [chunk, F], its scales and row sums */
     float *sa;
     int32_t *suma;
+    int act_blocks;        /* grouped a8w4-int: FC2's input quantized per block of 32 (fake_quantize_blocks) */
 } Call;
 
 /* One expert's packed weights: codes, scales (fp32 per channel for integer formats, the format's
@@ -661,6 +668,31 @@ static void ffc2(const Call *cl, Shape s, int64_t lo, int64_t n, const Expert *e
     }
 }
 
+/* Grouped a8w4-int on float panels: this thread's share of FC2's input rows a [n, F] (in the shape's
+ * layout) quantized per block of 32 and dequantized in place, q * s, as quant/common.py's
+ * quantize_per_block_int8: s = max|a| / 127 (1 where that is 0; non-finite stays so), q = round
+ * half to even(a / s) in [-127, 127], 0 where a / s is NaN. */
+static void fake_quantize_blocks(Shape s, float *a, int64_t n, int64_t F) {
+    int64_t r0, r1;
+    my_units(n, &r0, &r1);
+    for (int64_t r = r0; r < r1; ++r)
+        for (int64_t b = 0; b < F; b += 32) {
+            float big = 0.f;
+            for (int64_t j = b; j < b + 32; ++j) {
+                float v = a[element_at(s, r, j, F)], m = v < 0 ? -v : v;
+                big = m > big || m != m ? m : big; /* a NaN wins and stays */
+            }
+            float sc = big / 127.f;
+            sc = sc == 0.f ? 1.f : sc;
+            for (int64_t j = b; j < b + 32; ++j) {
+                float *p = a + element_at(s, r, j, F);
+                int v = _mm_cvtss_si32(_mm_set_ss(*p / sc)); /* MXCSR's round half to even; NaN -> INT_MIN */
+                v = v == (int)0x80000000 ? 0 : v > 127 ? 127 : v < -127 ? -127 : v;
+                *p = (float)v * sc;
+            }
+        }
+}
+
 /* This thread's share of the rows of src [n, K] quantized per row into q / s / sum. */
 static void quantize_rows(const float *src, int64_t n, int64_t K, int8_t *q, float *s, int32_t *sum, int offset) {
     int64_t r0, r1;
@@ -687,14 +719,15 @@ static int isa_ok(int isa, int fmt) {
 }
 
 /* Call fields, int64 each (pointers as integers):
- *   x, ldx, y, ldy, tok, scale, H, F, G1, G2, chunk, scratch, isa, fmt, between, qx, sx, sumx, qa, sa, suma
+ *   x, ldx, y, ldy, tok, scale, H, F, G1, G2, chunk, scratch, isa, fmt, between, qx, sx, sumx, qa, sa, suma,
+ *   act_blocks (grouped a8w4-int on FMT_W4 panels: x already quantized per block by the host, F % 32 == 0)
  * experts: E rows of (w1, w2, s1, s2, cs1, cs2) pointers; bounds: E + 1 slot offsets.  scratch:
  * FC1's output of two chunks, 2 * (chunk + MR_MAX) * F floats; qx [T, H] bytes, sx / sumx [T];
  * qa [chunk + MR_MAX, F] bytes, sa / suma [chunk + MR_MAX] (integer formats; sumx / suma used by
  * a8w4 alone, may be 0 otherwise).  Returns 0; -1 for an ISA this CPU lacks or sizes the tiles do
  * not divide; -2 when the dequantization buffers cannot be allocated. */
 enum { C_X, C_LDX, C_Y, C_LDY, C_TOK, C_SCALE, C_H, C_F, C_G1, C_G2, C_CHUNK, C_SCRATCH, C_ISA, C_FMT, C_BETWEEN,
-       C_QX, C_SX, C_SUMX, C_QA, C_SA, C_SUMA, C_FIELDS };
+       C_QX, C_SX, C_SUMX, C_QA, C_SA, C_SUMA, C_ACT_BLOCKS, C_FIELDS };
 #define PTR(type, f, i) ((type *)(intptr_t)(f)[i])
 
 int64_t moe_qgemm_run(const int64_t *f, const int64_t *experts, const int64_t *bounds, int64_t num_experts,
@@ -703,10 +736,12 @@ int64_t moe_qgemm_run(const int64_t *f, const int64_t *experts, const int64_t *b
     Shape s = shape_of((int)f[C_ISA], fmt);
     if (!isa_ok(s.isa, fmt) || f[C_F] % PANEL || f[C_H] % 32 || f[C_CHUNK] < 1) return -1;
     if (!is_int(fmt) && (f[C_G1] < 1 || f[C_G2] < 1 || f[C_H] % f[C_G1] || f[C_F] % f[C_G2])) return -1;
+    if (f[C_ACT_BLOCKS] && (fmt != FMT_W4 || f[C_F] % 32)) return -1;
     Call cl = {PTR(const float, f, C_X), f[C_LDX], PTR(float, f, C_Y), f[C_LDY], PTR(const int64_t, f, C_TOK),
                PTR(const float, f, C_SCALE), f[C_H], f[C_F], f[C_G1], f[C_G2], limit, (int)f[C_BETWEEN],
                PTR(int8_t, f, C_QX), PTR(float, f, C_SX), PTR(int32_t, f, C_SUMX), PTR(int8_t, f, C_QA),
                PTR(float, f, C_SA), PTR(int32_t, f, C_SUMA)};
+    cl.act_blocks = (int)f[C_ACT_BLOCKS];
     int64_t chunk = f[C_CHUNK], kmax = cl.H > cl.F ? cl.H : cl.F;
     int offset = fmt == FMT_A8W8 && s.isa == ISA_AVX512;  /* vpdpbusd's unsigned operand */
     float *scratch[2] = {PTR(float, f, C_SCRATCH), PTR(float, f, C_SCRATCH) + (chunk + MR_MAX) * cl.F};
@@ -741,6 +776,10 @@ int64_t moe_qgemm_run(const int64_t *f, const int64_t *experts, const int64_t *b
                     }
                     ffc1(&cl, s, lo, n, &ex, xp, a, buf);
 #pragma omp barrier
+                    if (cl.act_blocks) {
+                        fake_quantize_blocks(s, a, n, cl.F);
+#pragma omp barrier
+                    }
                     ffc2(&cl, s, lo, n, &ex, a, buf);
                 }
             }

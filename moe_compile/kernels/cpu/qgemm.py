@@ -5,8 +5,8 @@ Shapes:  T tokens, H hidden, F expert FFN width, E experts, K experts per token;
          FC2 [E, H, F] (``moe_compile.quant``'s contract).
 
 Formats:
-  a8w8-int / a8w4-int  x quantized per token to int8 in the kernel (s = max|x|/127, round half
-                       to even), int32 accumulation in an integer GEMM tile (AVX-512 VNNI
+  a8w8-int / a8w4-int  (a8w4-int per channel) x quantized per token to int8 in the kernel (s =
+                       max|x|/127, round half to even), int32 accumulation in an integer GEMM tile (AVX-512 VNNI
                        ``vpdpbusd`` where the CPU has it, AVX2 ``vpmaddubsw`` / ``vpmaddwd``
                        otherwise), y = acc * s_x * s_w, SwiGLU in fp32, FC2's input re-quantized
                        per row, FC2's output weighted into y.  The int32 sums are exact.
@@ -14,6 +14,11 @@ Formats:
                        fp32 activations; each thread dequantizes one 16-row weight panel at a
                        time into a [K][16] fp32 buffer and runs the fp32 tile over the chunk's rows
                        (never a dequantized copy of a whole weight).
+  a8w4-int group-wise  w4-int's float panels (the same bytes) on activations quantized per token
+                       and block of 32 and dequantized (x here, FC2's input in the kernel), so the
+                       result is the reference's up to fp32 rounding; integer tiles with per-block
+                       scaling are not built (prefill is compute-bound: the fp32 tile runs at the
+                       w4-int prefill's speed).
 
 Each canonical weight is repacked once (``pack``) into the tiles' panels (``QGemmPack``: the same
 bytes as the canonical tensors plus int32 column sums for a8w8) and kept in the caller's
@@ -31,6 +36,7 @@ import torch
 from moe_compile.ir import FFNAttrs
 from moe_compile.kernels.cpu import cc as cpu_cc, isa as cpu_isa, memory as cpu_memory
 from moe_compile.kernels.cpu.isa import ISA_AVX2, ISA_AVX512
+from moe_compile.quant.common import ACT_BLOCK, quantize_per_block_int8
 
 ENV = "MOE_COMPILE_QGEMM"
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -71,7 +77,7 @@ def unavailable_reason(fmt: str) -> str | None:
 def best_isa(fmt: str) -> int:
     """The tile ``fmt`` runs on: ISA_AVX512 where the CPU has AVX-512F (float formats) or AVX-512
     VNNI + BW (integer formats), else ISA_AVX2; ``MOE_COMPILE_FUSED_ISA=avx2`` forces AVX2."""
-    need = 2 if fmt in INTEGER else 1
+    need = 2 if fmt in INTEGER and fmt != "a8w4-int-grouped" else 1
     native = ISA_AVX512 if _features() & need == need else ISA_AVX2
     return cpu_isa.choose(native, f"{'AVX-512 VNNI' if fmt in INTEGER else 'AVX-512'} for {fmt}")
 
@@ -99,6 +105,11 @@ class QGemmPack:
     def nbytes(self) -> int:
         extra = self.colsum.nbytes if self.colsum is not None else 0
         return self.data.nbytes + self.scale.nbytes + extra
+
+
+def _grouped(w) -> bool:
+    """Group-wise a8w4-int (``QuantWeight.grouped_activations``; a bare shape by its group < K)."""
+    return w.fmt == "a8w4-int" and getattr(w, "grouped_activations", w.group != w.shape[2])
 
 
 def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -131,11 +142,12 @@ def pack(w) -> QGemmPack:
     E, N, K = w.shape
     if w.fmt not in FORMATS:
         raise ValueError(f"qgemm.pack: no kernel for {w.fmt!r}")
+    grouped = _grouped(w)
     if N % PANEL or K % 8:
         raise ValueError(f"qgemm.pack: {w.fmt} weight [{E}, {N}, {K}] needs N a multiple of {PANEL} and K of 8")
     colsum = None
     with torch.no_grad():
-        if w.fmt in INTEGER:
+        if w.fmt in INTEGER and not grouped:
             four = w.fmt == "a8w4-int"
             data = torch.stack([_int_panels(_unpack_nibbles(d) if four else d, four) for d in w.data])
             scale = w.scale.reshape(E, N).float().contiguous()
@@ -146,7 +158,7 @@ def pack(w) -> QGemmPack:
                                 .reshape(N // PANEL, -1) for d in w.data])
             scale = (torch.stack([_float_panels(s) for s in w.scale]) if w.fmt != "w16"
                      else torch.empty(0, dtype=torch.float16))
-    code = FORMAT_CODES.get(w.fmt) or (6 if w.data.dtype == torch.bfloat16 else 7)
+    code = FORMAT_CODES["w4-int"] if grouped else FORMAT_CODES.get(w.fmt) or (6 if w.data.dtype == torch.bfloat16 else 7)
     return QGemmPack(w.fmt, code, data, scale, colsum, w.group, (E, N, K))
 
 
@@ -186,7 +198,11 @@ def check_call(x, w1, w2, attrs: FFNAttrs) -> None:
                          f"(got activation={attrs.activation!r}, weight_on={attrs.weight_on!r})")
     if H % H_MULTIPLE or (N1 // 2) % F_MULTIPLE:
         raise ValueError(f"qgemm: H={H} must be a multiple of {H_MULTIPLE} and F={N1 // 2} of {F_MULTIPLE}")
-    if w1.fmt in INTEGER or w1.fmt == "w16":
+    if _grouped(w1) != _grouped(w2):
+        raise ValueError("qgemm: FC1 and FC2 must both be group-wise a8w4-int or both per channel")
+    if _grouped(w1) and (N1 // 2) % 32:
+        raise ValueError(f"qgemm: group-wise a8w4-int quantizes FC2's input per 32: F={N1 // 2} must be a multiple of 32")
+    if (w1.fmt in INTEGER and not _grouped(w1)) or w1.fmt == "w16":
         return
     for w, K in ((w1, H), (w2, N1 // 2)):  # the panels' scales step a whole group (of byte pairs for 4 bits)
         if w.group < 1 or K % w.group or (w.fmt != "w8-int" and w.group % 2):
@@ -217,21 +233,25 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, attrs
     y = torch.zeros(T, H, dtype=torch.float32)
     if T == 0 or ids.shape[1] == 0:
         return y
-    isa = isa or best_isa(w1.fmt)
+    grouped = _grouped(w1)
+    isa = isa or best_isa("a8w4-int-grouped" if grouped else w1.fmt)
     threads = threads or torch.get_num_threads()
     p1, p2 = packed(w1, pack_cache), packed(w2, pack_cache)
     x = x.contiguous()
+    if grouped:  # x quantized per block of 32 and dequantized: what the float panels multiply
+        q, s = quantize_per_block_int8(x)
+        x = (q.float().reshape(T, -1, ACT_BLOCK) * s[..., None]).reshape(T, H)
     order, bounds = sort_by_expert(ids, E)
     valid = order[bounds[0]: bounds[-1]]  # [S'] slots with an id in [0, E)
     tokens = (valid // ids.shape[1]).contiguous()
     scale = weights.reshape(-1).index_select(0, valid).float().contiguous()  # [S']
     rel = [b - bounds[0] for b in bounds]
     chunk = max(1, min(CHUNK_ROWS, max((b - a for a, b in zip(rel, rel[1:])), default=0)))
-    a, q = _scratch(w1.fmt, T, H, F, chunk)
+    a, q = _scratch("w4-int" if grouped else w1.fmt, T, H, F, chunk)
     qptr = [t.data_ptr() for t in q] if q is not None else [0] * 6
-    fields = (ctypes.c_int64 * 21)(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), tokens.data_ptr(),
+    fields = (ctypes.c_int64 * 22)(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), tokens.data_ptr(),
                                    scale.data_ptr(), H, F, w1.group, w2.group, chunk, a.data_ptr(), isa, p1.code,
-                                   int(attrs.weight_on == "between"), *qptr)
+                                   int(attrs.weight_on == "between"), *qptr, int(grouped))
     status = _KERNEL.lib().moe_qgemm_run(fields, _expert_table(p1, p2), (ctypes.c_int64 * len(rel))(*rel),
                                          E, T, attrs.limit, threads)
     if status == -2:

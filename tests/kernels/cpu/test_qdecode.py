@@ -23,7 +23,7 @@ import torch
 from moe_compile import quant
 from moe_compile.ir import FFNAttrs
 from moe_compile.kernels.cpu import qdecode
-from moe_compile.quant import QuantWeight, reference_moe, w16 as quant_w16
+from moe_compile.quant import QuantWeight, a8w4_int, reference_moe, w16 as quant_w16
 from moe_compile.quant.common import pack_nibbles
 
 needs_kernel = pytest.mark.skipif(qdecode.unavailable_reason("w4-int") is not None,
@@ -38,7 +38,9 @@ def pack(fmt: str, w: torch.Tensor, group: int = 32, gen: torch.Generator | None
     pack; ``random_codes``: MX data drawn uniformly over every code but NaN instead (scales kept)."""
     if fmt.startswith("w16"):
         return quant_w16.pack(w, torch.bfloat16 if fmt == "w16-bf16" else torch.float16)
-    qw = quant.pack(fmt, w, group if fmt in ("w8-int", "w4-int") else None)
+    if fmt == "a8w4-int-pc":  # a8w4-int's per-channel (MSD) form
+        return a8w4_int.pack(w, group_size=None)
+    qw = quant.pack(fmt, w, group if fmt in ("w8-int", "w4-int", "a8w4-int") else None)
     if not random_codes:
         return qw
     E, N, K = qw.shape
@@ -63,7 +65,7 @@ def _case(fmt, T, H, F, E, K, seed=0, ids_mode="random", group=32, random_codes=
     return x, ids, g, w1, w2
 
 
-FORMATS = ["w16-bf16", "w16-fp16", "w8-int", "w4-int", "mxfp4", "mxfp8", "a8w8-int", "a8w4-int"]
+FORMATS = ["w16-bf16", "w16-fp16", "w8-int", "w4-int", "mxfp4", "mxfp8", "a8w8-int", "a8w4-int", "a8w4-int-pc"]
 
 
 def tolerance(fmt: str, isa: int) -> float:
@@ -242,7 +244,7 @@ def test_int16_switch_keeps_fp32_activations():
 
 
 @needs_kernel
-@pytest.mark.parametrize("fmt", ["a8w4-int", "a8w8-int"])
+@pytest.mark.parametrize("fmt", ["a8w4-int", "a8w4-int-pc", "a8w8-int"])
 @pytest.mark.parametrize("isa", ISAS)
 def test_a8_sums_at_their_bounds_are_exact(fmt, isa):
     # Every weight at the format's largest magnitude and every activation quantized to +-127: the
@@ -252,5 +254,85 @@ def test_a8_sums_at_their_bounds_are_exact(fmt, isa):
     ids = torch.tensor([[0], [1]])
     x[0], x[1] = 1.0, torch.where(torch.arange(1024) % 2 == 0, 1.0, -1.0)
     for w in (w1, w2):
-        w.data.fill_(0xFF if fmt == "a8w4-int" else 127)  # a8w4: u = 15 (q = 7); a8w8: q = 127
+        w.data.fill_(0xFF if fmt.startswith("a8w4") else 127)  # a8w4: u = 15 (q = 7); a8w8: q = 127
     _check(x, ids, g, w1, w2, FFNAttrs(), isa)
+
+
+# ---- group-wise a8w4-int: the loops alone (qdecode.a8w4_grouped_matmul), then whole steps ----
+# K = 416 = 3 x 128 + 32: the AVX-512 VNNI loop needs K % 128 == 0, so it runs the AVX2 loop with
+# its 32-element tail; 512 / 384 take the VNNI loop where the CPU has it.
+A8G_SHAPES = [(512, 32), (416, 32), (512, 64), (384, 128), (512, 256)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("K,group", A8G_SHAPES)
+def test_grouped_a8w4_loops_are_exact_on_exact_scales(isa, K, group):
+    # Power-of-two scales: x's blocks have max 127 * 2^-3 (so s_x = 2^-3 exactly, q = 8 x) and the
+    # weight scales are +-2^j: every product and sum the kernel forms is exact in fp32, so any
+    # difference from the reference is a wrong integer sum, lane, block or scale.
+    gen = torch.Generator().manual_seed(K + group)
+    T, N = 5, 6
+    qx = torch.randint(-127, 128, (T, K), generator=gen)
+    qx[:, ::32] = 127  # each block's max |q| is 127
+    qx[1, :64] = -127  # both signs at the extremes
+    x = qx.float() / 8
+    w = quant.pack("a8w4-int", torch.randn(2, N, K, generator=gen), group)
+    w.scale.copy_(2.0 ** torch.randint(-4, 3, w.scale.shape, generator=gen) * torch.where(
+        torch.rand(w.scale.shape, generator=gen) < 0.5, -1.0, 1.0))
+    w.data[1, 0] = 0xFF  # a row of q = 7 and a row of q = -8: the int16 pair sums at their bounds
+    w.data[1, 1] = 0x00
+    want = a8w4_int.grouped_matmul(x, w, 1)
+    got = qdecode.a8w4_grouped_matmul(x, w, 1, isa)
+    assert torch.equal(got, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("K,group", A8G_SHAPES)
+def test_grouped_a8w4_loops_differ_by_fp32_scaling_alone(isa, K, group):
+    # Any scales: the int32 block sums are exact on both sides; the kernel scales each block's 4
+    # int32 partials (acc_i * s_x) * s_w and sums all lanes in its own order, the reference the
+    # block's total, so they differ by the rounding of ~2 B + 4 fp32 operations on terms no larger
+    # than |acc_b s_x s_w|: bounded by 2^-21 (B + 4) times the sum of those magnitudes.
+    gen = torch.Generator().manual_seed(K * group)
+    T, N = 7, 10
+    x = torch.randn(T, K, generator=gen) * torch.rand(T, 1, generator=gen) * 10
+    w = quant.pack("a8w4-int", torch.randn(3, N, K, generator=gen), group)
+    got = qdecode.a8w4_grouped_matmul(x, w, 2, isa)
+    want = a8w4_int.grouped_matmul(x, w, 2)
+    qx, sx = quant.common.quantize_per_block_int8(x)
+    terms = (a8w4_int.block_sums(qx, a8w4_int.integers(w)[2]) * sx[:, None, :] * a8w4_int.block_scales(w, 2)[None])
+    bound = 2.0**-21 * (K // 32 + 4) * terms.abs().sum(-1)
+    assert bool(((got - want).abs() <= bound).all()), float(((got - want).abs() / bound).max())
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_grouped_a8w4_steps(isa, group):
+    # Whole decode steps at each group, T = 1 and 4, and a K with the AVX2 loop's 32-element tail.
+    for T, H, F in ((1, 512, 256), (4, 512, 256)) + (((2, 416, 160),) if group == 32 else ()):
+        x, ids, g, w1, w2 = _case("a8w4-int", T, H=H, F=F, E=3, K=2, seed=group + T, group=group)
+        _check(x, ids, g, w1, w2, FFNAttrs(), isa)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+def test_grouped_a8w4_non_finite_activations_propagate(isa):
+    # A NaN or inf makes its block's scale non-finite: that token's output is non-finite, as in the
+    # reference; an all-zero row gives exactly zero.
+    x, _, g, w1, w2 = _case("a8w4-int", 3, H=128, F=64, E=2, K=1, seed=6)
+    ids = torch.tensor([[0], [1], [0]])
+    x[0, 5], x[1, 40], x[2] = float("nan"), float("inf"), 0.0
+    got = qdecode.run(x, ids, g, w1, w2, FFNAttrs(), None, isa=isa)
+    want = reference_moe(x, ids, g, w1, w2, FFNAttrs())
+    assert not torch.isfinite(want[0:2]).any() and not torch.isfinite(got[0:2]).any()
+    assert torch.equal(got[2], torch.zeros_like(got[2])) and torch.equal(want[2], torch.zeros_like(want[2]))
+
+
+def test_grouped_a8w4_groups_the_loops_do_not_tile_are_refused():
+    Role = dataclasses.make_dataclass("Role", ["fmt", "shape", "group"])
+    x = torch.empty(0, 384)
+    with pytest.raises(ValueError, match="32, 64 or a multiple of 128"):
+        qdecode.check_call(x, Role("a8w4-int", (2, 192, 384), 96), Role("a8w4-int", (2, 384, 96), 96), FFNAttrs())
