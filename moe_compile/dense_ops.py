@@ -22,6 +22,17 @@ _LIB.define("dense_linear(Tensor x, Tensor weight, Tensor? bias, str fmt, int gr
 
 
 def _dense_linear(x, weight, bias, fmt, group):
+    """The Python kernel, registered for every backend.  Its first CPU call installs the C++ CPU
+    kernel (``kernels/cpu/dense.py: install``), which then serves decode-size CPU calls ahead of
+    this one and hands the rest to ``dense_linear_general``."""
+    if x.device.type == "cpu":
+        from moe_compile.kernels.cpu import dense
+
+        dense.install()
+    return _dense_linear_general(x, weight, bias, fmt, group)
+
+
+def _dense_linear_general(x, weight, bias, fmt, group):
     if x.device.type != "cpu":
         from moe_compile import quant
 
@@ -38,4 +49,8 @@ def _dense_linear_fake(x, weight, bias, fmt, group):
 
 
 _LIB.impl("dense_linear", _dense_linear, "CompositeExplicitAutograd")
+_LIB.define("dense_linear_general(Tensor x, Tensor weight, Tensor? bias, str fmt, int group) -> Tensor")
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("dense_linear_general", _dense_linear_general, _key)
 torch.library.register_fake(OP_NAME, lib=_LIB)(_dense_linear_fake)
+torch.library.register_fake("moe_compile::dense_linear_general", lib=_LIB)(_dense_linear_fake)

@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
+import warnings
 import weakref
 
 import torch
 import torch.nn.functional as F
 
-from moe_compile.kernels.cpu import qdecode, skinny
+from moe_compile.kernels.cpu import cc as cpu_cc, qdecode, skinny
 
 DECODE_ROWS = qdecode.MAX_ROWS
 # Rows up to which skinny.c beats torch's fp32 GEMM at these widths (bench_dense_cpu.py); the
@@ -40,6 +42,7 @@ DECODE_ROWS = qdecode.MAX_ROWS
 SKINNY_ROWS = 8
 FORMATS = ("w16", "w8-int", "w4-int", "mxfp4", "mxfp8", "a8w8-int", "a8w4-int")
 
+OP_ENV = "MOE_COMPILE_DENSE_OP"  # "0": no C++ kernel, every call through Python (same results)
 # id(weight) -> _Packed.  A weak reference tells a reused id apart; the version an in-place update.
 _PACKS: dict[int, "_Packed"] = {}
 
@@ -55,6 +58,8 @@ class _Packed:
             self.qweight = quant.pack(fmt, weight.detach().float().unsqueeze(0), group)
         N, K = weight.shape
         self.fields = qdecode.role_fields(self.qweight, N, K)
+        if _op_state.get("installed"):  # later decode calls on this weight: from C++ (dense_op.cpp)
+            torch.ops.moe_compile.dense_register(weight, fmt, self.qweight.data, self.qweight.scale, self.fields)
 
     def fresh(self, weight: torch.Tensor, fmt: str, group: int | None) -> bool:
         return self.ref() is weight and self.version == weight._version and (self.fmt, self.group) == (fmt, group)
@@ -74,6 +79,51 @@ def packed(weight: torch.Tensor, fmt: str, group: int | None = None) -> _Packed:
 
 def clear() -> None:
     _PACKS.clear()
+    if _op_state.get("installed"):
+        torch.ops.moe_compile.dense_forget()
+
+
+# The C++ CPU kernel (dense_op.cpp): "installed": True, or "error": why not (asked once a process).
+_op_state: dict[str, object] = {}
+
+
+def install() -> bool:
+    """Build, load and arm ``dense_op.cpp`` once per process (the op's first CPU call); whether it
+    serves calls.  Where it cannot be built, the Python kernel serves every call, same results."""
+    if not _op_state:
+        try:
+            _op_state["installed"] = _install()
+        except (OSError, RuntimeError) as err:
+            _op_state["error"] = str(err)
+            warnings.warn(f"moe_compile: dense_op.cpp unavailable, dense linears go through Python ({err})",
+                          RuntimeWarning, stacklevel=3)
+    return bool(_op_state.get("installed"))
+
+
+def _install() -> bool:
+    if os.environ.get(OP_ENV, "1") == "0" or not skinny.available():
+        _op_state["error"] = f"turned off by {OP_ENV}=0" if os.environ.get(OP_ENV) == "0" else "no skinny kernel"
+        return False
+    path = str(cpu_cc.build_torch_library("dense_op"))
+    torch.ops.load_library(path)  # registers the CPU kernel; unarmed, it sends every call to Python
+    lib = ctypes.CDLL(path)
+    lib.moe_dense_op_set_kernels.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                             ctypes.c_int64]
+    lib.moe_dense_op_fast_calls.restype = ctypes.c_int64
+    skinny_fn = ctypes.cast(skinny._lib().moe_skinny_run_parallel, ctypes.c_void_p).value
+    linear_fn = _linear_kernel()
+    linear_addr = ctypes.cast(linear_fn, ctypes.c_void_p).value if linear_fn is not None and \
+        qdecode.unavailable_reason("w16") is None else None
+    lib.moe_dense_op_set_kernels(skinny_fn, SKINNY_ROWS, linear_addr, DECODE_ROWS if linear_addr else 0,
+                                 qdecode.best_isa() if linear_addr else 0)
+    _op_state["lib"] = lib
+    return True
+
+
+def fast_calls() -> int:
+    """How many calls the C++ kernel has run itself in this process (0 before it is installed)."""
+    lib = _op_state.get("lib")
+    return int(lib.moe_dense_op_fast_calls()) if lib is not None else 0
 
 
 def stats() -> dict:

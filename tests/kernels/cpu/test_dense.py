@@ -1,0 +1,86 @@
+"""Dense linears on the decode kernels (kernels/cpu/dense.py, dense_op.cpp): every format against
+its reference at decode and prefill sizes, the C++ path bit for bit against the Python one, and a
+weight updated in place repacked.
+
+Shapes: T rows, K input width, N output width (odd N: the kernels split output rows in pairs)."""
+
+import pytest
+import torch
+
+import moe_compile.ops  # noqa: F401  registers moe_compile::dense_linear
+from moe_compile import quant
+from moe_compile.kernels.cpu import dense, qdecode
+from tests.conftest import rel_err
+
+pytestmark = pytest.mark.skipif(dense.unavailable_reason("w16") is not None,
+                                reason=f"no qdecode kernel here: {dense.unavailable_reason('w16')}")
+
+N, K = 97, 256
+# Against the format's reference (the same dequantized weights), relative to the output's max:
+# the loops sum in another order (fp32: ~1e-6); on AVX2 single rows of the 4/8-bit formats take
+# int16 activation blocks (qdecode.c: quantize_i16, up to ~5e-5 of the output's scale).
+TOL = 1.5e-4
+ROWS = (1, 3, 16)  # decode: qdecode's loops (1: the single-row paths)
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, fmt: str) -> torch.Tensor:
+    if fmt == "none":
+        return x @ w.t() + b
+    qw = dense.packed(w, fmt).qweight
+    if fmt.startswith("a8") and x.shape[0] <= dense.DECODE_ROWS:  # decode quantizes activations as the format says
+        return quant.matmul(x, qw, 0) + b
+    return x @ quant.dequantize(qw)[0].t() + b  # prefill: dequantized weight, fp32 activations
+
+
+@pytest.mark.parametrize("fmt", ("none",) + dense.FORMATS)
+@pytest.mark.parametrize("T", ROWS + (40,))
+def test_format_matches_reference(fmt, T):
+    w, b, x = torch.randn(N, K), torch.randn(N), torch.randn(T, K)
+    got = dense.linear(x, w, b, fmt)
+    assert got.shape == (T, N) and got.dtype == torch.float32
+    assert rel_err(got, _reference(x, w, b, fmt)) < (1e-5 if fmt == "none" else TOL)
+
+
+@pytest.mark.parametrize("fmt", ("none", "w8-int", "w4-int", "a8w8-int"))
+def test_op_cpp_path_equals_python_path(fmt):
+    """The op's C++ kernel (when it builds) runs the same C loops: the same bits, any leading dims."""
+    w, b, x = torch.randn(N, K), torch.randn(N), torch.randn(2, 3, K)
+    want = dense.linear(x, w, b, fmt)
+    torch.ops.moe_compile.dense_linear(x, w, b, fmt, 0)  # installs the C++ kernel, registers the pack
+    before = dense.fast_calls()
+    got = torch.ops.moe_compile.dense_linear(x, w, b, fmt, 0)
+    assert torch.equal(got, want) and got.shape == (2, 3, N)
+    if dense.install():
+        assert dense.fast_calls() == before + 1  # served by C++, not by the Python kernel
+
+
+def test_inplace_update_repacks():
+    """A weight changed in place (an optimizer step, load_state_dict) is packed again: the next
+    call reads the new values, in C++ as in Python."""
+    w, x = torch.randn(N, K), torch.randn(1, K)
+    torch.ops.moe_compile.dense_linear(x, w, None, "w8-int", 0)
+    with torch.no_grad():
+        w.mul_(-2.0)
+    got = torch.ops.moe_compile.dense_linear(x, w, None, "w8-int", 0)
+    assert rel_err(got, x @ w.t()) < 2e-2  # w8-int per-group error, far below a sign flip's
+
+
+def test_bf16_weight_own_dtype():
+    """A bf16 model's weights run on qdecode's w16 loops as they are (no pack), fp32 sums."""
+    w, x = torch.randn(N, K).bfloat16(), torch.randn(2, K).bfloat16()
+    got = dense.linear(x, w, None, "none")
+    assert got.dtype == torch.bfloat16
+    assert rel_err(got, (x.float() @ w.float().t())) < 1e-2  # one bf16 rounding of the output
+
+
+def test_unavailable_format_says_why():
+    assert "a8w8-fp8" in dense.unavailable_reason("a8w8-fp8")
+    assert dense.unavailable_reason("w4-int") is None or qdecode.unavailable_reason("w4-int") is not None
+
+
+def test_stats_and_clear():
+    w = torch.randn(N, K)
+    dense.linear(torch.randn(1, K), w, None, "w4-int")
+    assert dense.stats()["dense_pack_bytes"] >= N * K // 2
+    dense.clear()
+    assert dense.stats()["dense_packs"] == 0
