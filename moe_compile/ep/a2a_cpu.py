@@ -114,7 +114,7 @@ def _layout(kind: str, rows: np.ndarray, me: int, R: int, ne: int):
     """From every rank's control row: this rank's send blocks [R_dst, ne] (rows, src row, dst row),
     its receive blocks (offsets, rows), its out_splits_offsets, and the checks' verdicts."""
     pay = rows[:, NMETA:]
-    rows_in, out_rows = rows[:, 2], rows[:, 3]
+    rows_in, out_rows = rows[:, 2], rows[:, 3].copy()
     align = None if rows[0, 5] < 0 else int(rows[0, 5])
     if kind == "dispatch":
         splits = pay[:, : R * ne]  # [R_src, R*ne]
@@ -138,6 +138,7 @@ def _layout(kind: str, rows: np.ndarray, me: int, R: int, ne: int):
             send = (o_splits[me].reshape(R, ne), o_offs[me].reshape(R, ne), so[:, 1].reshape(R, ne, R)[:, :, me])
             recv = (so[me, 1], so[me, 0])
             oso = None
+    out_rows[out_rows < 0] = need[out_rows < 0]  # window mode: exactly what arrives
     if (pay < 0).any():
         bad = int(np.nonzero((pay < 0).any(1))[0][0])
         raise ValueError(f"ep a2a: rank {bad} passed a negative split or offset (raised on rank {me})")
@@ -148,14 +149,19 @@ def _layout(kind: str, rows: np.ndarray, me: int, R: int, ne: int):
         if need[r] > out_rows[r]:
             raise ValueError(f"ep a2a {kind}: rank {r} receives {int(need[r])} rows, its out has {int(out_rows[r])} "
                              f"(size out for R*T_max*min(K, E_local) rows + alignment; raised on rank {me})")
-    return send, recv, oso
+    return send, recv, oso, out_rows
 
 
 def exchange(kind: str, input: torch.Tensor, payload: torch.Tensor, group_name: str, out_rows: int,
-             major_align=None, timeout_s: float = 60.0):
+             major_align=None, timeout_s: float = 60.0, window: bool = False):
     """One 2D all-to-all of ``input``'s rows on the CPU heap -> (out [out_rows, ...], out_splits_offsets
     [2, R*ne] int64, or None for ``combine_t``).  ``payload``: in_splits (dispatch) or
-    in_splits_offsets (combine / combine_t)."""
+    in_splits_offsets (combine / combine_t).
+
+    ``window=True`` (the fused op): ``out`` is this rank's receive window itself, exactly as many
+    rows as arrive (``out_rows`` ignored), not unpacked — rows between blocks hold whatever was
+    there — and valid until the second exchange after this one on the group; the third result is
+    out_splits_offsets as numpy (the tiles' bounds, read from this host's memory)."""
     ctx = get_context(group_name)
     R, me = ctx.world, ctx.rank
     if payload.numel() % (R * (2 if kind != "dispatch" else 1)):
@@ -168,7 +174,7 @@ def exchange(kind: str, input: torch.Tensor, payload: torch.Tensor, group_name: 
     ep, par = st.epoch, st.epoch % 2
     # 1. publish this rank's row into every peer's window, then the one barrier
     n_pay = payload.numel()
-    st.row[:NMETA] = _meta(kind, ne, x.shape[0], out_rows, row_bytes, major_align)
+    st.row[:NMETA] = _meta(kind, ne, x.shape[0], -1 if window else out_rows, row_bytes, major_align)
     st.row[NMETA : NMETA + n_pay] = payload.reshape(-1).numpy()
     row_b = st.W * 8
     cpu_ep.push(st.row.ctypes.data, [b + par * R * row_b for b in st.ctl_base], row_b, [1] * R,
@@ -176,8 +182,8 @@ def exchange(kind: str, input: torch.Tensor, payload: torch.Tensor, group_name: 
     _wait(st, list(range(R)), ep, timeout_s, f"the {kind}'s counts")
     rows = st.rows_of(par)
     _agree(rows, me)
-    send, recv, oso = _layout(kind, rows, me, R, ne)
-    st.ensure(ctx, int(rows[:, 3].max()) * row_bytes, timeout_s)
+    send, recv, oso, out_rows_all = _layout(kind, rows, me, R, ne)
+    st.ensure(ctx, int(out_rows_all.max()) * row_bytes, timeout_s)
     # 2. every block straight to its final rows, a DATA flag after each dest's blocks
     order = [(me + k) % R for k in range(1, R + 1)]  # start with the next rank: spread the writers
     n_rows, src_row, dst_row = (np.ascontiguousarray(a[order]).reshape(-1) for a in send)
@@ -185,6 +191,9 @@ def exchange(kind: str, input: torch.Tensor, payload: torch.Tensor, group_name: 
                 src_row, dst_row, n_rows, [st.flag_base[d] + 8 * (R + me) for d in order], ep)
     # 3. all R sources' rows here: unpack the window into out
     _wait(st, list(range(R, 2 * R)), ep, timeout_s, f"the {kind}'s rows")
+    if window:
+        view = st.data.tensor(me, par * st.half, (int(out_rows_all[me]), *x.shape[1:]), x.dtype)
+        return view, torch.from_numpy(np.ascontiguousarray(oso)), oso
     out = x.new_empty((out_rows, *x.shape[1:]))
     cpu_ep.unpack(st.data_base[me] + par * st.half, out, row_bytes, *recv)
     return out, (None if oso is None else torch.from_numpy(np.ascontiguousarray(oso)))

@@ -139,3 +139,127 @@ def all_checks(rank, world, seeds, ne, H):
     """One spawn for every check of a world size (spawning ranks costs more than the checks)."""
     return {"rounds": random_rounds(rank, world, seeds, ne, H), "grads": gradients(rank, world, 7, 2, 4),
             "errors": errors(rank, world)}
+
+
+# -- the fused op on the a2a transport ----------------------------------------------------------
+def _problem(world, Ts, H, F, E, K, routing, seed, dtype=torch.float32):
+    """Every rank's (x, ids, gates) with T_r = Ts[r], stacked weights of all E experts."""
+    gen = torch.Generator().manual_seed(seed)
+    fc1 = (torch.randn(E, 2 * F, H, generator=gen) * H**-0.5).to(dtype)  # [E, 2F, H]
+    fc2 = (torch.randn(E, H, F, generator=gen) * F**-0.5).to(dtype)  # [E, H, F]
+    xs, ids, gws, dys = [], [], [], []
+    for r in range(world):
+        scores = torch.rand(Ts[r], E, generator=gen)
+        if routing == "rank0":  # every token to rank 0's experts: the other ranks' experts get nothing
+            scores[:, E // world :] = -1.0
+        g, i = scores.topk(K, dim=1)
+        xs.append(torch.randn(Ts[r], H, generator=gen).to(dtype))
+        ids.append(i)
+        gws.append(torch.softmax(g, dim=1).to(dtype))
+        dys.append(torch.randn(Ts[r], H, generator=gen).to(dtype))
+    return fc1, fc2, xs, ids, gws, dys
+
+
+class _Scalars:
+    """Counts torch scalar reads: ``_local_scalar_dense`` (``.item()``, ``int(t)``, ``bool(t)``)
+    through a TorchDispatchMode, and ``Tensor.tolist`` (which dispatches nothing) by wrapping it."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counts = self.counts = {"_local_scalar_dense": 0, "tolist": 0}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._local_scalar_dense.default:
+                    counts["_local_scalar_dense"] += 1
+                return func(*args, **(kwargs or {}))
+
+        self._tolist = torch.Tensor.tolist
+
+        def tolist(t):
+            counts["tolist"] += 1
+            return self._tolist(t)
+
+        torch.Tensor.tolist = tolist  # test instrumentation only, restored on exit
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        torch.Tensor.tolist = self._tolist
+
+
+def fused_scenarios(rank, world, scenarios):
+    """For each (name, Ts, routing, dtype): the a2a fused op's y and every gradient vs the reference on
+    the whole problem; torch scalar reads counted on the forward and the backward."""
+    from moe_compile.ep.op import call_fused_moe_ep
+    from moe_compile.ir import ExpertWeights, FFNAttrs
+    from moe_compile.kernels.reference import fused_moe_reference
+
+    H, F, E, K = 32, 16, 8, 2
+    el = E // world
+    results = {}
+    for name, Ts, routing, dtype in scenarios:
+        fc1, fc2, xs, ids, gws, dys = _problem(world, Ts, H, F, E, K, routing, seed=len(results) + 11, dtype=dtype)
+        # the reference on every rank's tokens, all experts (its gradients: autograd through it)
+        rx = [t.clone().requires_grad_() for t in xs]
+        rg = [t.clone().requires_grad_() for t in gws]
+        rw1, rw2 = fc1.clone().requires_grad_(), fc2.clone().requires_grad_()
+        ys = [fused_moe_reference(a, i, g, ExpertWeights((rw1,), (), (rw2,)), FFNAttrs())
+              for a, i, g in zip(rx, ids, rg)]
+        sum((y.float() * dy.float()).sum() for y, dy in zip(ys, dys)).backward()
+        # this rank's part
+        x = xs[rank].clone().requires_grad_()
+        g = gws[rank].clone().requires_grad_()
+        w1 = fc1[rank * el : (rank + 1) * el].clone().requires_grad_()
+        w2 = fc2[rank * el : (rank + 1) * el].clone().requires_grad_()
+        with _Scalars() as fwd:
+            y = call_fused_moe_ep(x, ids[rank], g, ExpertWeights((w1,), (), (w2,)), FFNAttrs(), dist.group.WORLD, E,
+                                  transport="a2a")
+        with _Scalars() as bwd:
+            (y.float() * dys[rank].float()).sum().backward()
+        results[name] = {
+            "y": rel(y, ys[rank]), "dx": rel(x.grad, rx[rank].grad), "dg": rel(g.grad, rg[rank].grad),
+            "dw1": rel(w1.grad, rw1.grad[rank * el : (rank + 1) * el]),
+            "dw2": rel(w2.grad, rw2.grad[rank * el : (rank + 1) * el]),
+            "scalar_reads": (fwd.counts, bwd.counts), "scale": float(ys[rank].detach().abs().max()) if Ts[rank] else 0.0,
+        }
+    return results
+
+
+def rel(a, b):
+    """max |a - b| / max |b| (0 for empty tensors; |a| where b is all zero; None: no path, zero)."""
+    a = torch.zeros_like(b) if a is None else a
+    b = torch.zeros_like(a) if b is None else b
+    a, b = a.detach().double(), b.detach().double()
+    if a.numel() == 0:
+        return 0.0
+    scale = b.abs().max()
+    return float((a - b).abs().max() / scale) if scale > 0 else float(a.abs().max())
+
+
+def fullgraph(rank, world):
+    """A model calling the a2a fused op compiles with fullgraph=True (no capture_scalar_outputs) and
+    gives eager's result."""
+    import torch._dynamo
+
+    from moe_compile.ep.op import call_fused_moe_ep
+    from moe_compile.ir import ExpertWeights, FFNAttrs
+
+    H, F, E, K = 32, 16, 8, 2
+    fc1, fc2, xs, ids, gws, _ = _problem(world, [6] * world, H, F, E, K, "uniform", seed=5)
+    el = E // world
+    w = ExpertWeights((fc1[rank * el : (rank + 1) * el],), (), (fc2[rank * el : (rank + 1) * el],))
+    group = dist.group.WORLD.group_name
+
+    def layer(x, scores):
+        g, i = torch.softmax(scores, 1).topk(K, dim=1)
+        return call_fused_moe_ep(x, i, g, w, FFNAttrs(), group, E, transport="a2a") + x
+
+    scores = torch.randn(6, E, generator=torch.Generator().manual_seed(rank))
+    want = layer(xs[rank], scores)
+    assert not torch._dynamo.config.capture_scalar_outputs
+    got = torch.compile(layer, fullgraph=True, backend="aot_eager")(xs[rank], scores)
+    return rel(got, want)

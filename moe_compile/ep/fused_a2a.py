@@ -1,0 +1,201 @@
+"""The "a2a" transport of ``fused_moe_ep``: dispatch, local experts, combine — one 2D all-to-all each
+way in torch's ``all_to_all_vdev_2d`` contract (``ep/a2a_cpu``), with no torch scalar read.
+
+Shapes:  T tokens (this rank), K top-k, S = T*K slots, H hidden, E global experts, R ranks,
+         ne = E // R local experts, N rows this rank receives (expert-major, all sources).
+
+Forward:
+  1. slots sorted by global expert id (invalid ids last): rows ``x[order // K]`` [S, H] and
+     ``in_splits`` [E] (a scatter-add, static shape) — the dispatch's input is rank-major already,
+     since expert g = d * ne + e lives on rank d;
+  2. dispatch into this rank's receive window (read in place, not copied);
+  3. the local experts read the window once per expert across all sources: expert e's tile is rows
+     [off_e, off_e + n_e) (``out_splits_offsets``, read from the shared window through numpy — a
+     load of this host's memory, never a ``.tolist()`` / ``.item()`` on a tensor).  Prepacked fp32
+     SwiGLU weights run the packed kernel (``kernels/cpu/experts.run``) over every tile in one C
+     call; other FFNs one GEMM chain per expert;
+  4. combine back: rows return in the order they were sent; y = sum_k g * row (the routing weight
+     applied here, at the source, which is exact for ``weight_on="output"`` and for ``"between"``
+     without an FC2 bias — the two ``supports`` accepts).
+Backward (each exchange's transpose): the rows are dispatched again (item 4 of issue 24 — keeping
+them — is not done), ``dY`` reaches the experts by ``ep_combine_t``, the local experts' vjp runs
+locally, and ``dX`` rows return by a combine: three exchanges.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from moe_compile.ep import a2a_cpu
+from moe_compile.ep.context import get_context
+from moe_compile.ir import ExpertWeights, FFNAttrs
+from moe_compile.kernels.cpu.backward import ROLES
+from moe_compile.kernels.reference import compute_dtype, expert_fc1, gated_activation
+
+TIMEOUT_S = 60.0
+
+
+def supports(x, w: ExpertWeights, attrs: FFNAttrs) -> str | None:
+    """Why this call cannot take the a2a transport (None when it can)."""
+    if x.device.type != "cpu":
+        return "the a2a transport runs on CPU tensors (the CUDA form is unverified)"
+    if attrs.weight_on == "input" or (attrs.weight_on == "between" and w.fc2_bias):
+        return f"weight_on={attrs.weight_on!r} needs the routing weight at the expert (not sent by a2a)"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Route:
+    order: torch.Tensor  # [S] slot index t*K + k, sorted by global expert id, invalid ids last
+    tokens: torch.Tensor  # [S] token of each sorted slot
+    gates: torch.Tensor  # [S] routing weight of each sorted slot (compute dtype), 0 for invalid ids
+    in_splits: torch.Tensor  # [E] int64 rows to each global expert
+
+
+def _route(topk_ids, topk_weights, num_experts: int, dtype) -> _Route:
+    K = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1).long()  # [S]
+    valid = (flat >= 0) & (flat < num_experts)
+    key = torch.where(valid, flat, torch.full_like(flat, num_experts))  # invalid -> E (sorted last)
+    order = torch.sort(key, stable=True).indices
+    counts = torch.zeros(num_experts + 1, dtype=torch.long).scatter_add_(0, key, torch.ones_like(key))
+    gates = (topk_weights.reshape(-1).to(dtype) * valid.to(dtype)).index_select(0, order)
+    return _Route(order, order // max(K, 1), gates, counts[:num_experts])
+
+
+def _tiles(oso: np.ndarray, R: int, ne: int) -> list:
+    """[(lo, hi)] rows of each local expert's tile in the window (oso [2, ne*R], index e*R + s)."""
+    n = oso[0].reshape(ne, R).sum(1)
+    lo = oso[1].reshape(ne, R)[:, 0]
+    return [(int(a), int(a + b)) for a, b in zip(lo, n)]
+
+
+def _linear(x, weight, bias, transposed: bool):
+    out = x @ weight if transposed else x @ weight.t()
+    return out if bias is None else out + bias
+
+
+def _expert(xe, e: int, w: ExpertWeights, attrs: FFNAttrs, dtype):
+    """FFN_e(xe) [n, H] in ``dtype`` (the reference's steps; the weight applied by the caller)."""
+    h = gated_activation(expert_fc1(w, e, xe, dtype), attrs)
+    fc2, bias = w.fc2_of(e).to(dtype), w.fc2_bias_of(e)
+    return _linear(h, fc2, None if bias is None else bias.to(dtype), w.transposed)
+
+
+def _experts_loop(rows, tiles, w: ExpertWeights, attrs: FFNAttrs, dtype):
+    """[N, H] outputs of every tile's expert on its rows (zero elsewhere); differentiable."""
+    parts, at = [], 0
+    N, H = rows.shape
+    for e, (lo, hi) in enumerate(tiles):
+        if hi <= lo:
+            continue
+        if lo > at:
+            parts.append(rows.new_zeros(lo - at, H, dtype=dtype))
+        parts.append(_expert(rows[lo:hi].to(dtype), e, w, attrs, dtype))
+        at = hi
+    if N > at:
+        parts.append(rows.new_zeros(N - at, H, dtype=dtype))
+    return torch.cat(parts) if parts else rows.new_zeros(0, H, dtype=dtype)
+
+
+def _experts_fast(rows, tiles, w: ExpertWeights, attrs: FFNAttrs, dtype):
+    """The forward's experts: the packed kernel over every tile in one call where the weights are
+    prepacked fp32 panels, else the loop."""
+    from moe_compile.kernels.cpu import experts as cpu_experts, prepack as cpu_prepack
+
+    packed = cpu_prepack.lookup(rows, w, attrs) if rows.dtype == torch.float32 and rows.shape[0] else None
+    if packed is None or not packed.fused:
+        return _experts_loop(rows, tiles, w, attrs, dtype)
+    spans = [np.arange(lo, hi, dtype=np.int64) for lo, hi in tiles]
+    tokens = torch.from_numpy(np.concatenate(spans) if spans else np.zeros(0, dtype=np.int64))
+    bounds = [0] + np.cumsum([hi - lo for lo, hi in tiles]).tolist()  # numpy ints, not a tensor read
+    scale = torch.ones(tokens.shape[0], dtype=torch.float32)
+    return cpu_experts.run(rows, tokens, scale, packed, w, attrs, bounds, torch.get_num_threads())
+
+
+def _dispatch(ctx, route, x, group_name, num_experts, timeout_s):
+    send = x.index_select(0, route.tokens)  # [S, H] rank-major (sorted by global id)
+    return a2a_cpu.exchange("dispatch", send, route.in_splits, group_name, 0, None, timeout_s, window=True)
+
+
+def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_name: str, num_experts: int,
+            timeout_s: float = TIMEOUT_S) -> torch.Tensor:
+    """y [T, H] = sum_k g_{t,k} FFN_{e_{t,k}}(x_t) over the experts of every rank."""
+    ctx = get_context(group_name)
+    R, ne = ctx.world, w.num_experts
+    if ne * R != num_experts:
+        raise ValueError(f"fused_moe_ep: {ne} local experts x {R} ranks != num_experts={num_experts}")
+    T, H = x.shape
+    cdt = compute_dtype(x.dtype)
+    route = _route(topk_ids, topk_weights, num_experts, cdt)
+    window, oso, oso_np = _dispatch(ctx, route, x, group_name, num_experts, timeout_s)
+    out = _experts_fast(window, _tiles(oso_np, R, ne), w, attrs, cdt)  # [N, H]
+    back = a2a_cpu.exchange("combine", out.to(cdt), oso, group_name, route.order.shape[0], None, timeout_s)[0]
+    y = torch.zeros(T, H, dtype=cdt)
+    y.index_add_(0, route.tokens, back * route.gates[:, None])  # [T, H]: the K rows of each token
+    return y.to(x.dtype)
+
+
+def _autograd_here():
+    """Autograd inside this backward: the backward op's body runs below autograd (the custom-op
+    machinery excludes the autograd keys), so ``enable_grad`` alone would record nothing.  Only the
+    autograd keys come back; the local experts' vjp is then torch autograd on the reference's steps."""
+    keys, ks = torch._C.DispatchKey, torch._C.DispatchKeySet
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    for k in (keys.AutogradFunctionality, keys.AutogradOther, keys.AutogradNestedTensor):
+        excluded = excluded - ks(k)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded)
+
+
+def _leaf_weights(w: ExpertWeights, need_roles: dict):
+    """A copy of ``w`` whose tensors are fresh autograd leaves where their gradient is needed."""
+    roles = {}
+    for name in ROLES:
+        roles[name] = tuple(t.detach().requires_grad_(need) for t, need in zip(getattr(w, name), need_roles[name]))
+    return dataclasses.replace(w, **roles), roles
+
+
+def backward(grad_y, x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, need_roles: dict,
+             group_name: str, num_experts: int, timeout_s: float = TIMEOUT_S):
+    """(dx [T, H], dg [T, K], {role: [grad or None]}) — every rank takes part (it serves its peers)."""
+    ctx = get_context(group_name)
+    R, ne = ctx.world, w.num_experts
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    cdt = compute_dtype(x.dtype)
+    route = _route(topk_ids, topk_weights, num_experts, cdt)
+    S = route.order.shape[0]
+    window, oso, oso_np = _dispatch(ctx, route, x, group_name, num_experts, timeout_s)
+    tiles = _tiles(oso_np, R, ne)
+    with _autograd_here(), torch.enable_grad():
+        rows = window.to(cdt, copy=True).requires_grad_()  # [N, H] a copy: combine_t reuses the window
+        wl, leaves = _leaf_weights(w, need_roles)
+        out = _experts_loop(rows, tiles, wl, attrs, cdt)  # [N, H]
+    # forward rows back at the source (for dg) and dY to the experts, transposes of the forward's
+    back = a2a_cpu.exchange("combine", out.detach(), oso, group_name, S, None, timeout_s)[0]  # [S, H]
+    dy_rows = grad_y.to(cdt).index_select(0, route.tokens)  # [S, H]
+    dg_sorted = (dy_rows * back).sum(1)  # [S]
+    d_out = a2a_cpu.exchange("combine_t", dy_rows * route.gates[:, None], oso, group_name, rows.shape[0], None,
+                             timeout_s)[0]  # [N, H]
+    inputs = [rows] + [t for name in ROLES for t in leaves[name] if t.requires_grad]
+    with _autograd_here():
+        grads = torch.autograd.grad(out, inputs, d_out, allow_unused=True) if out.requires_grad else [None] * len(inputs)
+    d_rows = grads[0] if grads[0] is not None else torch.zeros_like(rows)
+    d_send = a2a_cpu.exchange("combine", d_rows.detach(), oso, group_name, S, None, timeout_s)[0]  # [S, H]
+    dx = torch.zeros(T, H, dtype=cdt).index_add_(0, route.tokens, d_send)
+    dg = torch.zeros(T * K, dtype=cdt).index_copy_(0, route.order, dg_sorted)
+    valid = ((topk_ids >= 0) & (topk_ids < num_experts)).reshape(-1)
+    dg = dg * valid.to(cdt)
+    role_grads, it = {}, iter(grads[1:])
+    for name in ROLES:
+        role_grads[name] = []
+        for t, leaf in zip(getattr(w, name), leaves[name]):
+            g = next(it) if leaf.requires_grad else None
+            role_grads[name].append(torch.zeros_like(t) if (leaf.requires_grad and g is None) else g)
+    return dx.to(x.dtype), dg.view(T, K).to(topk_weights.dtype), role_grads
+
+
+__all__ = ["backward", "forward", "supports"]
