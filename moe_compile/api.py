@@ -70,13 +70,16 @@ FELL_BACK = ("; that frame was compiled again without capture_dynamic_output_sha
 def empty_cache() -> dict:
     """Give back the CPU memory the fused op keeps between calls: expert weights packed for oneDNN
     (``kernels/cpu/prepack.py``), stacked weight gradients' buffers (``kernels/cpu/grad_cache.py``) and
-    quantized packs with quant="auto"'s choices (``kernels/cpu/quant.py``).
+    quantized packs with quant="auto"'s choices (``kernels/cpu/quant.py``) and dense linears' packs
+    (``quant_dense``, ``kernels/cpu/dense.py``).
     Returns the bytes each held before.  Nothing is lost: packs are rebuilt and buffers made
     afresh when later calls need them; a gradient still alive keeps its memory until freed."""
-    from moe_compile.kernels.cpu import grad_cache as cpu_grad_cache, prepack as cpu_prepack, quant as cpu_quant
+    from moe_compile.kernels.cpu import dense as cpu_dense, grad_cache as cpu_grad_cache, prepack as cpu_prepack
+    from moe_compile.kernels.cpu import quant as cpu_quant
 
     held = {"packed_weights": cpu_prepack.stats()["bytes"], "gradient_buffers": cpu_grad_cache.held_bytes(),
-            "quantized_weights": cpu_quant.stats()["bytes"]}
+            "quantized_weights": cpu_quant.stats()["bytes"], "dense_weights": cpu_dense.stats()["dense_pack_bytes"]}
+    cpu_dense.clear()
     cpu_prepack.clear()
     cpu_grad_cache.clear()
     cpu_quant.clear()

@@ -69,6 +69,7 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs, config: MoEConfig) -> Repo
     before = copy_module(gm) if config.dump_dir() else None  # the dump draws the region as it was
     report = run_moe_pass(gm, example_inputs, config.min_experts, config.save_fc1, config.quant,
                           config.quant_budget_db())
+    _rewrite_dense_linears(gm, example_inputs, config, report)
     if not report.rewritten and not report.skipped:
         _say_why_nothing(gm, report)
     _log_graph(next(_graph_ids), report)
@@ -80,6 +81,15 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs, config: MoEConfig) -> Repo
             if r.quant_tag:
                 selection.watch_dump(r.quant_tag, folder)
     return report
+
+
+def _rewrite_dense_linears(gm: fx.GraphModule, example_inputs, config: MoEConfig, report: Report) -> None:
+    """After the MoE pass: the graph's other linears onto the dense kernels (passes/linears.py)."""
+    from moe_compile.passes.linears import run_linear_pass
+
+    line = run_linear_pass(gm, example_inputs, config.dense_format())
+    if line:
+        report.notes.append(Note(line))
 
 
 def _say_why_nothing(gm: fx.GraphModule, report: Report) -> None:

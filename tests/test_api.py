@@ -18,12 +18,14 @@ def test_empty_cache_gives_back_packs_and_gradient_buffers(monkeypatch):
     monkeypatch.setattr(cpu_grad_cache.GRADIENTS, "min_bytes", 0)
     cpu_prepack.clear()
     cpu_grad_cache.clear()
+    moe_compile.empty_cache()  # nothing left from earlier tests (dense and quantized packs)
     x, ids, g, w = make_case(48, 32, 24, 4, 2)
     call_fused_moe(x, ids, g, w, FFNAttrs())
     grad = cpu_grad_cache.GRADIENTS.take(w.fc1[0])
     packed, kept = cpu_prepack.stats()["bytes"], cpu_grad_cache.held_bytes()
     assert packed > 0 and kept == w.fc1[0].nbytes
-    assert moe_compile.empty_cache() == {"packed_weights": packed, "gradient_buffers": kept, "quantized_weights": 0}
+    assert moe_compile.empty_cache() == {"packed_weights": packed, "gradient_buffers": kept, "quantized_weights": 0,
+                                        "dense_weights": 0}
     assert cpu_prepack.stats()["bytes"] == 0 and cpu_grad_cache.held_bytes() == 0
     grad.fill_(1.0)  # a gradient handed out before stays the caller's
     assert torch.all(grad == 1.0)
