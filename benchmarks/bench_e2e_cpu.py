@@ -1,0 +1,345 @@
+"""A whole MoE language model on CPU: llama.cpp beside HF eager, default torch.compile and
+backend="moe" at each format, prefill and decode tokens/s, on the same random-weight model.
+
+    python benchmarks/bench_e2e_cpu.py [--llama-bench PATH --llama-quantize PATH]
+        [--llama-greedy PATH] [--recipes fp32 w16 w8 w4 a8w4] [--engines eager inductor]
+        [--hidden 2048 --experts 64 --ffn 768 --topk 8 --layers 4 ...] [--out DIR]
+
+The model: a Qwen3-MoE causal LM (default: Qwen3-30B-A3B's layer shapes, 4 layers, vocab 32000,
+untied lm_head; 1.4 B parameters, fixed seed), built from its config with random weights.  Its
+GGUF is written here with the ``gguf`` package (every tensor fp32, Qwen3-MoE's GGUF names) and
+quantized by llama.cpp's own ``llama-quantize`` to f16 / q8_0 / q4_0 / q4_K_M; ``llama-bench``
+(``-p PROMPT -n GEN -t THREADS -r REPS``) times it.  Both tools come from a llama.cpp build given
+by path; without them only the PyTorch rows run.
+
+PyTorch rows: one ``generate`` call = a PROMPT-token prefill + GEN greedy tokens; a logits
+processor stamps the clock at each step (stamp 0 ends the prefill), medians of --reps calls
+after a first (compiling) call.  backend="moe" recipes (``RECIPES``) put every weight the decode
+step reads in the named format (experts: ``quant``, everything else: ``quant_dense``) with a
+static KV cache (``cache_implementation="static"``: one decode graph, no cache growth); the
+fp32 recipe is equal-tokens checked against HF eager.  ``--llama-greedy``: a program
+``PATH MODEL.gguf THREADS IDS.txt N_GEN LOGITS.bin`` printing "gen: <ids>" (greedy from token ids
+with llama.cpp's C API) checks that the GGUF is the same model (tokens and logits vs HF eager).
+
+Roof (decode): bytes one decode step reads in its formats (attention, router, lm_head, the K
+experts a token touches per layer, one embedding row) / the machine's read bandwidth (torch.sum
+over 1 GiB, best of 5).  Memory-bound: the roof fraction is roof ms / measured ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+import harness  # benchmarks/harness.py
+
+# recipe -> (quant, quant_dense): every weight of the decode step in one format
+RECIPES = {"fp32": ("none", "none"), "w16": ("w16", "w16"), "w8": ("w8-int", "w8-int"), "a8w8": ("a8w8-int", "a8w8-int"),
+           "w4": ("w4-int", "w4-int"), "a8w4": ("a8w4-int", "a8w4-int")}
+LLAMA_FORMATS = ("f32", "f16", "q8_0", "q4_0", "q4_K_M")
+# bytes per weight of each format (data + scales), for the roof
+BYTES_PER_WEIGHT = {"none": 4.0, "w16": 2.0, "w8-int": 1 + 2 / 32, "a8w8-int": 1.0, "w4-int": 0.5 + 2 / 32,
+                    "a8w4-int": 0.5 + 2 / 32, "mxfp4": 0.5 + 1 / 32, "mxfp8": 1 + 1 / 32}
+
+
+def build_model(a):
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(a.seed)
+    cfg = Qwen3MoeConfig(
+        vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=3 * a.hidden, moe_intermediate_size=a.ffn,
+        num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, head_dim=a.head_dim,
+        num_experts=a.experts, num_experts_per_tok=a.topk, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], tie_word_embeddings=False, max_position_embeddings=4096, rms_norm_eps=1e-6,
+        eos_token_id=0, bos_token_id=None, pad_token_id=0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+# --------------------------------------------------------------------------------------- GGUF
+def write_gguf(model, path: str) -> None:
+    """The model as a qwen3moe GGUF, every tensor fp32 (llama.cpp's names and layouts: a [out, in]
+    weight as it is, experts stacked [E, out, in]).  The vocab is a placeholder (byte tokens and
+    numbered ones): llama-bench and the greedy checker take token ids, never text."""
+    import gguf
+
+    cfg = model.config
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _add_vocab(w, cfg.vocab_size)
+    for name, tensor in _gguf_tensors(model):
+        w.add_tensor(name, tensor.detach().float().contiguous().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _add_vocab(w, vocab: int) -> None:
+    import gguf
+
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"t{i}" for i in range(vocab - len(tokens))]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
+    types += [gguf.TokenType.NORMAL] * (vocab - len(types))
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+
+def _gguf_tensors(model):
+    m = model.model
+    yield "token_embd.weight", m.embed_tokens.weight
+    for i, layer in enumerate(m.layers):
+        att, moe = layer.self_attn, layer.mlp
+        F = moe.experts.down_proj.shape[2]
+        gate_up = moe.experts.gate_up_proj  # [E, 2F, H]: gate rows, then up rows
+        yield from ((f"blk.{i}.{k}", v) for k, v in (
+            ("attn_norm.weight", layer.input_layernorm.weight), ("attn_q.weight", att.q_proj.weight),
+            ("attn_k.weight", att.k_proj.weight), ("attn_v.weight", att.v_proj.weight),
+            ("attn_output.weight", att.o_proj.weight), ("attn_q_norm.weight", att.q_norm.weight),
+            ("attn_k_norm.weight", att.k_norm.weight), ("ffn_norm.weight", layer.post_attention_layernorm.weight),
+            ("ffn_gate_inp.weight", moe.gate.weight), ("ffn_gate_exps.weight", gate_up[:, :F]),
+            ("ffn_up_exps.weight", gate_up[:, F:]), ("ffn_down_exps.weight", moe.experts.down_proj)))
+    yield "output_norm.weight", m.norm.weight
+    yield "output.weight", model.lm_head.weight
+
+
+def llama_formats(a, f32_path: str) -> dict:
+    paths = {"f32": f32_path}
+    for q in a.llama_formats:
+        if q == "f32":
+            continue
+        out = f32_path.replace("-f32.gguf", f"-{q}.gguf")
+        if not os.path.exists(out):
+            subprocess.run([a.llama_quantize, f32_path, out, q.upper(), str(a.threads)], check=True,
+                           capture_output=True)
+        paths[q] = out
+    return paths
+
+
+def llama_bench(a, path: str) -> dict:
+    out = subprocess.run([a.llama_bench, "-m", path, "-t", str(a.threads), "-p", str(a.prompt), "-n", str(a.gen),
+                          "-r", str(a.reps), "-o", "json"], check=True, capture_output=True, text=True).stdout
+    rows = json.loads(out)
+    pre = next(r for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0)
+    dec = next(r for r in rows if r["n_gen"] > 0 and r["n_prompt"] == 0)
+    return dict(prefill_tok_s=pre["avg_ts"], decode_tok_s=dec["avg_ts"], decode_ms_tok=1e3 / dec["avg_ts"],
+                load1=os.getloadavg()[0])
+
+
+def llama_greedy(a, path: str, prompt: torch.Tensor, n: int) -> tuple[list[int], np.ndarray]:
+    with tempfile.TemporaryDirectory() as tmp:
+        ids, logits = os.path.join(tmp, "ids.txt"), os.path.join(tmp, "logits.bin")
+        np.savetxt(ids, prompt.numpy(), fmt="%d")
+        out = subprocess.run([a.llama_greedy, path, str(a.threads), ids, str(n), logits], check=True,
+                             capture_output=True, text=True).stdout
+        toks = [int(t) for t in next(ln for ln in out.splitlines() if ln.startswith("gen:")).split()[1:]]
+        return toks, np.fromfile(logits, dtype=np.float32).reshape(n + 1, -1)
+
+
+# ------------------------------------------------------------------------------------ PyTorch
+class Clock:
+    """A logits processor that stamps the time each step's logits arrive (and keeps the first)."""
+
+    def __init__(self):
+        self.stamps, self.first = [], None
+
+    def __call__(self, input_ids, scores):
+        self.stamps.append(time.perf_counter())
+        if self.first is None:
+            self.first = scores.detach().float().clone()
+        return scores
+
+
+def generate_timed(model, prompt: torch.Tensor, gen: int, **kwargs) -> dict:
+    from transformers import LogitsProcessorList
+
+    clock = Clock()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=gen + 1, min_new_tokens=gen + 1, do_sample=False, pad_token_id=0,
+                             logits_processor=LogitsProcessorList([clock]), **kwargs)
+    s = clock.stamps
+    return dict(prefill_s=s[0] - t0, decode_s=s[-1] - s[0], tokens=out[0, prompt.shape[1]:].tolist(),
+                first_logits=clock.first, load1=os.getloadavg()[0])
+
+
+def torch_row(model, a, prompt: torch.Tensor, engine: str, recipe: str | None) -> dict:
+    """One engine / recipe: a first (compiling) call, then --reps timed calls."""
+    import moe_compile
+
+    torch._dynamo.reset()
+    moe_compile.empty_cache()
+    forward = model.forward
+    kwargs = {}
+    if engine == "inductor":
+        model.forward = torch.compile(forward)
+    elif engine == "moe":
+        quant, dense = RECIPES[recipe]
+        model.forward = torch.compile(forward, backend="moe", options={"quant": quant, "quant_dense": dense})
+        kwargs["cache_implementation"] = "static"
+    try:
+        t = time.perf_counter()
+        first = generate_timed(model, prompt, a.gen, **kwargs)
+        first_s = time.perf_counter() - t
+        runs = [generate_timed(model, prompt, a.gen, **kwargs) for _ in range(a.reps)]
+    finally:
+        model.forward = forward
+    pre, dec = statistics.median(r["prefill_s"] for r in runs), statistics.median(r["decode_s"] for r in runs)
+    return dict(engine=engine, recipe=recipe, prefill_tok_s=a.prompt / pre, decode_tok_s=a.gen / dec,
+                decode_ms_tok=1e3 * dec / a.gen, first_call_s=first_s, load1=statistics.median(r["load1"] for r in runs),
+                tokens=first["tokens"], first_logits=first["first_logits"])
+
+
+# --------------------------------------------------------------------------------------- roof
+def decode_bytes(model, quant: str, dense: str) -> float:
+    """Bytes one decode step reads: dense weights in ``dense``, the touched experts in ``quant``."""
+    cfg = model.config
+    H, F, K, L, V = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok, cfg.num_hidden_layers, cfg.vocab_size
+    att = model.model.layers[0].self_attn
+    attn = sum(p.numel() for p in att.parameters())
+    router = cfg.num_experts * H
+    norms = 2 * H
+    dense_weights = L * attn + V * H  # attention and lm_head
+    experts = L * K * 3 * H * F
+    return (BYTES_PER_WEIGHT[dense] * dense_weights + 4.0 * (L * (router + norms) + H + H)
+            + BYTES_PER_WEIGHT[quant] * experts)
+
+
+def llama_decode_bytes(path: str, cfg) -> float:
+    import gguf
+
+    total = 0.0
+    for t in gguf.GGUFReader(path).tensors:
+        n = float(t.n_bytes)
+        total += n * cfg.num_experts_per_tok / cfg.num_experts if "_exps" in t.name else \
+            n / cfg.vocab_size if t.name == "token_embd.weight" else n
+    return total
+
+
+def read_bandwidth() -> float:
+    x = torch.ones(2**28)
+    x.sum()
+    best = min((lambda t0: (x.sum(), time.perf_counter() - t0)[1])(time.perf_counter()) for _ in range(5))
+    return x.numel() * 4 / best
+
+
+# --------------------------------------------------------------------------------------- main
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for name, default in (("hidden", 2048), ("experts", 64), ("ffn", 768), ("topk", 8), ("layers", 4), ("heads", 32),
+                          ("kv-heads", 4), ("head-dim", 128), ("vocab", 32000), ("seed", 0), ("prompt", 512),
+                          ("gen", 64), ("threads", 2), ("reps", 3)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--recipes", nargs="*", default=list(RECIPES), choices=list(RECIPES))
+    p.add_argument("--engines", nargs="*", default=["eager", "inductor"], choices=["eager", "inductor"])
+    p.add_argument("--llama-bench", help="llama.cpp's llama-bench binary")
+    p.add_argument("--llama-quantize", help="llama.cpp's llama-quantize binary (for the non-f32 GGUFs)")
+    p.add_argument("--llama-greedy", help="greedy-from-ids checker (see the module docstring)")
+    p.add_argument("--llama-formats", nargs="*", default=list(LLAMA_FORMATS))
+    p.add_argument("--work", default=None, help="where the GGUFs go (default: a temporary directory)")
+    p.add_argument("--out", default=None, help="directory for e2e_cpu.json")
+    return p.parse_args()
+
+
+def main() -> None:
+    a = parse_args()
+    torch.set_num_threads(a.threads)
+    print(harness.machine_line(harness.machine_info()))
+    bw = read_bandwidth()
+    print(f"read bandwidth {bw / 1e9:.1f} GB/s (torch.sum over 1 GiB, best of 5); load {os.getloadavg()[0]:.2f}")
+    model = build_model(a)
+    prompt = torch.randint(1, a.vocab, (1, a.prompt), generator=torch.Generator().manual_seed(1))
+    rows = []
+    for engine in a.engines:
+        rows.append(torch_row(model, a, prompt, engine, None) | dict(bytes=decode_bytes(model, "none", "none")))
+    for recipe in a.recipes:
+        rows.append(torch_row(model, a, prompt, "moe", recipe) | dict(bytes=decode_bytes(model, *RECIPES[recipe])))
+    checks = _check_torch(rows)
+    if a.llama_bench:
+        work = a.work or tempfile.mkdtemp(prefix="moe_e2e_")
+        os.makedirs(work, exist_ok=True)
+        f32 = os.path.join(work, "model-f32.gguf")
+        if not os.path.exists(f32):
+            write_gguf(model, f32)
+        paths = llama_formats(a, f32) if a.llama_quantize else {"f32": f32}
+        if a.llama_greedy:
+            checks["llama_f32_vs_hf_eager"] = _check_llama(a, model, paths["f32"])
+        for fmt, path in paths.items():
+            rows.append(dict(engine="llama.cpp", recipe=fmt, bytes=llama_decode_bytes(path, model.config),
+                             **llama_bench(a, path)))
+    _print(rows, bw, checks)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        keep = [{k: v for k, v in r.items() if k not in ("tokens", "first_logits")} for r in rows]
+        with open(os.path.join(a.out, "e2e_cpu.json"), "w") as f:
+            json.dump(dict(machine=harness.machine_info(), bandwidth_GBps=bw / 1e9, args=vars(a), rows=keep,
+                           checks=checks), f, indent=1)
+
+
+def _check_torch(rows: list[dict]) -> dict:
+    """Greedy tokens of the fp32 rows against HF eager's; the quantized rows' first-step logits SQNR."""
+    from moe_compile.quant.int8 import sqnr_db
+
+    eager = next((r for r in rows if r["engine"] == "eager"), None)
+    out = {}
+    for r in rows:
+        if eager is None or r is eager:
+            continue
+        key = f"{r['engine']}:{r['recipe']}"
+        finite = torch.isfinite(eager["first_logits"])  # generate masks EOS to -inf (min_new_tokens)
+        out[key] = dict(same_tokens=r["tokens"] == eager["tokens"],
+                        first_logits_sqnr_db=sqnr_db(eager["first_logits"][finite], r["first_logits"][finite]))
+    return out
+
+
+def _check_llama(a, model, path: str) -> dict:
+    from moe_compile.quant.int8 import sqnr_db
+
+    prompt = torch.randint(1, a.vocab, (1, 32), generator=torch.Generator().manual_seed(2))
+    toks, logits = llama_greedy(a, path, prompt, 16)
+    with torch.no_grad():
+        hf = model.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)[0, 32:].tolist()
+        ref = model(torch.cat([prompt, torch.tensor([toks[:-1]])], 1)).logits[0, 31:]
+    lg = torch.from_numpy(logits[: ref.shape[0]])
+    return dict(same_tokens=toks == hf, logits_sqnr_db=sqnr_db(ref, lg), hf=hf, llama=toks)
+
+
+def _print(rows: list[dict], bw: float, checks: dict) -> None:
+    print(f"\n{'engine':10s} {'format':8s} {'prefill tok/s':>13s} {'decode tok/s':>12s} {'ms/token':>9s} "
+          f"{'roof ms':>8s} {'of roof':>7s} {'load':>5s}")
+    for r in rows:
+        roof_ms = 1e3 * r["bytes"] / bw
+        print(f"{r['engine']:10s} {str(r['recipe'] or 'fp32'):8s} {r['prefill_tok_s']:13.1f} {r['decode_tok_s']:12.2f} "
+              f"{r['decode_ms_tok']:9.2f} {roof_ms:8.2f} {roof_ms / r['decode_ms_tok']:7.2f} {r['load1']:5.2f}")
+    for key, c in checks.items():
+        print(f"check {key}: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in c.items()
+                                            if k not in ("hf", "llama")))
+
+
+if __name__ == "__main__":
+    main()
