@@ -69,12 +69,13 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs, config: MoEConfig) -> Repo
     before = copy_module(gm) if config.dump_dir() else None  # the dump draws the region as it was
     report = run_moe_pass(gm, example_inputs, config.min_experts, config.save_fc1, config.quant,
                           config.quant_budget_db())
+    moe_only = copy_module(gm) if before is not None else None  # the dump finds regions against this graph
     _rewrite_dense_linears(gm, example_inputs, config, report)
     if not report.rewritten and not report.skipped:
         _say_why_nothing(gm, report)
     _log_graph(next(_graph_ids), report)
     if before is not None:
-        folder = dump.write_graph_dump(config.dump_dir(), before, gm, report)
+        folder = dump.write_graph_dump(config.dump_dir(), before, gm, report, moe_only)
         from moe_compile.quant import selection
 
         for r in report.rewritten:  # quant="auto" writes its measurements there when it makes them

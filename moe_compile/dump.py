@@ -45,9 +45,12 @@ _WEIGHT_VIEWS = {"getitem", "transpose", "t", "permute", "view", "reshape", "to"
 _MAX_LINE = 72  # characters of a source line shown in a box (keeps the picture under ~1000 px)
 
 
-def write_graph_dump(root: str, before: fx.GraphModule | str, gm: fx.GraphModule, report) -> str:
+def write_graph_dump(root: str, before: fx.GraphModule | str, gm: fx.GraphModule, report,
+                     moe_only: fx.GraphModule | None = None) -> str:
     """Write one graph's dump under ``root``; ``before`` is a copy of the graph before the rewrite
-    (or only its code, when no picture is wanted).  Returns the folder."""
+    (or only its code, when no picture is wanted), ``moe_only`` the graph right after the MoE pass
+    when a later pass (the dense linears) changed ``gm`` again: regions are found against it, since
+    a node the later pass replaced is not part of any MoE region.  Returns the folder."""
     index = next(_counter)
     folder = os.path.join(root, f"graph_{os.getpid()}_{index:03d}")
     os.makedirs(folder, exist_ok=True)
@@ -56,9 +59,10 @@ def write_graph_dump(root: str, before: fx.GraphModule | str, gm: fx.GraphModule
     _write(folder, "report.txt", str(report) + "\n")
     _write(folder, "report.json", json.dumps(report.to_dict(), indent=2))
     if not isinstance(before, str):
-        for i, fused in enumerate(fused_nodes(gm)):
+        after = moe_only if moe_only is not None else gm
+        for i, fused in enumerate(fused_nodes(after)):
             try:
-                dot = region_dot(region_stages(before, gm, fused), fused, _entry_for(fused, report.rewritten, i))
+                dot = region_dot(region_stages(before, after, fused), fused, _entry_for(fused, report.rewritten, i))
             except Exception:  # a debugging aid must not fail the user's compile: say so in the folder
                 _write(folder, f"moe_region_{i}.error.txt", traceback.format_exc())
                 warnings.warn(f"moe_compile dump: no picture of MoE region {i}; see {folder}", RuntimeWarning)
