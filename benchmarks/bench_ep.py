@@ -11,6 +11,9 @@ Per world size (ranks = processes on this host, gloo, 1 torch thread each) and s
   fused_symm_cN   the same with N chunks (the sweep that chose ROWS_PER_CHUNK / auto_chunks)
   fused_coll_cN   fused_moe_ep, transport="collectives" (chunked async all_to_all), N chunks
   fused_int8      transport="symm-int8"
+  fused_a2a       transport="a2a": one ep_dispatch / ep_combine each way (torch's all_to_all_vdev_2d
+                  contract), the local experts on the receive window, no torch scalar read
+  comm_a2a        that exchange alone: the dispatch into the window and the combine of its rows back
   comm_symm       the heap exchange with no expert work (rows out, rows back)
   comm_gloo       the gloo all_to_all_single exchange of the same rows, both ways (+ counts)
   compute         the local experts on the rows this rank receives, no exchange
@@ -18,6 +21,7 @@ Times: per call, max over ranks of each rank's median (ranks start each repeat a
 Overlap figure: fused_symm / max(comm_symm, compute) (the issue's target: <= 1.15).
 
 Usage: python benchmarks/bench_ep.py --out benchmarks/results/ep_cpu [--worlds 2 4] [--tokens 512] [--quick]
+       python benchmarks/bench_ep.py --out /dev/null --exchange-only --worlds 2 --tokens 8 --repeats 200
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ def _rank_main(rank, world, store_path, cfg, queue):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
-        queue.put((rank, _run_shapes(rank, world, cfg)))
+        queue.put((rank, (_run_exchange if cfg.get("exchange_only") else _run_shapes)(rank, world, cfg)))
     finally:
         dist.destroy_process_group()
 
@@ -97,6 +101,8 @@ def _run_shapes(rank, world, cfg):
             row[f"fused_symm_c{c}"] = _timeit(fused("symm", c), rep, wu)
             row[f"fused_coll_c{c}"] = _timeit(fused("collectives", c), rep, wu)
         row["fused_int8"] = _timeit(fused("symm-int8"), rep, wu)
+        row["fused_a2a"] = _timeit(fused("a2a"), rep, wu)
+        row["comm_a2a"] = _timeit(_a2a_exchange(x, ids, gw, E, g.group_name), rep, wu)
         # communication only: the same exchanges with no expert work
         ctx = get_context(g.group_name)
         plan = make_plan(ids, E, world)
@@ -122,6 +128,44 @@ def _run_shapes(rank, world, cfg):
         row["recv_rows"] = n
         results[name] = row
     return results
+
+
+def _run_exchange(rank, world, cfg):
+    """--exchange-only: the exchanges alone (a2a transport, symm heap transport), 64-expert shape."""
+    from moe_compile.ep import dispatch
+    from moe_compile.ep.context import get_context
+    from moe_compile.ep.plan import make_plan
+
+    name, H, F, E, K = cfg["shapes"][0]
+    T, g = cfg["tokens"], dist.group.WORLD
+    gen = torch.Generator().manual_seed(1234 + rank)
+    x = torch.randn(T, H, generator=gen)
+    gw, ids = torch.rand(T, E, generator=gen).topk(K, dim=1)
+    gw = torch.softmax(gw, dim=1)
+    plan = make_plan(ids, E, world)
+    gp = gw.reshape(-1)[plan.order].float()
+
+    def copy_rows(rows, gg, counts, out):
+        out.copy_(rows)
+
+    ctx, rep, wu = get_context(g.group_name), cfg["repeats"], cfg["warmup"]
+    return {name: {"comm_a2a": _timeit(_a2a_exchange(x, ids, gw, E, g.group_name), rep, wu),
+                   "comm_symm": _timeit(lambda: dispatch.exchange(ctx, plan, x, gp, copy_rows, H, x.dtype, chunks=1,
+                                                                  timeout_s=60), rep, wu)}}
+
+
+def _a2a_exchange(x, ids, gw, E, group_name):
+    """The a2a transport's exchange with no expert work: rows into the receive window and back."""
+    from moe_compile.ep import a2a_cpu, fused_a2a
+
+    route = fused_a2a._route(ids, gw, E, torch.float32)
+
+    def run():
+        win, oso, _ = a2a_cpu.exchange("dispatch", x.index_select(0, route.tokens), route.in_splits, group_name, 0,
+                                       window=True)
+        a2a_cpu.exchange("combine", win, oso, group_name, route.order.shape[0])
+
+    return run
 
 
 def run_world(world, cfg):
@@ -165,6 +209,9 @@ def _table(all_results, cfg):
                 f"{r['eager_gloo']/r['fused_symm']:.2f}x | {best_coll*1e3:.1f} | {r['fused_int8']*1e3:.1f} | "
                 f"{r['comm_symm']*1e3:.1f} | {r['comm_gloo']*1e3:.1f} | {r['compute']*1e3:.1f} | {ov:.2f} | {best_c} |"
             )
+    lines += ["", "a2a transport (ms): " + "; ".join(
+        f"w{w} {s}: fused a2a {r['fused_a2a']*1e3:.2f}, its exchange alone {r['comm_a2a']*1e3:.3f}"
+        for w, res in all_results.items() for s, r in res.items())]
     lines += ["", "Chunk sweep (ms): " + "; ".join(
         f"w{w} {s}: " + ", ".join(f"symm c{c}={r[f'fused_symm_c{c}']*1e3:.1f} coll c{c}={r[f'fused_coll_c{c}']*1e3:.1f}"
                                   for c in cfg["chunks"])
@@ -179,9 +226,19 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="T=64, 2 repeats (smoke run)")
+    ap.add_argument("--exchange-only", action="store_true",
+                    help="only the exchanges (a2a and symm transports, 64-expert shape): prints the medians in ms")
     args = ap.parse_args(argv)
     cfg = {"tokens": 64 if args.quick else args.tokens, "repeats": 2 if args.quick else args.repeats,
-           "warmup": 1, "chunks": [1, 2, 4], "shapes": SHAPES, "worlds": args.worlds}
+           "warmup": 1, "chunks": [1, 2, 4], "shapes": SHAPES, "worlds": args.worlds,
+           "exchange_only": args.exchange_only}
+    if args.exchange_only:
+        cfg["warmup"] = 20
+        for world in args.worlds:
+            res = run_world(world, cfg)
+            print(json.dumps({"world": world, "tokens": cfg["tokens"], "repeats": cfg["repeats"],
+                              "ms": {s: {k: round(v * 1e3, 4) for k, v in r.items()} for s, r in res.items()}}))
+        return
     results = {}
     for world in args.worlds:
         t0 = time.time()

@@ -53,15 +53,36 @@ class _State:
         self.R, self.ne, self.W = R, ne, NMETA + 2 * R * ne
         self.control = allocate(ctx.store, ctx.rank, R, 2 * R * self.W * 8, 2 * R,
                                 f"{ctx.group_name}/a2a{ne}/ctl", timeout_s)
-        self.ctl_base = [self.control.tensor(r, 0, (1,), torch.uint8).data_ptr() for r in range(R)]
-        self.flag_base = [self.control.flags(r).ctypes.data for r in range(R)]
+        me = ctx.rank
+        ctl = np.array([self.control.tensor(r, 0, (1,), torch.uint8).data_ptr() for r in range(R)], dtype=np.uint64)
+        self.flag_base = np.array([self.control.flags(r).ctypes.data for r in range(R)], dtype=np.uint64)
+        # Everything the hot path passes to C, made once: the counts row's destinations per parity,
+        # the COUNTS / DATA flag addresses, the dests in push order (the next rank first, to spread
+        # the writers over the windows) and the per-parity views of this rank's control window.
+        self.order = np.array([(me + k) % R for k in range(1, R + 1)], dtype=np.int64)
+        self.counts_push = []  # per parity: my row into slot ``me`` of every peer's window, then COUNTS[me]
+        for par in (0, 1):
+            p = cpu_ep.Push(R, R)
+            p.dst[:] = ctl + np.uint64((par * R + me) * self.W * 8)
+            p.flags[:] = self.flag_base + np.uint64(8 * me)
+            p.nblk[:], p.blk[0], p.blk[1], p.blk[2] = 1, 0, 0, 1
+            self.counts_push.append(p)
+        self.data_push = [cpu_ep.Push(R, R * ne) for _ in (0, 1)]  # per parity, dests in ``order``
+        for p in self.data_push:
+            p.flags[:] = self.flag_base[self.order] + np.uint64(8 * (R + me))
+            p.nblk[:] = ne
+        self.views = [self.control.tensor(me, par * R * self.W * 8, (R, self.W), torch.int64).numpy() for par in (0, 1)]
+        own = self.control.flags(me)
+        self.counts_poll = cpu_ep.Poll(own, np.arange(R))
+        self.data_poll = cpu_ep.Poll(own, np.arange(R, 2 * R))
+        self.unpack = cpu_ep.Unpack(R * ne)
         self.data, self.half, self.gen, self.epoch = None, 0, 0, 0
         self.row = np.zeros(self.W, dtype=np.int64)
+        self.row_at = self.row.ctypes.data
 
     def rows_of(self, par: int) -> np.ndarray:
         """[R, W] this rank's control window, parity ``par`` (every rank's published row)."""
-        return self.control.tensor(self.control.rank, par * self.R * self.W * 8, (self.R, self.W),
-                                   torch.int64).numpy()
+        return self.views[par]
 
     def ensure(self, ctx, nbytes: int, timeout_s: float) -> None:
         """Every rank calls it with the same ``nbytes`` (computed from the same rows): in step."""
@@ -74,6 +95,9 @@ class _State:
         self.data = allocate(ctx.store, ctx.rank, ctx.world, 2 * self.half, 0,
                              f"{ctx.group_name}/a2a{self.ne}/data{self.gen}", timeout_s)
         self.data_base = [self.data.tensor(r, 0, (1,), torch.uint8).data_ptr() for r in range(ctx.world)]
+        base = np.array(self.data_base, dtype=np.uint64)[self.order]
+        for par, p in enumerate(self.data_push):
+            p.dst[:] = base + np.uint64(par * self.half)
 
 
 def _state(ctx, ne: int, timeout_s: float) -> _State:
@@ -83,11 +107,12 @@ def _state(ctx, ne: int, timeout_s: float) -> _State:
     return st
 
 
-def _wait(st: _State, slots: list, ep: int, timeout_s: float, what: str) -> None:
-    flags = st.control.flags(st.control.rank)
-    slots = np.asarray(slots, dtype=np.int64)
+def _wait(st: _State, poll, ep: int, timeout_s: float, what: str) -> None:
+    if not poll(ep, SPINS):
+        return
+    flags, slots = poll.flags, poll.slots
     deadline, spins = time.monotonic() + timeout_s, 0
-    while cpu_ep.poll(flags, slots, ep, SPINS):
+    while poll(ep, SPINS):
         if time.monotonic() > deadline:
             missing = sorted(int(s) % st.R for s in slots[flags[slots] < ep])
             raise TimeoutError(
@@ -176,26 +201,25 @@ def exchange(kind: str, input: torch.Tensor, payload: torch.Tensor, group_name: 
     n_pay = payload.numel()
     st.row[:NMETA] = _meta(kind, ne, x.shape[0], -1 if window else out_rows, row_bytes, major_align)
     st.row[NMETA : NMETA + n_pay] = payload.reshape(-1).numpy()
-    row_b = st.W * 8
-    cpu_ep.push(st.row.ctypes.data, [b + par * R * row_b for b in st.ctl_base], row_b, [1] * R,
-                [0] * R, [me] * R, [1] * R, [fb + 8 * me for fb in st.flag_base], ep)
-    _wait(st, list(range(R)), ep, timeout_s, f"the {kind}'s counts")
+    st.counts_push[par](st.row_at, st.W * 8, ep)
+    _wait(st, st.counts_poll, ep, timeout_s, f"the {kind}'s counts")
     rows = st.rows_of(par)
     _agree(rows, me)
     send, recv, oso, out_rows_all = _layout(kind, rows, me, R, ne)
     st.ensure(ctx, int(out_rows_all.max()) * row_bytes, timeout_s)
     # 2. every block straight to its final rows, a DATA flag after each dest's blocks
-    order = [(me + k) % R for k in range(1, R + 1)]  # start with the next rank: spread the writers
-    n_rows, src_row, dst_row = (np.ascontiguousarray(a[order]).reshape(-1) for a in send)
-    cpu_ep.push(x.data_ptr(), [st.data_base[d] + par * st.half for d in order], row_bytes, [ne] * R,
-                src_row, dst_row, n_rows, [st.flag_base[d] + 8 * (R + me) for d in order], ep)
+    push = st.data_push[par]
+    for i, a in enumerate((send[1], send[2], send[0])):  # src_row, dst_row, rows
+        push.blk[i] = a[st.order].reshape(-1)
+    push(x.data_ptr(), row_bytes, ep)
     # 3. all R sources' rows here: unpack the window into out
-    _wait(st, list(range(R, 2 * R)), ep, timeout_s, f"the {kind}'s rows")
+    _wait(st, st.data_poll, ep, timeout_s, f"the {kind}'s rows")
     if window:
         view = st.data.tensor(me, par * st.half, (int(out_rows_all[me]), *x.shape[1:]), x.dtype)
         return view, torch.from_numpy(np.ascontiguousarray(oso)), oso
     out = x.new_empty((out_rows, *x.shape[1:]))
-    cpu_ep.unpack(st.data_base[me] + par * st.half, out, row_bytes, *recv)
+    st.unpack.off[:], st.unpack.rows[:] = recv
+    st.unpack(st.data_base[me] + par * st.half, out, row_bytes)
     return out, (None if oso is None else torch.from_numpy(np.ascontiguousarray(oso)))
 
 

@@ -19,7 +19,8 @@ Contract (the graph matcher rewrites expert-parallel regions into exactly this c
   "symm-int8" (the same with int8 rows + per-token scales on the dispatch), "collectives"
   (chunked async all_to_all, ``ep/overlap.py``), "a2a" (one ``ep_dispatch`` / ``ep_combine`` each
   way in torch's ``all_to_all_vdev_2d`` contract, no torch scalar read: ``ep/fused_a2a.py``; CPU,
-  routing weight on the output), "auto" (symm when every rank is on this host and the tensors are
+  routing weight on the output), "a2a-dedup" (the same exchange with each token sent once to
+  each rank owning any of its experts and expanded there: ``ep/fused_dedup.py``), "auto" (symm when every rank is on this host and the tensors are
   on CPU, else collectives).
 * ``chunks``: pieces per destination block for the compute/transfer overlap; 0 = auto
   (``dispatch.auto_chunks``).  ``timeout_s``: a missing peer raises ``TimeoutError`` naming it.
@@ -44,7 +45,7 @@ from moe_compile.autograd import flat_grads, flat_inputs, needs_by_role, pack_gr
 
 OP_NAME = "moe_compile::fused_moe_ep"
 BACKWARD_OP_NAME = "moe_compile::fused_moe_ep_backward"
-TRANSPORTS = ("auto", "symm", "symm-int8", "collectives", "a2a")
+TRANSPORTS = ("auto", "symm", "symm-int8", "collectives", "a2a", "a2a-dedup")
 
 
 def _check(x, topk_ids, topk_weights, w, num_experts, transport, max_tokens, chunks, timeout_s):
@@ -73,13 +74,14 @@ def _transport(ctx, transport: str, x):
     return _collectives(), False
 
 
-def _a2a(x, w, attrs):
-    from moe_compile.ep import fused_a2a
+def _a2a(x, w, attrs, transport: str):
+    from moe_compile.ep import fused_a2a, fused_dedup
 
-    why = fused_a2a.supports(x, w, attrs)
+    mod = fused_a2a if transport == "a2a" else fused_dedup
+    why = mod.supports(x, w, attrs)
     if why is not None:
-        raise ValueError(f"fused_moe_ep: transport='a2a' cannot take this call: {why}")
-    return fused_a2a
+        raise ValueError(f"fused_moe_ep: transport={transport!r} cannot take this call: {why}")
+    return mod
 
 
 def _collectives():
@@ -96,8 +98,8 @@ def ep_forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, gro
         raise ValueError(
             f"fused_moe_ep: {w.num_experts} local experts x {ctx.world} ranks != num_experts={num_experts}"
         )
-    if transport == "a2a":
-        return _a2a(x, w, attrs).forward(x, topk_ids, topk_weights, w, attrs, group_name, num_experts, timeout_s)
+    if transport in ("a2a", "a2a-dedup"):
+        return _a2a(x, w, attrs, transport).forward(x, topk_ids, topk_weights, w, attrs, group_name, num_experts, timeout_s)
     plan = make_plan(topk_ids, num_experts, ctx.world)  # [S'] order, [R, El] counts
     gpay = topk_weights.reshape(-1).index_select(0, plan.order).float()  # [S']
     mod, quant = _transport(ctx, transport, x)
@@ -167,8 +169,8 @@ def _fused_moe_ep_backward_fake(grad_y, x, topk_ids, topk_weights, fc1, fc1_up, 
 def ep_backward(grad_y, x, topk_ids, topk_weights, w, attrs, need_roles, group_name, num_experts,
                 max_tokens, transport, timeout_s):
     """Transpose of dispatch/experts/combine.  Every rank takes part (it serves other ranks' rows)."""
-    if transport == "a2a":
-        return _a2a(x, w, attrs).backward(grad_y, x, topk_ids, topk_weights, w, attrs, need_roles, group_name,
+    if transport in ("a2a", "a2a-dedup"):
+        return _a2a(x, w, attrs, transport).backward(grad_y, x, topk_ids, topk_weights, w, attrs, need_roles, group_name,
                                           num_experts, timeout_s)
     ctx = get_context(group_name)
     plan = make_plan(topk_ids, num_experts, ctx.world)

@@ -89,8 +89,9 @@ class CpuShmHeap(SymmetricHeap):
         n = 1
         for s in shape:
             n *= s
-        size = n * torch.empty((), dtype=dtype).element_size()
-        if offset % torch.empty((), dtype=dtype).element_size() or offset + size > self.nbytes:
+        item = dtype.itemsize
+        size = n * item
+        if offset % item or offset + size > self.nbytes:
             raise ValueError(f"heap view [{offset}, {offset + size}) of {dtype} outside/unaligned in {self.nbytes} bytes")
         return self._bytes[rank][offset : offset + size].view(dtype).view(*shape)
 

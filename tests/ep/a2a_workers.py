@@ -191,7 +191,7 @@ class _Scalars:
         torch.Tensor.tolist = self._tolist
 
 
-def fused_scenarios(rank, world, scenarios):
+def fused_scenarios(rank, world, scenarios, transport="a2a"):
     """For each (name, Ts, routing, dtype): the a2a fused op's y and every gradient vs the reference on
     the whole problem; torch scalar reads counted on the forward and the backward."""
     from moe_compile.ep.op import call_fused_moe_ep
@@ -217,7 +217,7 @@ def fused_scenarios(rank, world, scenarios):
         w2 = fc2[rank * el : (rank + 1) * el].clone().requires_grad_()
         with _Scalars() as fwd:
             y = call_fused_moe_ep(x, ids[rank], g, ExpertWeights((w1,), (), (w2,)), FFNAttrs(), dist.group.WORLD, E,
-                                  transport="a2a")
+                                  transport=transport)
         with _Scalars() as bwd:
             (y.float() * dys[rank].float()).sum().backward()
         results[name] = {

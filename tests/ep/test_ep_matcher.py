@@ -168,5 +168,7 @@ def test_unprovable_ep_region_is_left_alone_with_reason():
     results = run_world(2, "tests.ep.test_ep_matcher.refused", timeout=120.0)
     assert all(status == "ok" for status, _ in results.values()), results
     for _, value in results.values():
-        assert value["rewritten"] == 0 and value["err"] == 0.0
+        # Left alone: nothing rewritten into an MoE op.  Not bit-equal to eager any more: the dense-
+        # linear pass runs the model's nn.Linear layers on its own kernels (fp32 reassociation).
+        assert value["rewritten"] == 0 and value["err"] <= 1e-6
         assert any("could not prove the expert-parallel region" in r for r in value["reasons"]), value["reasons"]

@@ -46,7 +46,8 @@ def _i64(a) -> np.ndarray:
 
 def push(src_ptr: int, dst_ptrs, row_bytes: int, nblk, src_row, dst_row, rows, flag_ptrs, value: int) -> None:
     """For each destination j: its ``nblk[j]`` blocks (next entries of the three block arrays) from
-    ``src_ptr`` into ``dst_ptrs[j]``, then the int64 at ``flag_ptrs[j]`` = ``value`` (release)."""
+    ``src_ptr`` into ``dst_ptrs[j]``, then the int64 at ``flag_ptrs[j]`` = ``value`` (release).
+    Arrays: numpy (int64 / uint64 for the addresses; the hot path passes them ready-made)."""
     dst, flags = np.asarray(dst_ptrs, dtype=np.uint64), np.asarray(flag_ptrs, dtype=np.uint64)
     nblk, src_row, dst_row, rows = _i64(nblk), _i64(src_row), _i64(dst_row), _i64(rows)
     lib = _COPY.lib()
@@ -88,6 +89,55 @@ def unpack(src_ptr: int, out: torch.Tensor, row_bytes: int, off, rows) -> None:
             ctypes.memmove(out.data_ptr() + o * row_bytes, src_ptr + o * row_bytes, n * row_bytes)
 
 
+class Push:
+    """The argument arrays of one ``push`` of ``ndst`` destinations and ``nblk`` blocks, made once
+    with their addresses (numpy's ``.ctypes`` costs microseconds a call): the caller fills them in
+    place and calls; the hot path is one C call with no conversion."""
+
+    def __init__(self, ndst: int, nblk: int):
+        self.dst, self.flags = np.zeros(ndst, dtype=np.uint64), np.zeros(ndst, dtype=np.uint64)
+        self.nblk = np.zeros(ndst, dtype=np.int64)
+        self.blk = np.zeros((3, nblk), dtype=np.int64)  # src_row, dst_row, rows
+        self._at = [a.ctypes.data for a in (self.dst, self.nblk, self.blk[0], self.blk[1], self.blk[2], self.flags)]
+
+    def __call__(self, src_ptr: int, row_bytes: int, value: int) -> None:
+        lib = _COPY.lib()
+        if lib is None:
+            push(src_ptr, self.dst, row_bytes, self.nblk, self.blk[0], self.blk[1], self.blk[2], self.flags, value)
+            return
+        d, n, sr, dr, r, f = self._at
+        lib.moe_ep_push(src_ptr, d, row_bytes, self.dst.size, n, sr, dr, r, f, value)
+
+
+class Poll:
+    """``poll`` of fixed ``slots`` of one flag array, addresses taken once."""
+
+    def __init__(self, flags: np.ndarray, slots: np.ndarray):
+        self.flags, self.slots = flags, np.ascontiguousarray(slots, dtype=np.int64)
+        self._at = (self.flags.ctypes.data, self.slots.ctypes.data)
+
+    def __call__(self, value: int, spins: int) -> int:
+        lib = _COPY.lib()
+        if lib is None:
+            return poll(self.flags, self.slots, value, spins)
+        return int(lib.moe_ep_poll(self._at[0], self._at[1], self.slots.size, value, spins))
+
+
+class Unpack:
+    """``unpack`` of ``n`` blocks: the caller fills ``off`` / ``rows`` in place."""
+
+    def __init__(self, n: int):
+        self.off, self.rows = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        self._at = (self.off.ctypes.data, self.rows.ctypes.data)
+
+    def __call__(self, src_ptr: int, out: torch.Tensor, row_bytes: int) -> None:
+        lib = _COPY.lib()
+        if lib is None or out.shape[0] == 0:
+            unpack(src_ptr, out, row_bytes, self.off, self.rows)
+            return
+        lib.moe_ep_unpack(src_ptr, out.data_ptr(), row_bytes, self.off.size, self._at[0], self._at[1], out.shape[0])
+
+
 def _local_ids(counts, n_rows: int, device) -> torch.Tensor:
     """[n, 1] local expert of each received row, from counts [R, El] (src-major blocks)."""
     el = len(counts[0]) if len(counts) else 0
@@ -122,4 +172,5 @@ def experts_backward_on_rows(x_rows, dy_rows, g, counts, w: ExpertWeights, attrs
     return dx, dg.reshape(-1), roles
 
 
-__all__ = ["experts_on_rows", "experts_backward_on_rows", "push", "poll", "unpack", "copy_kernel_reason", "ROLES"]
+__all__ = ["experts_on_rows", "experts_backward_on_rows", "push", "poll", "unpack", "Push", "Poll", "Unpack",
+           "copy_kernel_reason", "ROLES"]
