@@ -8,7 +8,8 @@ Shapes:  T rows, K input width, N output width.  x [..., K], weight [N, K] -> [.
 Runs after the MoE pass (the experts it fused are gone from the graph), on CPU inference graphs
 only (``torch.is_grad_enabled()`` is False while Dynamo traces: the graph is never
 differentiated).  A linear is taken when its weight is a 2-D fp32 / bf16 CPU tensor the graph
-receives as an input (a model parameter or buffer), so the op can keep one pack per weight.
+receives as an input (a model parameter or buffer); only parameters are packed in a format
+(one pack per weight, kept between calls), other weights keep their dtype.
 A router — a linear whose output reaches a top-k through elementwise ops — keeps its weight's
 dtype whatever ``fmt`` says: its bytes are a rounding error of the step, and quantizing it changes
 which experts run.  Every linear left as it is is counted in the report's note with its reason.
@@ -70,7 +71,8 @@ def find_linears(gm: fx.GraphModule, example_inputs, fmt: str) -> tuple[list[Lin
             left[reason] += 1
             continue
         router = _is_router(node)
-        use = "none" if router else fmt
+        # only a model's parameters are packed: a weight handed in per call would be packed per call
+        use = "none" if router or not isinstance(weight, torch.nn.Parameter) else fmt
         matches.append(LinearMatch(node, use, _bytes(weight, use), router))
     return matches, left
 
@@ -96,8 +98,8 @@ def _refusal(node: fx.Node, weight) -> str | None:
     if weight.dim() != 2 or weight.dtype not in _DTYPES or weight.device.type != "cpu":
         return f"weight {weight.dtype} {tuple(weight.shape)} on {weight.device} (the kernels take 2-D fp32 / bf16 CPU)"
     x = _operands(node)[0].meta.get("example_value")
-    if x is None or x.dtype != weight.dtype or x.device.type != "cpu":
-        return "input dtype or device differs from the weight's"
+    if not isinstance(x, torch.Tensor) or x.dtype != weight.dtype or x.device.type != "cpu":
+        return "input not a CPU tensor of the weight's dtype"
     return None
 
 

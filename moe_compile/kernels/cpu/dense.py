@@ -53,7 +53,9 @@ class _Packed:
     def __init__(self, weight: torch.Tensor, fmt: str, group: int | None):
         from moe_compile import quant
 
-        self.ref, self.version, self.fmt, self.group = weakref.ref(weight), weight._version, fmt, group
+        # the pack goes when the weight does (a dropped model's packs are not kept)
+        self.ref = weakref.ref(weight, functools.partial(_drop, id(weight), self))
+        self.version, self.fmt, self.group = weight._version, fmt, group
         with torch.no_grad():
             self.qweight = quant.pack(fmt, weight.detach().float().unsqueeze(0), group)
         N, K = weight.shape
@@ -65,14 +67,18 @@ class _Packed:
         return self.ref() is weight and self.version == weight._version and (self.fmt, self.group) == (fmt, group)
 
 
+def _drop(key: int, pack: "_Packed", _ref) -> None:
+    if _PACKS.get(key) is pack:
+        del _PACKS[key]
+    if _op_state.get("installed"):
+        torch.ops.moe_compile.dense_prune()
+
+
 def packed(weight: torch.Tensor, fmt: str, group: int | None = None) -> _Packed:
     """The weight's pack in ``fmt``, made on first use and again after an in-place update."""
     hit = _PACKS.get(id(weight))
     if hit is not None and hit.fresh(weight, fmt, group):
         return hit
-    if len(_PACKS) > 4096:  # weights of dropped models: forget their packs
-        for key in [k for k, p in _PACKS.items() if p.ref() is None]:
-            del _PACKS[key]
     _PACKS[id(weight)] = hit = _Packed(weight, fmt, group)
     return hit
 

@@ -65,6 +65,11 @@ void register_pack(const at::Tensor& weight, c10::string_view fmt, const at::Ten
   packs.insert_or_assign(weight.unsafeGetTensorImpl(), std::move(p));
 }
 
+void prune_packs() {  // the packs of weights that are gone
+  std::lock_guard<std::mutex> lock(packs_mutex);
+  for (auto it = packs.begin(); it != packs.end();) it = it->second.weight.expired() ? packs.erase(it) : ++it;
+}
+
 void forget_packs() {
   std::lock_guard<std::mutex> lock(packs_mutex);
   packs.clear();
@@ -148,6 +153,7 @@ TORCH_LIBRARY_FRAGMENT(moe_compile, m) {
   m.def("dense_register(Tensor weight, str fmt, Tensor data, Tensor scale, int[] fields) -> ()",
         TORCH_FN(register_pack));
   m.def("dense_forget() -> ()", TORCH_FN(forget_packs));
+  m.def("dense_prune() -> ()", TORCH_FN(prune_packs));
 }
 
 TORCH_LIBRARY_IMPL(moe_compile, CPU, m) { m.impl("dense_linear", TORCH_FN(dense_linear_cpu)); }

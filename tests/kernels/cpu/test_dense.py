@@ -84,3 +84,15 @@ def test_stats_and_clear():
     assert dense.stats()["dense_pack_bytes"] >= N * K // 2
     dense.clear()
     assert dense.stats()["dense_packs"] == 0
+
+
+def test_pack_goes_with_its_weight():
+    """A dropped weight's pack is dropped with it: no memory kept for models that are gone."""
+    import gc
+
+    w = torch.randn(N, K)
+    dense.linear(torch.randn(1, K), w, None, "w8-int")
+    before = len(dense._PACKS)
+    del w
+    gc.collect()
+    assert len(dense._PACKS) == before - 1
