@@ -67,7 +67,7 @@ def demo(args) -> int:
     from moe_compile import demo as lm_demo
 
     models = lm_demo.MODELS if args.model == "all" else (args.model,)
-    return lm_demo.main(models, args.layers, args.prompt, args.tokens, args.repeats)
+    return lm_demo.main(models, args.layers, args.prompt, args.tokens, args.repeats, args.llama_bench)
 
 
 def dump(args) -> int:
@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="timed generate calls per variant (median)")
     p.add_argument("--world-size", type=int, default=1,
                    help="N > 1: spawn N gloo ranks on this host and compile the expert-parallel blocks instead")
+    p.add_argument("--llama-bench", metavar="PATH", default=None,
+                   help="llama.cpp's llama-bench binary: also time the same model (qwen3-moe, written as an f32 "
+                        "GGUF; needs the gguf package) in llama.cpp and print its tokens/s beside ours")
     p.set_defaults(func=demo)
     p = sub.add_parser("dump", help="run SCRIPT with graph dumping on (before/after code, report, region pictures)",
                        description="Runs SCRIPT with MOE_COMPILE_DUMP set: every graph compiled with "

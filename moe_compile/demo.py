@@ -48,7 +48,7 @@ def build_model(name: str, layers: int, seed: int = 0):
         cfg = transformers.Qwen3MoeConfig(
             hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=layers,
             num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=32, num_experts_per_tok=4,
-            vocab_size=2048)
+            norm_topk_prob=True, vocab_size=2048)  # renormalised top-k, as Qwen3-30B-A3B (and llama.cpp's qwen3moe)
         experts, top_k = cfg.num_experts, cfg.num_experts_per_tok
     elif name == "deepseek-v3":
         # Multi-head latent attention, sigmoid router with group-limited top-k, one shared expert; the
@@ -148,7 +148,7 @@ def tokens_verdict(run: Run, want: Run) -> str:
     return f"differ from step {step} (eager's top-2 logits there {top2[0] - top2[1]:.1e} apart)"
 
 
-def run_model(name: str, layers: int, prompt_len: int, tokens: int, repeats: int) -> bool:
+def run_model(name: str, layers: int, prompt_len: int, tokens: int, repeats: int, llama_bench: str | None = None) -> bool:
     from moe_compile.compiler import collecting_reports
 
     print(f"== building {name} ({layers} layers) ...", flush=True)
@@ -176,7 +176,30 @@ def run_model(name: str, layers: int, prompt_len: int, tokens: int, repeats: int
           f"{LOGITS_TOL:.0e}); {rewritten_layers} of {moe_layers} MoE layers rewritten in each of "
           f"{report.graphs} graphs -> {'ok' if ok else 'MISMATCH'}", flush=True)
     print_speeds(results, prompt_len, tokens, repeats)
+    if llama_bench:
+        print_llama_speeds(model, name, llama_bench, prompt_len, tokens, repeats, results)
     return ok
+
+
+def print_llama_speeds(model, name: str, llama_bench: str, prompt_len: int, tokens: int, repeats: int,
+                       results: dict) -> None:
+    """The same model in llama.cpp: its f32 GGUF timed by llama-bench (same threads, prompt and
+    generated tokens), beside backend="moe"'s decode tokens/s."""
+    import tempfile
+
+    from moe_compile import llamacpp
+
+    if name != "qwen3-moe":
+        print(f"  llama.cpp: the demo writes GGUFs for qwen3-moe only (not {name})\n", flush=True)
+        return
+    with tempfile.TemporaryDirectory(prefix="moe_demo_gguf_") as tmp:
+        path = os.path.join(tmp, "model-f32.gguf")
+        llamacpp.write_gguf(model, path)
+        llama = llamacpp.bench(llama_bench, path, torch.get_num_threads(), prompt_len, tokens, repeats)
+    ours = 1 / statistics.median(r.decode_s for r in results['backend="moe"'])
+    print(f"  llama.cpp f32 (llama-bench, {torch.get_num_threads()} threads): prefill {llama['prefill_tok_s']:.0f}, "
+          f"decode {llama['decode_tok_s']:.1f} tokens/s; backend=\"moe\" decode is "
+          f"{ours / llama['decode_tok_s']:.2f}x llama.cpp's (load {llama['load1']:.1f})\n", flush=True)
 
 
 def print_report(report) -> None:
@@ -214,11 +237,11 @@ def print_speeds(results: dict[str, list[Run]], prompt_len: int, tokens: int, re
     print(flush=True)
 
 
-def main(models, layers: int, prompt_len: int, tokens: int, repeats: int) -> int:
+def main(models, layers: int, prompt_len: int, tokens: int, repeats: int, llama_bench: str | None = None) -> int:
     start, cpu = time.perf_counter(), cpu_seconds()
     ok = True
     for name in models:
-        ok &= run_model(name, layers, prompt_len, tokens, repeats)
+        ok &= run_model(name, layers, prompt_len, tokens, repeats, llama_bench)
     print(f"demo {'passed' if ok else 'FAILED'} in {time.perf_counter() - start:.0f} s "
           f"({cpu_seconds() - cpu:.0f} s CPU)")
     return 0 if ok else 1

@@ -22,6 +22,11 @@ def write_gguf(model, path: str) -> None:
     import gguf
 
     cfg = model.config
+    if getattr(cfg, "model_type", None) != "qwen3_moe" or not cfg.norm_topk_prob or cfg.mlp_only_layers:
+        raise ValueError("write_gguf writes Qwen3-MoE models whose every layer is MoE with renormalised top-k "
+                         "weights (norm_topk_prob=True: llama.cpp's qwen3moe always renormalises); got "
+                         f"{getattr(cfg, 'model_type', type(model).__name__)} with norm_topk_prob="
+                         f"{getattr(cfg, 'norm_topk_prob', None)}, mlp_only_layers={getattr(cfg, 'mlp_only_layers', None)}")
     w = gguf.GGUFWriter(path, "qwen3moe")
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)

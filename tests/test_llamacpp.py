@@ -29,3 +29,14 @@ def test_gguf_holds_the_model(tmp_path):
     assert len(tensors) == 2 + 2 * 12 + 1  # embeddings, 12 per layer, final norm and lm_head
     fields = {f.name: f for f in reader.fields.values()}
     assert "qwen3moe.expert_used_count" in fields and "tokenizer.ggml.tokens" in fields
+
+
+def test_gguf_refuses_another_model(tmp_path):
+    """llama.cpp's qwen3moe renormalises the top-k weights: a model that does not would be written
+    as a different model, so it is refused with the reason."""
+    cfg = transformers.Qwen3MoeConfig(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      num_experts=4, num_experts_per_tok=2, norm_topk_prob=False)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with pytest.raises(ValueError, match="norm_topk_prob"):
+        llamacpp.write_gguf(model, str(tmp_path / "m.gguf"))
