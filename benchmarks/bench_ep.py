@@ -161,9 +161,9 @@ def _a2a_exchange(x, ids, gw, E, group_name):
     route = fused_a2a._route(ids, gw, E, torch.float32)
 
     def run():
-        win, oso, _ = a2a_cpu.exchange("dispatch", x.index_select(0, route.tokens), route.in_splits, group_name, 0,
-                                       window=True)
-        a2a_cpu.exchange("combine", win, oso, group_name, route.order.shape[0])
+        win, oso, _, handle = a2a_cpu.exchange("dispatch", x.index_select(0, route.tokens), route.in_splits,
+                                               group_name, 0, window=True)
+        a2a_cpu.exchange("combine", win, oso, group_name, route.order.shape[0], after=handle)
 
     return run
 

@@ -29,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-from moe_compile.ep.a2a_layout import combine_layout, dispatch_layout, dispatch_rows_needed, exclusive_cumsum
+from moe_compile.ep.a2a_layout import combine_layout, dispatch_layout, dispatch_rows_needed, exclusive_cumsum  # noqa: F401
 from moe_compile.ep.context import get_context
 from moe_compile.kernels.cpu import ep as cpu_ep
 from moe_compile.symm import allocate
@@ -37,7 +37,7 @@ from moe_compile.symm.cpu_shm import backoff
 
 KINDS = ("dispatch", "combine", "combine_t")
 NMETA = 6  # kind, ne, input rows, out rows, row bytes, major_align (-1 = None)
-SPINS = 4096  # polls per C call before Python checks the deadline and backs off
+SPINS = 128  # polls per C call (~10 us) before Python yields the core: ranks may outnumber cores
 
 
 def _grow(nbytes: int) -> int:
@@ -177,8 +177,23 @@ def _layout(kind: str, rows: np.ndarray, me: int, R: int, ne: int):
     return send, recv, oso, out_rows
 
 
+def _rows_after_dispatch(drows: np.ndarray, st: _State, row_bytes: int) -> np.ndarray:
+    """The control rows a combine of a window dispatch's rows would publish, from that dispatch's:
+    each rank's input is its window (its dispatch's out_splits_offsets), each gets back what it sent."""
+    R, ne = st.R, st.ne
+    splits = drows[:, NMETA : NMETA + R * ne]
+    align = None if drows[0, 5] < 0 else int(drows[0, 5])
+    o_splits, o_offs = dispatch_layout(splits, ne, align)  # [R, ne*R]
+    rows = np.zeros((R, st.W), dtype=np.int64)
+    rows[:, :NMETA] = [KINDS.index("combine"), ne, 0, 0, row_bytes, -1]
+    rows[:, 2] = dispatch_rows_needed(splits, ne, align)
+    rows[:, 3] = splits.sum(1)
+    rows[:, NMETA : NMETA + ne * R], rows[:, NMETA + ne * R : NMETA + 2 * ne * R] = o_splits, o_offs
+    return rows
+
+
 def exchange(kind: str, input: torch.Tensor, payload: torch.Tensor, group_name: str, out_rows: int,
-             major_align=None, timeout_s: float = 60.0, window: bool = False):
+             major_align=None, timeout_s: float = 60.0, window: bool = False, after=None):
     """One 2D all-to-all of ``input``'s rows on the CPU heap -> (out [out_rows, ...], out_splits_offsets
     [2, R*ne] int64, or None for ``combine_t``).  ``payload``: in_splits (dispatch) or
     in_splits_offsets (combine / combine_t).
@@ -186,7 +201,13 @@ def exchange(kind: str, input: torch.Tensor, payload: torch.Tensor, group_name: 
     ``window=True`` (the fused op): ``out`` is this rank's receive window itself, exactly as many
     rows as arrive (``out_rows`` ignored), not unpacked — rows between blocks hold whatever was
     there — and valid until the second exchange after this one on the group; the third result is
-    out_splits_offsets as numpy (the tiles' bounds, read from this host's memory)."""
+    out_splits_offsets as numpy (the tiles' bounds, read from this host's memory), the fourth a
+    handle for ``after``.
+
+    ``after=handle`` (a combine of that window's rows straight after it): every rank already knows
+    the combine's layout from the dispatch's counts, so the counts phase is skipped — one barrier
+    less.  Safe: the dispatch's barrier already proved every peer done with the windows this
+    combine writes (parity argument above), and the next exchange publishes again."""
     ctx = get_context(group_name)
     R, me = ctx.world, ctx.rank
     if payload.numel() % (R * (2 if kind != "dispatch" else 1)):
@@ -197,14 +218,16 @@ def exchange(kind: str, input: torch.Tensor, payload: torch.Tensor, group_name: 
     st = _state(ctx, ne, timeout_s)
     st.epoch += 1
     ep, par = st.epoch, st.epoch % 2
-    # 1. publish this rank's row into every peer's window, then the one barrier
-    n_pay = payload.numel()
-    st.row[:NMETA] = _meta(kind, ne, x.shape[0], -1 if window else out_rows, row_bytes, major_align)
-    st.row[NMETA : NMETA + n_pay] = payload.reshape(-1).numpy()
-    st.counts_push[par](st.row_at, st.W * 8, ep)
-    _wait(st, st.counts_poll, ep, timeout_s, f"the {kind}'s counts")
-    rows = st.rows_of(par)
-    _agree(rows, me)
+    if after is not None and kind == "combine" and after[0] == ep - 1 and after[1] is st:
+        rows = _rows_after_dispatch(after[2], st, row_bytes)
+    else:  # 1. publish this rank's row into every peer's window, then the one barrier
+        n_pay = payload.numel()
+        st.row[:NMETA] = _meta(kind, ne, x.shape[0], -1 if window else out_rows, row_bytes, major_align)
+        st.row[NMETA : NMETA + n_pay] = payload.reshape(-1).numpy()
+        st.counts_push[par](st.row_at, st.W * 8, ep)
+        _wait(st, st.counts_poll, ep, timeout_s, f"the {kind}'s counts")
+        rows = st.rows_of(par)
+        _agree(rows, me)
     send, recv, oso, out_rows_all = _layout(kind, rows, me, R, ne)
     st.ensure(ctx, int(out_rows_all.max()) * row_bytes, timeout_s)
     # 2. every block straight to its final rows, a DATA flag after each dest's blocks
@@ -216,7 +239,9 @@ def exchange(kind: str, input: torch.Tensor, payload: torch.Tensor, group_name: 
     _wait(st, st.data_poll, ep, timeout_s, f"the {kind}'s rows")
     if window:
         view = st.data.tensor(me, par * st.half, (int(out_rows_all[me]), *x.shape[1:]), x.dtype)
-        return view, torch.from_numpy(np.ascontiguousarray(oso)), oso
+        return view, torch.from_numpy(np.ascontiguousarray(oso)), oso, (ep, st, rows.copy())
+    if out_rows < out_rows_all[me]:
+        raise ValueError(f"ep a2a {kind}: out has {out_rows} rows, {int(out_rows_all[me])} arrive")
     out = x.new_empty((out_rows, *x.shape[1:]))
     st.unpack.off[:], st.unpack.rows[:] = recv
     st.unpack(st.data_base[me] + par * st.half, out, row_bytes)

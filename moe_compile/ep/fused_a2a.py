@@ -131,9 +131,10 @@ def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_
     T, H = x.shape
     cdt = compute_dtype(x.dtype)
     route = _route(topk_ids, topk_weights, num_experts, cdt)
-    window, oso, oso_np = _dispatch(ctx, route, x, group_name, num_experts, timeout_s)
+    window, oso, oso_np, handle = _dispatch(ctx, route, x, group_name, num_experts, timeout_s)
     out = _experts_fast(window, _tiles(oso_np, R, ne), w, attrs, cdt)  # [N, H]
-    back = a2a_cpu.exchange("combine", out.to(cdt), oso, group_name, route.order.shape[0], None, timeout_s)[0]
+    back = a2a_cpu.exchange("combine", out.to(cdt), oso, group_name, route.order.shape[0], None, timeout_s,
+                            after=handle)[0]  # [S, H], no counts phase: the dispatch's layout
     y = torch.zeros(T, H, dtype=cdt)
     y.index_add_(0, route.tokens, back * route.gates[:, None])  # [T, H]: the K rows of each token
     return y.to(x.dtype)
@@ -168,14 +169,14 @@ def backward(grad_y, x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttr
     cdt = compute_dtype(x.dtype)
     route = _route(topk_ids, topk_weights, num_experts, cdt)
     S = route.order.shape[0]
-    window, oso, oso_np = _dispatch(ctx, route, x, group_name, num_experts, timeout_s)
+    window, oso, oso_np, handle = _dispatch(ctx, route, x, group_name, num_experts, timeout_s)
     tiles = _tiles(oso_np, R, ne)
     with _autograd_here(), torch.enable_grad():
         rows = window.to(cdt, copy=True).requires_grad_()  # [N, H] a copy: combine_t reuses the window
         wl, leaves = _leaf_weights(w, need_roles)
         out = _experts_loop(rows, tiles, wl, attrs, cdt)  # [N, H]
     # forward rows back at the source (for dg) and dY to the experts, transposes of the forward's
-    back = a2a_cpu.exchange("combine", out.detach(), oso, group_name, S, None, timeout_s)[0]  # [S, H]
+    back = a2a_cpu.exchange("combine", out.detach(), oso, group_name, S, None, timeout_s, after=handle)[0]  # [S, H]
     dy_rows = grad_y.to(cdt).index_select(0, route.tokens)  # [S, H]
     dg_sorted = (dy_rows * back).sum(1)  # [S]
     d_out = a2a_cpu.exchange("combine_t", dy_rows * route.gates[:, None], oso, group_name, rows.shape[0], None,

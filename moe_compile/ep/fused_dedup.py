@@ -82,8 +82,9 @@ def _split(window, widths_dtypes):
 def _dispatch(send, in_splits, group_name: str, timeout_s: float):
     """The pair rows into the receive window -> (the received rows [N, B], out_splits_offsets).
     One tile (ne = 1) from row 0; an empty one still takes a row (the contract's alignment), cut off."""
-    window, oso, oso_np = a2a_cpu.exchange("dispatch", send, in_splits, group_name, 0, None, timeout_s, window=True)
-    return window[: int(oso_np[0].sum())], oso
+    window, oso, oso_np, handle = a2a_cpu.exchange("dispatch", send, in_splits, group_name, 0, None, timeout_s,
+                                                   window=True)
+    return window[: int(oso_np[0].sum())], oso, handle
 
 
 def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_name: str, num_experts: int,
@@ -97,11 +98,11 @@ def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_
     order, in_splits, local, gates = _pairs(topk_ids, topk_weights, R, ne)
     xr = x.repeat_interleave(R, dim=0)  # [T*R, H] pair t*R + r
     send = _rows((xr, local, gates), order)
-    window, oso = _dispatch(send, in_splits, group_name, timeout_s)
+    window, oso, handle = _dispatch(send, in_splits, group_name, timeout_s)
     xw, ids, g = _split(window, ((H, x.dtype), (K, torch.int32), (K, torch.float32)))
     cdt = compute_dtype(x.dtype)
     part = fused_moe_cpu(xw, ids.long(), g.to(x.dtype), w, attrs) if xw.shape[0] else xw.new_zeros(0, H)
-    back = a2a_cpu.exchange("combine", part.to(cdt), oso, group_name, T * R, None, timeout_s)[0]  # [T*R, H]
+    back = a2a_cpu.exchange("combine", part.to(cdt), oso, group_name, T * R, None, timeout_s, after=handle)[0]
     y = torch.zeros(T, H, dtype=cdt).index_add_(0, order // R, back)  # the R partial sums of each token
     return y.to(x.dtype)
 
@@ -116,7 +117,7 @@ def backward(grad_y, x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttr
     order, in_splits, local, gates = _pairs(topk_ids, topk_weights, R, ne)
     xr, dyr = x.repeat_interleave(R, dim=0), grad_y.to(x.dtype).repeat_interleave(R, dim=0)
     send = _rows((xr, dyr, local, gates), order)
-    window, oso = _dispatch(send, in_splits, group_name, timeout_s)
+    window, oso, handle = _dispatch(send, in_splits, group_name, timeout_s)
     xw, dyw, ids, g = _split(window, ((H, x.dtype), (H, x.dtype), (K, torch.int32), (K, torch.float32)))
     n = xw.shape[0]
     if n:
@@ -127,7 +128,7 @@ def backward(grad_y, x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttr
         roles = {r: [torch.zeros_like(t) if need else None for t, need in zip(getattr(w, r), need_roles[r])]
                  for r in need_roles}
     ret = torch.cat([dxr.to(cdt), dgr.reshape(n, K).to(cdt)], dim=1)  # [N, H + K]
-    back = a2a_cpu.exchange("combine", ret, oso, group_name, T * R, None, timeout_s)[0]  # [T*R, H + K]
+    back = a2a_cpu.exchange("combine", ret, oso, group_name, T * R, None, timeout_s, after=handle)[0]  # [T*R, H+K]
     tok = order // R
     dx = torch.zeros(T, H, dtype=cdt).index_add_(0, tok, back[:, :H])
     dg = torch.zeros(T, K, dtype=cdt).index_add_(0, tok, back[:, H:])
