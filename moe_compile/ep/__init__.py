@@ -1,7 +1,9 @@
-"""Expert parallelism: the fused dispatch-experts-combine op over a symmetric heap or collectives.
+"""Expert parallelism: the fused dispatch-experts-combine op over a symmetric heap or collectives,
+and the 2D all-to-all ops in torch's ``all_to_all_vdev_2d`` contract (``ep_dispatch`` / ``ep_combine``).
 
-``call_fused_moe_ep`` registers ``torch.ops.moe_compile.fused_moe_ep`` on first use (importing
-``moe_compile.ep`` alone registers nothing and starts nothing).
+``call_fused_moe_ep`` registers ``torch.ops.moe_compile.fused_moe_ep`` on first use, ``register()``
+registers every op of the package here (importing ``moe_compile.ep`` alone registers nothing and
+starts nothing).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ def call_fused_moe_ep(*args, **kwargs):
 
 
 def register() -> None:
-    """Import the op module (registers the op, its fake and its autograd)."""
+    """Import the op modules (register the ops, their fakes and their autograd)."""
+    import moe_compile.ep.a2a  # noqa: F401
     import moe_compile.ep.op  # noqa: F401
 
 

@@ -135,10 +135,28 @@ def errors(rank, world):
     return msgs
 
 
+def torch_signatures(rank, world, ne=2, H=4):
+    """``all_to_all_vdev_2d`` / ``_offset`` with torch's arguments write what the functional ops return."""
+    from moe_compile.ep.a2a import all_to_all_vdev_2d, all_to_all_vdev_2d_offset, ep_combine, ep_dispatch
+
+    group = dist.group.WORLD.group_name
+    gen = torch.Generator().manual_seed(99)
+    inputs, splits, align = random_dispatch(gen, world, ne, H)
+    rows = _rows_needed(splits, world, ne, 8) + 3
+    out, oso = torch.full((rows, H), 7.0), torch.empty(2, world * ne, dtype=torch.long)
+    all_to_all_vdev_2d(inputs[rank], out, splits[rank], oso, group, 8)
+    want, want_oso = ep_dispatch(inputs[rank], splits[rank], group, rows, 8)
+    back, boso = torch.empty_like(inputs[rank]), torch.empty(2, world * ne, dtype=torch.long)
+    all_to_all_vdev_2d_offset(out, back, oso, boso, group)
+    cwant, cwant_oso = ep_combine(out, oso, group, inputs[rank].shape[0])
+    return (torch.equal(out, want) and torch.equal(oso, want_oso) and torch.equal(back, cwant)
+            and torch.equal(boso, cwant_oso))
+
+
 def all_checks(rank, world, seeds, ne, H):
     """One spawn for every check of a world size (spawning ranks costs more than the checks)."""
     return {"rounds": random_rounds(rank, world, seeds, ne, H), "grads": gradients(rank, world, 7, 2, 4),
-            "errors": errors(rank, world)}
+            "errors": errors(rank, world), "torch_signatures": torch_signatures(rank, world)}
 
 
 # -- the fused op on the a2a transport ----------------------------------------------------------

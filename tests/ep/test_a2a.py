@@ -28,6 +28,13 @@ def test_combine_layout_is_rank_major_and_packed():
     assert src[0].tolist() == [0, 9, 0, 2]
 
 
+def test_register_registers_the_a2a_ops():
+    from moe_compile import ep
+
+    ep.register()
+    assert hasattr(torch.ops.moe_compile, "ep_dispatch") and hasattr(torch.ops.moe_compile, "ep_combine")
+
+
 def test_fake_kernels_give_static_shapes():
     import moe_compile.ep.a2a  # noqa: F401
 
@@ -54,6 +61,7 @@ def test_bit_identical_to_the_model_gradients_and_errors(world):
         assert f"rank 0 receives {6 * world} rows, its out has 2" in msgs[0]
         assert "rank 0's splits span" in msgs[1] and "which has 1" in msgs[1]
         assert msgs[2] == 24.0 * world  # the ranks are still in step: the next call moves every row
+        assert out["torch_signatures"], f"rank {rank}: all_to_all_vdev_2d(_offset) wrappers differ from the ops"
 
 
 @pytest.mark.dist
