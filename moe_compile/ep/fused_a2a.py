@@ -17,9 +17,9 @@ Forward:
   4. combine back: rows return in the order they were sent; y = sum_k g * row (the routing weight
      applied here, at the source, which is exact for ``weight_on="output"`` and for ``"between"``
      without an FC2 bias — the two ``supports`` accepts).
-Backward (each exchange's transpose): the rows are dispatched again (item 4 of issue 24 — keeping
-them — is not done), ``dY`` reaches the experts by ``ep_combine_t``, the local experts' vjp runs
-locally, and ``dX`` rows return by a combine: three exchanges.
+Backward: one dispatch of byte rows [x | dy | g] (the forward's rows are sent again rather than
+kept), the local experts' vjp on the receive window's rows (dg = dy . FFN(x) computed there too),
+and one combine of [dx | dg] rows back (no counts phase: the dispatch's layout) — two exchanges.
 """
 
 from __future__ import annotations
@@ -71,6 +71,16 @@ def _tiles(oso: np.ndarray, R: int, ne: int) -> list:
     n = oso[0].reshape(ne, R).sum(1)
     lo = oso[1].reshape(ne, R)[:, 0]
     return [(int(a), int(a + b)) for a, b in zip(lo, n)]
+
+
+def _columns(window, widths_dtypes):
+    """Contiguous copies of the received byte rows' fields: one [N, n] tensor per (n, dtype)."""
+    out, at = [], 0
+    for n, dtype in widths_dtypes:
+        nb = n * dtype.itemsize
+        out.append(window[:, at : at + nb].contiguous().view(dtype))
+        at += nb
+    return out
 
 
 def _linear(x, weight, bias, transposed: bool):
@@ -169,23 +179,29 @@ def backward(grad_y, x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttr
     cdt = compute_dtype(x.dtype)
     route = _route(topk_ids, topk_weights, num_experts, cdt)
     S = route.order.shape[0]
-    window, oso, oso_np, handle = _dispatch(ctx, route, x, group_name, num_experts, timeout_s)
+    # rows [x | dy | g] out: the experts' rank has everything for dx, dg and the weight gradients
+    parts = (x.index_select(0, route.tokens), grad_y.to(x.dtype).index_select(0, route.tokens),
+             route.gates.float()[:, None])
+    send = torch.cat([p.contiguous().view(torch.uint8).reshape(S, p.shape[1] * p.element_size()) for p in parts],
+                     dim=1)  # [S, B]
+    window, oso, oso_np, handle = a2a_cpu.exchange("dispatch", send, route.in_splits, group_name, 0, None,
+                                                   timeout_s, window=True)
     tiles = _tiles(oso_np, R, ne)
+    xw, dyw, gw = _columns(window, ((H, x.dtype), (H, x.dtype), (1, torch.float32)))  # copies
     with _autograd_here(), torch.enable_grad():
-        rows = window.to(cdt, copy=True).requires_grad_()  # [N, H] a copy: combine_t reuses the window
+        rows = xw.to(cdt).requires_grad_()  # [N, H]
         wl, leaves = _leaf_weights(w, need_roles)
-        out = _experts_loop(rows, tiles, wl, attrs, cdt)  # [N, H]
-    # forward rows back at the source (for dg) and dY to the experts, transposes of the forward's
-    back = a2a_cpu.exchange("combine", out.detach(), oso, group_name, S, None, timeout_s, after=handle)[0]  # [S, H]
-    dy_rows = grad_y.to(cdt).index_select(0, route.tokens)  # [S, H]
-    dg_sorted = (dy_rows * back).sum(1)  # [S]
-    d_out = a2a_cpu.exchange("combine_t", dy_rows * route.gates[:, None], oso, group_name, rows.shape[0], None,
-                             timeout_s)[0]  # [N, H]
+        out = _experts_loop(rows, tiles, wl, attrs, cdt)  # [N, H]; rows between tiles: zero, no grad
+    d_out = dyw.to(cdt) * gw.to(cdt)  # [N, H] = dL/d out (y = sum g * out)
+    dg_rows = (dyw.to(cdt) * out.detach()).sum(1, keepdim=True)  # [N, 1] = dL/dg of each row's slot
     inputs = [rows] + [t for name in ROLES for t in leaves[name] if t.requires_grad]
     with _autograd_here():
         grads = torch.autograd.grad(out, inputs, d_out, allow_unused=True) if out.requires_grad else [None] * len(inputs)
     d_rows = grads[0] if grads[0] is not None else torch.zeros_like(rows)
-    d_send = a2a_cpu.exchange("combine", d_rows.detach(), oso, group_name, S, None, timeout_s)[0]  # [S, H]
+    # [dx | dg] rows back, no counts phase (the dispatch's layout)
+    back = a2a_cpu.exchange("combine", torch.cat([d_rows.detach(), dg_rows], 1), oso, group_name, S, None,
+                            timeout_s, after=handle)[0]  # [S, H + 1]
+    d_send, dg_sorted = back[:, :H], back[:, H]
     dx = torch.zeros(T, H, dtype=cdt).index_add_(0, route.tokens, d_send)
     dg = torch.zeros(T * K, dtype=cdt).index_copy_(0, route.order, dg_sorted)
     valid = ((topk_ids >= 0) & (topk_ids < num_experts)).reshape(-1)
