@@ -29,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-from moe_compile.ep.a2a_layout import combine_layout, dispatch_layout, dispatch_rows_needed, exclusive_cumsum  # noqa: F401
+from moe_compile.ep.a2a_layout import combine_layout, dispatch_layout, dispatch_rows_needed, exclusive_cumsum
 from moe_compile.ep.context import get_context
 from moe_compile.kernels.cpu import ep as cpu_ep
 from moe_compile.symm import allocate
@@ -151,7 +151,7 @@ def _layout(kind: str, rows: np.ndarray, me: int, R: int, ne: int):
         oso = np.stack([o_splits[me], o_offs[me]])
     else:
         so = pay.reshape(R, 2, ne * R)  # [R_p, 2, ne*R] every rank's (forward) in_splits_offsets
-        o_splits, o_offs, src_offs = combine_layout(so, ne)  # [R_dst, R*ne]
+        o_splits, o_offs, _ = combine_layout(so, ne)  # [R_dst, R*ne]
         ends = (so[:, 0] + so[:, 1]) * (so[:, 0] > 0)  # [R_p, ne*R] end row of each block in p's input
         if kind == "combine":
             used, need = ends.max(1, initial=0), o_splits.sum(1)

@@ -46,7 +46,8 @@ def pull_blocks(ptrs: torch.Tensor, n, src_rank, src_row, dst_row, out: torch.Te
     if blocks == 0 or out.numel() == 0:
         return
     grid = (blocks, triton.cdiv(row_elems, BLOCK_C))
-    _pull_blocks[grid](ptrs, n, src_rank, src_row, dst_row, out, row_elems, out.shape[0], BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C)
+    _pull_blocks[grid](ptrs, n, src_rank, src_row, dst_row, out, row_elems, out.shape[0],
+                       BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C)
 
 
 __all__ = ["pull_blocks"]

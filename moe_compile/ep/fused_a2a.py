@@ -126,7 +126,7 @@ def _experts_fast(rows, tiles, w: ExpertWeights, attrs: FFNAttrs, dtype):
     return cpu_experts.run(rows, tokens, scale, packed, w, attrs, bounds, torch.get_num_threads())
 
 
-def _dispatch(ctx, route, x, group_name, num_experts, timeout_s):
+def _dispatch(route, x, group_name: str, timeout_s: float):
     send = x.index_select(0, route.tokens)  # [S, H] rank-major (sorted by global id)
     return a2a_cpu.exchange("dispatch", send, route.in_splits, group_name, 0, None, timeout_s, window=True)
 
@@ -141,7 +141,7 @@ def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_
     T, H = x.shape
     cdt = compute_dtype(x.dtype)
     route = _route(topk_ids, topk_weights, num_experts, cdt)
-    window, oso, oso_np, handle = _dispatch(ctx, route, x, group_name, num_experts, timeout_s)
+    window, oso, oso_np, handle = _dispatch(route, x, group_name, timeout_s)
     out = _experts_fast(window, _tiles(oso_np, R, ne), w, attrs, cdt)  # [N, H]
     back = a2a_cpu.exchange("combine", out.to(cdt), oso, group_name, route.order.shape[0], None, timeout_s,
                             after=handle)[0]  # [S, H], no counts phase: the dispatch's layout
@@ -196,7 +196,8 @@ def backward(grad_y, x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttr
     dg_rows = (dyw.to(cdt) * out.detach()).sum(1, keepdim=True)  # [N, 1] = dL/dg of each row's slot
     inputs = [rows] + [t for name in ROLES for t in leaves[name] if t.requires_grad]
     with _autograd_here():
-        grads = torch.autograd.grad(out, inputs, d_out, allow_unused=True) if out.requires_grad else [None] * len(inputs)
+        grads = (torch.autograd.grad(out, inputs, d_out, allow_unused=True) if out.requires_grad
+                 else [None] * len(inputs))
     d_rows = grads[0] if grads[0] is not None else torch.zeros_like(rows)
     # [dx | dg] rows back, no counts phase (the dispatch's layout)
     back = a2a_cpu.exchange("combine", torch.cat([d_rows.detach(), dg_rows], 1), oso, group_name, S, None,

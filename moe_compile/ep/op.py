@@ -20,8 +20,8 @@ Contract (the graph matcher rewrites expert-parallel regions into exactly this c
   (chunked async all_to_all, ``ep/overlap.py``), "a2a" (one ``ep_dispatch`` / ``ep_combine`` each
   way in torch's ``all_to_all_vdev_2d`` contract, no torch scalar read: ``ep/fused_a2a.py``; CPU,
   routing weight on the output), "a2a-dedup" (the same exchange with each token sent once to
-  each rank owning any of its experts and expanded there: ``ep/fused_dedup.py``), "auto" (symm when every rank is on this host and the tensors are
-  on CPU, else collectives).
+  each rank owning any of its experts and expanded there: ``ep/fused_dedup.py``), "auto" (symm
+  when every rank is on this host and the tensors are on CPU, else collectives).
 * ``chunks``: pieces per destination block for the compute/transfer overlap; 0 = auto
   (``dispatch.auto_chunks``).  ``timeout_s``: a missing peer raises ``TimeoutError`` naming it.
 * Backward (``register_autograd``): dispatch and combine are each other's transpose — the backward
@@ -99,7 +99,8 @@ def ep_forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, gro
             f"fused_moe_ep: {w.num_experts} local experts x {ctx.world} ranks != num_experts={num_experts}"
         )
     if transport in ("a2a", "a2a-dedup"):
-        return _a2a(x, w, attrs, transport).forward(x, topk_ids, topk_weights, w, attrs, group_name, num_experts, timeout_s)
+        mod = _a2a(x, w, attrs, transport)
+        return mod.forward(x, topk_ids, topk_weights, w, attrs, group_name, num_experts, timeout_s)
     plan = make_plan(topk_ids, num_experts, ctx.world)  # [S'] order, [R, El] counts
     gpay = topk_weights.reshape(-1).index_select(0, plan.order).float()  # [S']
     mod, quant = _transport(ctx, transport, x)
@@ -170,8 +171,8 @@ def ep_backward(grad_y, x, topk_ids, topk_weights, w, attrs, need_roles, group_n
                 max_tokens, transport, timeout_s):
     """Transpose of dispatch/experts/combine.  Every rank takes part (it serves other ranks' rows)."""
     if transport in ("a2a", "a2a-dedup"):
-        return _a2a(x, w, attrs, transport).backward(grad_y, x, topk_ids, topk_weights, w, attrs, need_roles, group_name,
-                                          num_experts, timeout_s)
+        mod = _a2a(x, w, attrs, transport)
+        return mod.backward(grad_y, x, topk_ids, topk_weights, w, attrs, need_roles, group_name, num_experts, timeout_s)
     ctx = get_context(group_name)
     plan = make_plan(topk_ids, num_experts, ctx.world)
     T, H = x.shape

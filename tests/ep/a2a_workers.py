@@ -242,7 +242,7 @@ def fused_scenarios(rank, world, scenarios, transport="a2a"):
             "y": rel(y, ys[rank]), "dx": rel(x.grad, rx[rank].grad), "dg": rel(g.grad, rg[rank].grad),
             "dw1": rel(w1.grad, rw1.grad[rank * el : (rank + 1) * el]),
             "dw2": rel(w2.grad, rw2.grad[rank * el : (rank + 1) * el]),
-            "scalar_reads": (fwd.counts, bwd.counts), "scale": float(ys[rank].detach().abs().max()) if Ts[rank] else 0.0,
+            "scalar_reads": (fwd.counts, bwd.counts),
         }
     return results
 
