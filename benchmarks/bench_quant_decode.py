@@ -12,7 +12,9 @@ x [T, H] ~ normal(0, 1), K distinct random experts per token, softmax routing we
                   layer, later decode calls run qdecode from the op's C++ CPU kernel); the
                   ratios to llama.cpp and the roof are this side's.  Not for w16-fp16 (the op's
                   w16 is bf16).
-  qdecode <fmt>   ``qdecode.run`` on ``moe_compile.quant.pack(fmt, W)`` (w16: bf16 and fp16),
+  qdecode <fmt>   ``qdecode.run`` on ``moe_compile.quant.pack(fmt, W)`` (w16: bf16 and fp16;
+                  a8w4-int is group-wise, group 32; a8w4-int-g64 / -g128 its other groups,
+                  a8w4-int-pc its per-channel MSD form, qdecode only),
                   the kernel's Python host call (checks, plan, ctypes); 2 torch threads.
   llama <type>    llama.cpp (ggml ``MUL_MAT_ID`` graph as llama.cpp's ``build_moe_ffn`` builds it)
                   through the peer library ``libmoe_peer.so`` (``--peer-lib``), weights converted by
@@ -49,11 +51,12 @@ import time
 import torch
 
 SHAPES = {"mixtral-like": (1024, 2048, 8, 2), "fine-grained": (1024, 512, 64, 8)}  # (H, F, E, K)
-FORMATS = ("w16", "w16-fp16", "w8-int", "w4-int", "mxfp4", "mxfp8", "a8w8-int", "a8w4-int")
+FORMATS = ("w16", "w16-fp16", "w8-int", "w4-int", "mxfp4", "mxfp8", "a8w8-int", "a8w4-int", "a8w4-int-g64",
+           "a8w4-int-g128", "a8w4-int-pc")  # a8w4-int: group 32; -g64 / -g128 its other groups; -pc per channel (MSD)
 GGML_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 8, "q4_K": 12}
 OP_FORMATS = ("w16", "w8-int", "w4-int", "mxfp4", "mxfp8", "a8w8-int", "a8w4-int")  # the op's quant= names among FORMATS
 PEER_OF = {"w16": "f16", "w16-fp16": "f16", "w8-int": "q8_0", "w4-int": "q4_0", "mxfp4": "q4_0", "mxfp8": "q8_0",
-           "a8w8-int": "q8_0", "a8w4-int": "q4_0"}
+           "a8w8-int": "q8_0", "a8w4-int": "q4_0", "a8w4-int-g64": "q4_0", "a8w4-int-g128": "q4_0", "a8w4-int-pc": "q4_0"}
 
 
 def open_peer(path: str):
@@ -68,10 +71,12 @@ def open_peer(path: str):
 
 def pack(fmt: str, w: torch.Tensor):
     from moe_compile import quant
-    from moe_compile.quant import w16
+    from moe_compile.quant import a8w4_int, w16
 
     if fmt.startswith("w16"):
         return w16.pack(w, torch.float16 if fmt == "w16-fp16" else torch.bfloat16)
+    if fmt.startswith("a8w4-int-"):
+        return a8w4_int.pack(w, None if fmt.endswith("-pc") else int(fmt.rsplit("-g", 1)[1]))
     return quant.pack(fmt, w)
 
 

@@ -1,8 +1,15 @@
 """What ``quant="auto"`` measured and chose, per layer and regime — read by ``explain()`` and the dump.
 
-A ``Selection`` is recorded by ``kernels/cpu/quant.py`` on the first call of each regime (decode:
-T <= 16 rows, prefill: more) of a layer compiled with quant="auto"; the report prints it under
-the layer's rewritten line (``Rewritten.quant_tag``).  Data only: nothing here runs a kernel.
+A ``Selection`` is made by ``kernels/cpu/quant.py`` once per (layer shape, regime, device, budget)
+— decode: T <= 16 rows, prefill: more — on the first call of the first layer of that shape, and
+shared by every later layer of the shape in any graph of the process (each still checks the
+choice's SQNR on its own first call); the report prints it under each layer's rewritten line
+(``Rewritten.quant_tag``).  Data only: nothing here runs a kernel.
+
+The rule (``choose``): among the candidates within the accuracy budget, the fastest, unless a more
+accurate one is within ``TIE_MARGIN`` (5%) of its time — then the most accurate of those.  Times
+are medians of runs interleaved across candidates, so a load spike hits them alike; the margin
+keeps a near-tie from flipping between compiles on a noisy machine.
 """
 
 from __future__ import annotations
@@ -10,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+
+TIE_MARGIN = 0.05  # a candidate this much slower than the fastest still wins if it is more accurate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,10 +31,12 @@ class Candidate:
     def line(self, chosen: str, budget: float) -> str:
         if self.time_ms is None:
             return f"      {self.fmt}: refused, {self.note}"
-        sq = "exact" if self.sqnr_db == float("inf") else f"{self.sqnr_db:.1f} dB"
         verdict = "CHOSEN" if self.fmt == chosen else (
-            f"over budget (< {budget:g} dB)" if self.sqnr_db < budget else "slower")
-        return f"      {self.fmt}: {sq}, {self.time_ms:.2f} ms on {self.note}: {verdict}"
+            f"over budget (< {budget:g} dB)" if self.sqnr_db < budget else "slower or less accurate")
+        return f"      {self.fmt}: {self.sqnr_text()}, {self.time_ms:.3f} ms on {self.note}: {verdict}"
+
+    def sqnr_text(self) -> str:
+        return "exact" if self.sqnr_db == float("inf") else f"{self.sqnr_db:.1f} dB"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,19 +48,48 @@ class Selection:
     chosen: str
     candidates: tuple[Candidate, ...]
     packed_bytes: int = 0
+    margin: str = ""  # why the choice won, against the fastest or the runner-up (``choose``)
+    shared_from: str = ""  # the layer whose measurement this shape's decision came from, when another
+    runs: int = 0  # timed runs per candidate (interleaved)
 
     def lines(self) -> list[str]:
         packed = f", packed {self.packed_bytes / 2**20:.1f} MiB" if self.packed_bytes else ""
-        head = (f"    quant auto, {self.regime} (measured at T={self.rows}, budget {self.budget_db:g} dB): "
+        how = f"median of {self.runs} interleaved runs, " if self.runs else ""
+        head = (f"    quant auto, {self.regime} (measured at T={self.rows}, {how}budget {self.budget_db:g} dB): "
                 f"chose {self.chosen}{packed}")
-        return [head] + [c.line(self.chosen, self.budget_db) for c in self.candidates]
+        lines = [head]
+        if self.margin:
+            lines.append(f"      margin: {self.margin}")
+        if self.shared_from:
+            lines.append(f"      decided once for this shape, regime and device, measured on {self.shared_from}")
+        return lines + [c.line(self.chosen, self.budget_db) for c in self.candidates]
 
 
-def choose(tag: str, regime: str, rows: int, budget: float, candidates) -> Selection:
-    """The fastest candidate whose SQNR is within budget ("none" always is)."""
+def choose(tag: str, regime: str, rows: int, budget: float, candidates, runs: int = 0,
+           tie: float = TIE_MARGIN) -> Selection:
+    """Among the candidates within budget ("none" always is): the most accurate of those within
+    ``tie`` of the fastest's time (the fastest itself when none is more accurate), ties in SQNR to
+    the faster.  ``margin`` says by how much it won or what it gave up."""
     ran = [c for c in candidates if c.time_ms is not None and c.sqnr_db >= budget]
-    best = min(ran, key=lambda c: c.time_ms)
-    return Selection(tag, regime, rows, budget, best.fmt, tuple(candidates))
+    fastest = min(ran, key=lambda c: c.time_ms)
+    close = [c for c in ran if c.time_ms <= fastest.time_ms * (1 + tie)]
+    best = max(close, key=lambda c: (c.sqnr_db, -c.time_ms))
+    return Selection(tag, regime, rows, budget, best.fmt, tuple(candidates), margin=_margin(best, fastest, ran, tie),
+                     runs=runs)
+
+
+def _margin(best: Candidate, fastest: Candidate, ran: list, tie: float) -> str:
+    if best is not fastest:
+        gap = best.time_ms / fastest.time_ms - 1
+        return (f"{fastest.fmt} was {100 * gap:.1f}% faster ({fastest.sqnr_text()}), within {100 * tie:g}%: "
+                f"the more accurate {best.fmt} ({best.sqnr_text()}) kept")
+    rest = sorted((c for c in ran if c is not best), key=lambda c: c.time_ms)
+    if not rest:
+        return "the only candidate within budget"
+    nxt = rest[0]
+    gap = nxt.time_ms / best.time_ms - 1
+    within = f", within {100 * tie:g}% but less accurate ({nxt.sqnr_text()})" if gap <= tie else ""
+    return f"{100 * gap:.1f}% faster than the next in budget, {nxt.fmt}{within}"
 
 
 _RECORDED: dict = {}  # tag -> {regime: Selection}

@@ -411,16 +411,13 @@ static void quantize_int8_blocks(const float *x, int64_t n, int64_t pairing, int
     }
 }
 
-/* The weight scale of each int32 lane of 64 elements (chunk c): two blocks' groups. */
+/* The weight scale of each int32 lane of 64 elements (chunk c) for G = 32: two blocks' groups. */
 static inline __m256 a8g_scales8(const uint8_t *sc, int64_t c, int64_t G) {
-    const uint16_t *h = (const uint16_t *)sc;
-    if (G == 32) {
-        uint32_t two;
-        memcpy(&two, h + 2 * c, 4);
-        __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128((int)two));
-        return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(f), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
-    }
-    return _mm256_set1_ps(_cvtsh_ss(h[64 * c / G]));
+    (void)G;
+    uint32_t two;
+    memcpy(&two, (const uint16_t *)sc + 2 * c, 4);
+    __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128((int)two));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(f), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
 }
 
 static float hsum8(__m256 v) {
@@ -433,12 +430,20 @@ static float hsum8(__m256 v) {
 static void a8g_dot_avx2(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales,
                          const int8_t *const *xq, const float *const *xs, const int32_t *const *xo, int64_t n, int nr,
                          float *out) {
-    const int64_t K = wt->k, G = wt->group;
+    const int64_t K = wt->k, G = wt->group, per = G >= 64 ? G / 64 : 0; /* chunks of 64 per group; 0: G = 32 */
+    const uint16_t *h0 = (const uint16_t *)scales[0], *h1 = (const uint16_t *)scales[1];
     const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     for (int64_t r = 0; r < n; ++r) {
-        __m256 t0 = _mm256_setzero_ps(), t1 = t0;
+        __m256 t0 = _mm256_setzero_ps(), t1 = t0, sw0 = t0, sw1 = t0;
+        int64_t left = 0, gi = 0; /* chunks left in group gi - 1 (no division in the loop) */
         for (int64_t c = 0; c < K / 64; ++c) {
             const int64_t k = 64 * c;
+            if (!per) {
+                sw0 = a8g_scales8(scales[0], c, G), sw1 = a8g_scales8(scales[1], c, G);
+            } else if (left-- == 0) {
+                sw0 = _mm256_set1_ps(_cvtsh_ss(h0[gi])), sw1 = _mm256_set1_ps(_cvtsh_ss(h1[gi]));
+                ++gi, left = per - 1;
+            }
             if (r == 0 && !(c & 1)) {
                 _mm_prefetch((const char *)(rows[0] + k / 2 + PREFETCH_4BIT_BYTES), _MM_HINT_T0);
                 _mm_prefetch((const char *)(rows[1] + k / 2 + PREFETCH_4BIT_BYTES), _MM_HINT_T0);
@@ -454,8 +459,8 @@ static void a8g_dot_avx2(const qweight_t *wt, const uint8_t *const *rows, const 
             __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v1, low), qe),
                                           _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low), qo));
             __m256i a0 = _mm256_add_epi32(_mm256_madd_epi16(p0, ones), o), a1 = _mm256_add_epi32(_mm256_madd_epi16(p1, ones), o);
-            t0 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a0), sx), a8g_scales8(scales[0], c, G), t0);
-            t1 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a1), sx), a8g_scales8(scales[1], c, G), t1);
+            t0 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a0), sx), sw0, t0);
+            t1 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a1), sx), sw1, t1);
         }
         if (K % 64) { /* the last 32, paired per 32: 16 bytes give [low nibbles | high nibbles], all one block */
             const int64_t k = K - 32, b = k / A8G_BLOCK;
@@ -479,7 +484,7 @@ static void a8g_dot_avx2(const qweight_t *wt, const uint8_t *const *rows, const 
 
 #define A8G_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
-/* The weight scale of each int32 lane of 128 elements (chunk c): four blocks' groups. */
+/* The weight scale of each int32 lane of 128 elements (chunk c) for G = 32 or 64: four blocks' groups. */
 A8G_VNNI static inline __m512 a8g_scales16(const uint8_t *sc, int64_t c, int64_t G) {
     const uint16_t *h = (const uint16_t *)sc;
     if (G == 32) {
@@ -492,19 +497,27 @@ A8G_VNNI static inline __m512 a8g_scales16(const uint8_t *sc, int64_t c, int64_t
         __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128((int)two));
         return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), _mm512_castps128_ps512(f));
     }
-    return _mm512_set1_ps(_cvtsh_ss(h[128 * c / G]));
+    return _mm512_set1_ps(_cvtsh_ss(h[c])); /* not reached: G >= 128 takes the loop's own scale */
 }
 
 /* As a8g_dot_avx2, AVX-512 VNNI, 128 elements (64 bytes of each row) a step; K a multiple of 128. */
 A8G_VNNI static void a8g_dot_vnni(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales,
                                   const int8_t *const *xq, const float *const *xs, const int32_t *const *xo, int64_t n,
                                   int nr, float *out) {
-    const int64_t K = wt->k, G = wt->group;
+    const int64_t K = wt->k, G = wt->group, per = G >= 128 ? G / 128 : 0; /* chunks of 128 per group; 0: G < 128 */
+    const uint16_t *h0 = (const uint16_t *)scales[0], *h1 = (const uint16_t *)scales[1];
     const __m512i low = _mm512_set1_epi8(15);
     for (int64_t r = 0; r < n; ++r) {
-        __m512 t0 = _mm512_setzero_ps(), t1 = t0;
+        __m512 t0 = _mm512_setzero_ps(), t1 = t0, sw0 = t0, sw1 = t0;
+        int64_t left = 0, gi = 0; /* chunks left in group gi - 1 (no division in the loop) */
         for (int64_t c = 0; c < K / 128; ++c) {
             const int64_t k = 128 * c;
+            if (!per) {
+                sw0 = a8g_scales16(scales[0], c, G), sw1 = a8g_scales16(scales[1], c, G);
+            } else if (left-- == 0) {
+                sw0 = _mm512_set1_ps(_cvtsh_ss(h0[gi])), sw1 = _mm512_set1_ps(_cvtsh_ss(h1[gi]));
+                ++gi, left = per - 1;
+            }
             if (r == 0) {
                 _mm_prefetch((const char *)(rows[0] + k / 2 + PREFETCH_4BIT_BYTES), _MM_HINT_T0);
                 _mm_prefetch((const char *)(rows[1] + k / 2 + PREFETCH_4BIT_BYTES), _MM_HINT_T0);
@@ -517,8 +530,8 @@ A8G_VNNI static void a8g_dot_vnni(const qweight_t *wt, const uint8_t *const *row
             __m512i a1 = _mm512_dpbusd_epi32(o, _mm512_and_si512(v1, low), qe);
             a0 = _mm512_dpbusd_epi32(a0, _mm512_and_si512(_mm512_srli_epi16(v0, 4), low), qo);
             a1 = _mm512_dpbusd_epi32(a1, _mm512_and_si512(_mm512_srli_epi16(v1, 4), low), qo);
-            t0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a0), sx), a8g_scales16(scales[0], c, G), t0);
-            t1 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a1), sx), a8g_scales16(scales[1], c, G), t1);
+            t0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a0), sx), sw0, t0);
+            t1 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a1), sx), sw1, t1);
         }
         out[r] = _mm512_reduce_add_ps(t0), out[nr + r] = _mm512_reduce_add_ps(t1);
     }
