@@ -85,12 +85,14 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs, config: MoEConfig) -> Repo
 
 
 def _rewrite_dense_linears(gm: fx.GraphModule, example_inputs, config: MoEConfig, report: Report) -> None:
-    """After the MoE pass: the graph's other linears onto the dense kernels (passes/linears.py)."""
+    """After the MoE pass: the graph's other linears onto the dense kernels (passes/linears.py) and
+    its grouped-query attention without K/V copies (passes/attention.py)."""
+    from moe_compile.passes.attention import run_attention_pass
     from moe_compile.passes.linears import run_linear_pass
 
-    line = run_linear_pass(gm, example_inputs, config.dense_format())
-    if line:
-        report.notes.append(Note(line))
+    for line in (run_linear_pass(gm, example_inputs, config.dense_format()), run_attention_pass(gm)):
+        if line:
+            report.notes.append(Note(line))
 
 
 def _say_why_nothing(gm: fx.GraphModule, report: Report) -> None:
