@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from moe_compile.passes.graph import (Deps, const_int_index, is_grouped_mm, is_matmul, is_view_like, rows_gathered_from,
-                                     target_name)
+                                     source_line, target_name)
 
 _ELEMENTWISE = {
     "mul", "add", "sub", "truediv", "div", "silu", "gelu", "relu", "relu_", "sigmoid", "tanh", "tanh_",
@@ -38,6 +38,9 @@ class WeightRef:
     param: fx.Node  # the graph input (placeholder) holding the weight
     expert: int | None = None  # param[e] with a Python int e
     indexed_by: fx.Node | None = None  # param[ids] with a tensor index
+    # The [E, out, in] tensor indexed by ``expert`` when it is a view of param rather than param
+    # itself (DBRX's ``w1.view(E, F, H)[e]`` on a [E*F, H] parameter): the stacked role the op reads.
+    stack: fx.Node | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,15 +67,23 @@ class Candidate:
 
 def trace_weight(node) -> WeightRef | None:
     """Follow views/casts/indexing from a GEMM operand to the placeholder that holds it."""
-    expert, indexed_by = None, None
+    expert, indexed_by, stack = None, None, None
     for _ in range(16):
         if not isinstance(node, fx.Node):
             return None
         if node.op == "placeholder":
-            return WeightRef(node, expert, indexed_by) if is_parameter(node) else None
+            if not is_parameter(node):
+                return None
+            return WeightRef(node, expert, indexed_by, stack if stack is not node else None)
         index = const_int_index(node)
         if index is not None:
             expert = index
+            base = node.args[0]
+            if isinstance(base, fx.Node) and _unit_chunks(base):
+                base = base.args[0]  # W.chunk(E)[e] (then squeeze(0)): the same slice as W[e]
+            stack = base if _contiguous_3d(base) and _reshapes_a_parameter(base) else None
+            node = base
+            continue
         elif node.op == "call_function" and node.target is operator.getitem:
             idx = node.args[1]
             if isinstance(idx, fx.Node):
@@ -83,6 +94,36 @@ def trace_weight(node) -> WeightRef | None:
             return None
         node = node.args[0]
     return None
+
+
+def _unit_chunks(node: fx.Node) -> bool:
+    """``t.chunk(n)`` / ``t.split(1)`` along dim 0 into pieces of one row each."""
+    if node.op not in ("call_function", "call_method") or target_name(node) not in ("chunk", "split"):
+        return False
+    value = node.args[0].meta.get("example_value") if isinstance(node.args[0], fx.Node) else None
+    dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0)
+    size = node.args[1] if len(node.args) > 1 else node.kwargs.get("chunks", node.kwargs.get("split_size"))
+    if not isinstance(value, torch.Tensor) or dim != 0 or not isinstance(size, int) or value.dim() != 3:
+        return False
+    return size == (value.shape[0] if target_name(node) == "chunk" else 1)
+
+
+def _reshapes_a_parameter(node: fx.Node) -> bool:
+    """``param.view(...)`` / ``reshape`` / ``unflatten`` chains down to a parameter (no cast, no
+    transpose): the same storage, read in place."""
+    for _ in range(4):
+        if node.op == "placeholder":
+            return is_parameter(node)
+        if node.op not in ("call_function", "call_method") or target_name(node) not in ("view", "reshape", "unflatten"):
+            return False
+        node = node.args[0]
+    return False
+
+
+def _contiguous_3d(node) -> bool:
+    """A 3-D view whose experts are contiguous blocks of one storage (what the op reads in place)."""
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return isinstance(value, torch.Tensor) and value.dim() == 3 and value.is_contiguous()
 
 
 def is_parameter(node: fx.Node) -> bool:
@@ -159,6 +200,9 @@ def _fc1_gemms(act: fx.Node) -> list[fx.Node]:
             found.append(node)
             continue
         name = target_name(node)
+        if is_identity(node):
+            stack.append(node.args[0])
+            continue
         if node.op not in ("call_function", "call_method") or name not in _ELEMENTWISE:
             continue
         if name in ("getitem", "__getitem__") and not _slicing(node.args[1]):
@@ -166,6 +210,31 @@ def _fc1_gemms(act: fx.Node) -> list[fx.Node]:
         nonlinear |= name in _NONLINEAR
         stack.extend(a for a in node.args if isinstance(a, fx.Node))
     return found if nonlinear else []
+
+
+_DROPOUTS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
+
+
+def dropout_training(node: fx.Node) -> bool | None:
+    """For ``F.dropout(x, p, training, inplace)`` (and its 1d/2d/3d/alpha forms): whether it drops
+    (training with p > 0); None for any other node."""
+    if node.op != "call_function" or target_name(node) not in _DROPOUTS:
+        return None
+    names = ("input", "p", "training", "inplace")
+    args = {**dict(zip(names, node.args)), **node.kwargs}
+    p, training = args.get("p", 0.5), args.get("training", True)
+    if not isinstance(p, (int, float)) or not isinstance(training, bool):
+        return True  # a traced flag or rate: possibly dropping
+    return training and p > 0
+
+
+def is_identity(node: fx.Node) -> bool:
+    """Ops that return their input's values unchanged: Dropout in eval mode (or p = 0), ``clone``.
+    Casts and ``contiguous`` are views to the weight trace and element-wise to the FFN search."""
+    if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    return dropout_training(node) is False or (node.op in ("call_function", "call_method")
+                                                and target_name(node) == "clone")
 
 
 def find_clusters(graph: fx.Graph) -> list[Cluster]:
@@ -231,10 +300,50 @@ def is_concatenated_ids(node: fx.Node) -> bool:
     )
 
 
+def is_top1(node: fx.Node) -> bool:
+    """A top-1 pick along the last dim of float scores: ``scores.max(dim=-1)`` (its indices used) or
+    ``scores.argmax(dim=-1)`` — the ids of top-1 routing, [..., 1] with ``keepdim``, else [...]."""
+    if node.op not in ("call_function", "call_method") or target_name(node) not in ("max", "argmax"):
+        return False
+    scores = node.args[0] if node.args else node.kwargs.get("input")
+    value = scores.meta.get("example_value") if isinstance(scores, fx.Node) else None
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    if not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point or not isinstance(dim, int) \
+            or value.dim() < 2 or dim not in (-1, value.dim() - 1):
+        return False
+    if target_name(node) == "argmax":
+        return True
+    return any(u.op == "call_function" and u.target is operator.getitem and u.args[1] == 1 for u in node.users)
+
+
+def squeezed_top1(ids: fx.Node) -> bool:
+    """Whether ``ids`` are a top-1 pick without ``keepdim``: [T] (or [B, S]) standing for [T, 1]."""
+    src = ids.args[0] if ids.op == "call_function" and ids.target is operator.getitem else ids
+    if not isinstance(src, fx.Node) or not is_top1(src):
+        return False
+    keepdim = src.kwargs.get("keepdim", src.args[2] if len(src.args) > 2 else False)
+    return not keepdim
+
+
+def inside_router(node: fx.Node, limit: int = 64) -> bool:
+    """Whether an id source feeds another one without a GEMM between them: a step of a router
+    (group-limited routing's group top-k, sparsemixer's max picks), not a layer's routing."""
+    seen, frontier = {node}, [node]
+    while frontier and len(seen) < limit:
+        for user in frontier.pop(0).users:
+            if user in seen or is_matmul(user):
+                continue
+            if is_id_source(user):
+                return True
+            seen.add(user)
+            frontier.append(user)
+    return False
+
+
 def is_id_source(node: fx.Node) -> bool:
-    """Where a candidate's expert ids come from: a top-k, a hash table lookup, or picked indices
-    concatenated into [T, K]."""
-    return is_topk(node) or is_hash_lookup(node) or is_concatenated_ids(node)
+    """Where a candidate's expert ids come from: a top-k (or top-1 max / argmax), a hash table
+    lookup, or picked indices concatenated into [T, K]."""
+    return is_topk(node) or is_top1(node) or is_hash_lookup(node) or is_concatenated_ids(node)
 
 
 def selected_by(deps: Deps, topk: fx.Node, ffn_outputs: set[fx.Node]) -> set[fx.Node]:
@@ -281,12 +390,17 @@ def group_by_topk(graph: fx.Graph, deps: Deps, clusters: list[Cluster]) -> tuple
 
 
 def _masked_after(cluster: Cluster, reach: set) -> bool:
-    """Stacked experts run on every token before any routing, their [E, T, H] output weighted by a
-    dense mask that depends on the top-k (``einsum("eth,te->th", out, mask)``, ``out * mask``):
-    routed by that top-k.  (A shared expert's [T, H] output added to the routed one is not.)"""
+    """Experts run on every token before any routing, their output weighted by a dense mask that
+    depends on the top-k: stacked [E, T, H] (``einsum("eth,te->th", out, mask)``, ``out * mask``), or
+    one expert's [T, H] times its column of the mask: routed by that top-k.  (A shared expert's
+    [T, H] output added to the routed one is not.)"""
     value = cluster.down.meta.get("example_value")
-    if not isinstance(value, torch.Tensor) or value.dim() != 3 or cluster.down_w.expert is not None:
+    if not isinstance(value, torch.Tensor) or value.dim() not in (2, 3):
         return False
+    if value.dim() == 3 and cluster.down_w.expert is not None:
+        return False  # [E, T, H] from one stacked weight: all experts at once
+    if value.dim() == 2 and cluster.down_w.expert is None and _ndim(cluster.down_w.param) != 2:
+        return False  # [T, H] from one expert: ``ffn(x, e) * (w * (ids == e)).sum(-1)[:, None]``
     frontier = [cluster.down]
     for _ in range(3):
         frontier = [u for n in frontier for u in n.users]
@@ -296,13 +410,18 @@ def _masked_after(cluster: Cluster, reach: set) -> bool:
     return False
 
 
-_MASKING = ("einsum", "mul", "__mul__", "bmm", "matmul", "__matmul__")
+def _ndim(node: fx.Node) -> int:
+    value = node.meta.get("example_value")
+    return value.dim() if isinstance(value, torch.Tensor) else -1
 
 
-def unrecognised_experts(graph: fx.Graph, deps: Deps, candidates: list[Candidate]) -> list[fx.Node]:
-    """For each top-k that no candidate holds, the first GEMM after it that reads expert weights
-    the way MoE experts do (a grouped GEMM, or weights indexed by a tensor: ``w[ids]``) and is in
-    no candidate's FFN: an MoE whose FFN the clusters did not recognise, worth a line in explain()."""
+_MASKING = ("einsum", "mul", "__mul__", "bmm", "matmul", "__matmul__", "gather", "take_along_dim")
+
+
+def unrecognised_experts(graph: fx.Graph, deps: Deps, candidates: list[Candidate]) -> list[tuple[fx.Node, fx.Node]]:
+    """For each top-k that no candidate holds, (top-k, the first GEMM after it that reads expert weights
+    the way MoE experts do (a grouped GEMM, or weights indexed by a tensor: ``w[ids]``)  and is in
+    no candidate's FFN): an MoE whose FFN the clusters did not recognise, worth a line in explain()."""
     held = {c.topk for c in candidates}
     in_ffn = {g for c in candidates for cl in c.clusters for g in cl.gemms}
     downs = {cl.down for c in candidates for cl in c.clusters}
@@ -311,7 +430,7 @@ def unrecognised_experts(graph: fx.Graph, deps: Deps, candidates: list[Candidate
         reach = selected_by(deps, topk, downs)
         gemm = next((n for n in graph.nodes if n in reach and n not in in_ffn and _reads_expert_weights(n)), None)
         if gemm is not None:
-            found.append(gemm)
+            found.append((topk, gemm))
     return found
 
 
@@ -330,3 +449,86 @@ def uses_grouped_mm(candidate: Candidate) -> bool:
 
 def weight_refs(candidate: Candidate) -> list[WeightRef]:
     return [w for c in candidate.clusters for w in (*c.fc1_w, c.down_w)]
+
+
+def why_no_experts(graph: fx.Graph, deps: Deps, topk: fx.Node, clusters: list[Cluster]) -> str:
+    """Why no candidate holds this top-k: the step that found no expert FFN after it and the op
+    where that step stopped (every top-k has an outcome a user can act on)."""
+    downs = {c.down for c in clusters}
+    reach = selected_by(deps, topk, downs)
+    for cluster in clusters:  # experts run on every token, then routed by something no family reads
+        reader = _reader_in(cluster.down, reach)
+        if reader is not None:
+            return (f"its expert FFN (FC2 at {_at(cluster.down)}) runs on every token before routing and its output "
+                    f"is combined by `{target_name(reader)}` ({_at(reader)}), which no family reads as a dense "
+                    f"[T, E] mask over the experts' outputs")
+    gemms = [n for n in graph.nodes if n in reach and is_matmul(n) and gemm_operands(n)[1] is not None]
+    untraced = next((n for n in graph.nodes if n in reach and is_matmul(n) and not gemms), None)
+    if untraced is not None:
+        stop = next((s for a in untraced.args if a not in reach and (s := _weight_trace_stop(a)) is not None), None)
+        return (f"the GEMM at {_at(untraced)} reads a weight traced to no parameter through views and indexing"
+                + (f" (the trace stopped at `{target_name(stop)}`, {_at(stop)})" if stop is not None else ""))
+    if not gemms:
+        return ("no GEMM on the module's weights reads what it selects: not an MoE router (a top-k over features), "
+                "or experts that are not GEMMs")
+    stop = _first_non_elementwise(gemms[0])
+    if stop is not None and dropout_training(stop):
+        return (f"Dropout in training mode between the expert GEMMs ({_at(stop)}): it zeroes random activations, "
+                f"which the fused op does not compute (model.eval() makes it an identity, rewritten)")
+    if stop is not None:
+        return (f"the GEMM at {_at(gemms[0])} reaches no FC2 GEMM through element-wise ops: the FFN search stopped "
+                f"at `{target_name(stop)}` ({_at(stop)})")
+    return (f"the FFN after the GEMM at {_at(gemms[0])} fits no FC1 GEMM(s) -> activation -> FC2 GEMM on weights "
+            f"traced to parameters (at most two FC1 GEMMs, a nonlinearity between them and FC2)")
+
+
+def _weight_trace_stop(node) -> fx.Node | None:
+    """Where ``trace_weight`` gives up on a GEMM operand that is not an activation (None: it is one)."""
+    for _ in range(16):
+        if not isinstance(node, fx.Node) or node.op == "placeholder":
+            return None
+        if const_int_index(node) is None and not is_view_like(node) and node.target is not operator.getitem:
+            return node if any(isinstance(a, fx.Node) and a.op == "placeholder" and is_parameter(a)
+                               for a in _flat_args(node)) else None
+        node = node.args[0]
+    return None
+
+
+def _flat_args(node: fx.Node) -> list:
+    return [b for a in node.args for b in (a if isinstance(a, (list, tuple)) else (a,))]
+
+
+def _at(node: fx.Node) -> str:
+    return source_line(node) or node.format_node()[:120]
+
+
+def _reader_in(down: fx.Node, reach: set) -> fx.Node | None:
+    frontier = [down]
+    for _ in range(3):
+        frontier = [u for n in frontier for u in n.users]
+        hit = next((u for u in frontier if u in reach), None)
+        if hit is not None:
+            return hit
+        frontier = [u for u in frontier if is_view_like(u)]
+    return None
+
+
+def _first_non_elementwise(gemm: fx.Node) -> fx.Node | None:
+    """The first op on the paths from an FC1 GEMM's output that is neither element-wise nor a GEMM:
+    where the search for the FFN's FC2 stopped (None when a GEMM is reached)."""
+    frontier, seen = [gemm], set()
+    while frontier:
+        node = frontier.pop(0)
+        for user in node.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if is_matmul(user):
+                return None
+            if is_identity(user):
+                frontier.append(user)
+                continue
+            if user.op not in ("call_function", "call_method") or target_name(user) not in _ELEMENTWISE:
+                return user
+            frontier.append(user)
+    return None

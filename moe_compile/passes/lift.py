@@ -56,12 +56,17 @@ class Match:
             ids, routing = region_mod.flat_routing(g, self.region)
             a = spec.attrs
             x, roles = cast_operands(g, self.region.x, spec_roles(spec), self.op_dtype)
+            unflattened = len(shape_of(self.region.x)) > 2  # [B, S, H] tokens, combined as [B, S, H]
+            if unflattened:
+                x = g.call_method("reshape", (x, -1, shape_of(self.region.x)[-1]))  # [T, H]
             args = (x, ids, routing, *roles, a.gate_up, a.transposed, a.activation, a.limit, a.alpha, a.weight_on)
             if quant is not None and quant.policy:  # inference only: the plan refused training graphs
                 call = g.call_function(torch.ops.moe_compile.fused_moe_quant.default,
                                        (*args, quant.policy, quant.budget_db, quant.tag))
             else:
                 call = emit_fused_moe(g, args, save_fc1)
+            if unflattened:
+                call = g.call_method("view_as", (call, self.region.x))  # [T, H] -> [B, S, H]
             return cast_result(g, call, self.region, self.op_dtype)
 
         return region_mod.replace_region(graph, deps, self.region, make_call)
@@ -174,6 +179,15 @@ def _weight_on_options(deps: Deps, region: Region, clusters: list[Cluster]) -> l
     return [first] + [w for w in ("output", "between", "input") if w != first]
 
 
+def _mixed_orientation(roles: Roles, values, x_hidden) -> bool:
+    """FC1 fits one orientation and FC2 only the other (their shapes say so: H is the input of FC1
+    and the output of FC2)."""
+    a, b = values[roles.fc1[0]].shape[-2:]
+    c, d = values[roles.fc2[0]].shape[-2:]
+    fc1_plain, fc1_t, fc2_plain, fc2_t = b == x_hidden, a == x_hidden, c == x_hidden, d == x_hidden
+    return (fc1_plain and fc2_t and not fc2_plain) or (fc1_t and fc2_plain and not fc1_plain)
+
+
 def _layouts(roles: Roles, values, x_hidden) -> list[tuple[str, bool]]:
     """(gate_up, transposed) pairs consistent with the weight shapes."""
     down = values[roles.fc2[0]]
@@ -200,7 +214,7 @@ def _layouts(roles: Roles, values, x_hidden) -> list[tuple[str, bool]]:
 def hypotheses(deps, region, clusters, roles: Roles, values, op_dtype=None) -> list[prove.Hypothesis]:
     """Every (layout, activation, clamp, slope, placement, gate/up order) the structure allows, on the
     real expert weights (cast to ``op_dtype`` as the rewrite will cast them)."""
-    x_hidden = shape_of(region.x)[1]
+    x_hidden = shape_of(region.x)[-1]
     acts = _activation_options(region.nodes)
     limits = _clamp_limits(region.nodes)
     alphas = _alpha_options(region.nodes)
@@ -254,9 +268,10 @@ class GraphValues:
 
 
 def lift(family, graph, deps, candidate, roles: Roles, values: GraphValues, top_k, num_experts) -> Match:
+    params = roles.nodes()
+    values.compute(params)  # placeholders, or views of them (a stacked view of a fused parameter)
     down_w = values[roles.fc2[0]]
     hidden_sizes = tuple(down_w.shape[-2:])
-    params = roles.nodes()
     region = region_mod.cut_region(
         graph, deps, candidate.topk, [c.down for c in candidate.clusters], params, top_k, num_experts, hidden_sizes
     )
@@ -264,6 +279,10 @@ def lift(family, graph, deps, candidate, roles: Roles, values: GraphValues, top_
     op_dtype = op_dtype_of(candidate.clusters, region.x, params)
     hyps = hypotheses(deps, region, candidate.clusters, roles, values, op_dtype)
     if not hyps:
+        if _mixed_orientation(roles, values, shape_of(region.x)[-1]):
+            raise Refusal("the gate/up weights are used as x @ W.t() ([out, in]) and the down weight as h @ W "
+                          "([in, out]), or the reverse (DBRX's w1 / v1 / w2): the fused op takes one orientation "
+                          "for every role — not rewritten", candidate.clusters[0].down)
         raise Refusal("the expert weight shapes fit no supported gate/up layout", candidate.clusters[0].down)
     region_fn = region_mod.extract(region)
     dense_mode = None if not region.dense else ("transposed" if region.dense_transposed else "plain")
@@ -309,8 +328,8 @@ def _source_of(fc2_nodes) -> str:
 def int_index_roles(clusters: list[Cluster], refs_of) -> tuple[fx.Node, ...] | None:
     """A single stacked param when every cluster reads ``param[e]`` with e = its expert index."""
     refs = [refs_of(c) for c in clusters]
-    if all(r.expert == e and r.param is refs[0].param for e, r in enumerate(refs)):
-        return (refs[0].param,)
+    if all(r.expert == e and r.param is refs[0].param and r.stack is refs[0].stack for e, r in enumerate(refs)):
+        return (refs[0].stack if refs[0].stack is not None else refs[0].param,)  # a view of it: w.view(E, F, H)
     return None
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from moe_compile.passes.clusters import Candidate, Cluster, weight_refs
 from moe_compile.passes.graph import target_name
 from moe_compile.passes.lift import Roles, expert_constant, int_index_roles, lift
-from moe_compile.passes.region import Refusal, topk_indices
+from moe_compile.passes.region import Refusal, routing_shape, topk_indices
 
 FAMILY = "loop"
 
@@ -101,5 +101,4 @@ def _bias_roles(clusters, by_cluster, candidate: Candidate) -> dict:
 
 
 def candidate_top_k(candidate: Candidate) -> int:
-    shape = topk_indices(candidate.topk).meta["example_value"].shape
-    return int(shape[-1])
+    return int(routing_shape(topk_indices(candidate.topk))[-1])

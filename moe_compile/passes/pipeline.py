@@ -28,7 +28,8 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from moe_compile.passes import dense, expert_parallel, gathered, loop, sorted as sorted_family
-from moe_compile.passes.clusters import find_clusters, gemm_operands, group_by_topk, is_id_source, is_topk, unrecognised_experts
+from moe_compile.passes.clusters import (find_clusters, gemm_operands, group_by_topk, is_id_source, is_topk,
+                                        inside_router, unrecognised_experts, why_no_experts)
 from moe_compile.passes.dead_code import live_before, remove_dead_splits
 from moe_compile.passes.graph import Deps, is_view_like, source_line, target_name
 from moe_compile.passes.lift import GraphValues
@@ -57,17 +58,27 @@ def find_matches(gm: fx.GraphModule, example_inputs, min_experts: int = 1):
     values = GraphValues(gm, deps, concrete_inputs(example_inputs))
     clusters = find_clusters(graph)
     candidates, unrouted = group_by_topk(graph, deps, clusters)
-    matches, skipped = [], []
+    # One outcome per top-k (issue 23): a proven Match, or a Skipped naming the step that refused it.
+    outcomes: dict[fx.Node, object] = {}
     for candidate in candidates:
-        outcome = lift_candidate(graph, deps, candidate, values, min_experts)
-        (skipped if isinstance(outcome, Skipped) else matches).append(outcome)
-    skipped += _unrouted_loops(unrouted)
-    skipped += [Skipped(Refusal(UNRECOGNISED, gemm).reason) for gemm in unrecognised_experts(graph, deps, candidates)]
-    skipped += _split_after_topk(graph, {c.topk for c in candidates})
+        outcomes[candidate.topk] = lift_candidate(graph, deps, candidate, values, min_experts)
+    for topk, gemm in unrecognised_experts(graph, deps, candidates):
+        outcomes.setdefault(topk, Skipped(Refusal(UNRECOGNISED, gemm).reason))
+    for topk, skip in _split_after_topk(graph, set(outcomes)):
+        outcomes.setdefault(topk, skip)
+    for topk in (n for n in graph.nodes if is_id_source(n) and n not in outcomes and not inside_router(n)):
+        outcomes[topk] = Skipped(no_experts_reason(topk, why_no_experts(graph, deps, topk, clusters)))
+    matches = [o for o in outcomes.values() if not isinstance(o, Skipped)]
+    skipped = [o for o in outcomes.values() if isinstance(o, Skipped)] + _unrouted_loops(unrouted)
     return matches, skipped
 
 
-def _split_after_topk(graph: fx.Graph, routed: set) -> list[Skipped]:
+def no_experts_reason(topk: fx.Node, why: str) -> str:
+    where = source_line(topk)
+    return (f"the top-k at {where}" if where else "a top-k") + f" routes no MoE this pass recognised: {why}"
+
+
+def _split_after_topk(graph: fx.Graph, routed: set) -> list[tuple[fx.Node, Skipped]]:
     """Top-ks with no experts in this graph whose ids are among its outputs: Dynamo ended the graph
     there, so an MoE block they route runs in another graph or eagerly, unfused."""
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
@@ -78,7 +89,7 @@ def _split_after_topk(graph: fx.Graph, routed: set) -> list[Skipped]:
         ids = [u for u in node.users if u.target is operator.getitem and u.args[1] == 1] if is_topk(node) else [node]
         if any(_returned(i, output) for i in ids):
             where = source_line(node)
-            out.append(Skipped(SPLIT_AFTER_TOPK + (f" (top-k at {where})" if where else "") + "; " + capture_hint()))
+            out.append((node, Skipped(SPLIT_AFTER_TOPK + (f" (top-k at {where})" if where else "") + "; " + capture_hint())))
     return out
 
 

@@ -72,12 +72,13 @@ def run_proof(region_fn, x_real, ids_like, weights_like, params, sizes, hypothes
     in when it is not x's (the region casts x or its weights); the hypotheses then run on x and
     weights in that dtype, as the rewrite will, and the tolerance is that dtype's.
     """
-    T = x_real.shape[0]
+    x_rows = x_real.reshape(-1, x_real.shape[-1])  # [B, S, H] tokens (an unflattened region) as [T, H]
+    T = x_rows.shape[0]
     if T == 0:
         return None, math.inf, 0.0
     gen = torch.Generator().manual_seed(0)
     tol = PROOF_TOLERANCE.get(op_dtype or _compute_dtype(x_real), 3e-2)
-    x_op = x_real if op_dtype is None else x_real.to(op_dtype)
+    x_op = x_rows if op_dtype is None else x_rows.to(op_dtype)
     rounds = []  # (ids, weights, region output) per round, computed once and shared by hypotheses
     for r in range(min(-(-E // (T * K)), 64)):
         ids0, g0 = synthetic_routing(T, K, E, r, weights_like.dtype, x_real.device, gen)
@@ -98,6 +99,7 @@ def run_proof(region_fn, x_real, ids_like, weights_like, params, sizes, hypothes
                 if want is None:
                     routed = _routed(ids0, g0, E, dense_mode).reshape(weights_like.shape)
                     want = region_fn(x_real, ids0.reshape(ids_like.shape), routed, *params, *sizes)
+                    want = want.reshape(T, -1) if want.dim() > 2 else want
                     rounds[i] = (ids0, g0, want)
                 worst = max(worst, _hypothesis_error(hyp, x_op, ids0, g0, want))
                 if worst > bar:

@@ -25,7 +25,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from moe_compile.passes.clusters import is_concatenated_ids, is_hash_lookup
+from moe_compile.passes.clusters import is_concatenated_ids, is_hash_lookup, squeezed_top1
 from moe_compile.passes.graph import (Deps, dtype_of, is_inplace, is_view_like, meta, shape_of, source_line,
                                      target_name)
 
@@ -54,7 +54,7 @@ class Region:
 
     @property
     def top_k(self) -> int:
-        return int(shape_of(self.ids)[-1])
+        return int(routing_shape(self.ids)[-1])
 
 
 def value_shape(node: fx.Node):
@@ -76,7 +76,7 @@ def _root_buffer(node: fx.Node) -> fx.Node | None:
 def topk_indices(topk: fx.Node) -> fx.Node:
     """The [T, K] ids of a candidate's id source: a top-k's indices, or the source itself (a hash
     lookup, concatenated picked indices)."""
-    if is_hash_lookup(topk) or is_concatenated_ids(topk):
+    if is_hash_lookup(topk) or is_concatenated_ids(topk) or target_name(topk) == "argmax":
         return topk
     for user in topk.users:
         if user.op == "call_function" and user.args[1:] == (1,):
@@ -101,18 +101,29 @@ def same_shape(a, b) -> bool:
 OUTPUT_CANDIDATES = 8  # [T, H] values tried as the combined output, in graph order
 
 
-def find_outputs(deps: Deps, downs, T, hidden_sizes) -> list[fx.Node]:
+def find_outputs(deps: Deps, downs, T, hidden_sizes, tokens=None) -> list[fx.Node]:
     """The first [T, H] values depending on every expert, in graph order.  The first is usually
     the combined output; at K = 1 (or T*K = T) the expert-sorted rows are [T, H] too, and the
-    combine that undoes the permutation comes later: cut_region keeps the first closed region."""
+    combine that undoes the permutation comes later: cut_region keeps the first closed region.
+    ``tokens``: the leading dims of [B, S, K] ids, whose combine may stay [B, S, H]."""
     def is_combined(node) -> bool:
         shape = value_shape(node)
-        return bool(shape) and len(shape) == 2 and _same(shape[0], T) and any(_same(shape[1], h) for h in hidden_sizes)
+        if not shape or not any(_same(shape[-1], h) for h in hidden_sizes):
+            return False
+        if len(shape) == 2:
+            return _same(shape[0], T)
+        return tokens is not None and same_shape(shape[:-1], tokens)
 
     outputs = deps.reached_by_all(list(downs), is_combined, OUTPUT_CANDIDATES)
     if not outputs:
         raise Refusal("no [T, H] value combines the outputs of all experts", downs[0])
     return outputs
+
+
+def routing_shape(ids: fx.Node) -> tuple | None:
+    """The ids' shape as [..., K]: a top-1 pick without ``keepdim`` ([T]) reads as [T, 1]."""
+    shape = shape_of(ids)
+    return shape + (1,) if shape is not None and squeezed_top1(ids) else shape
 
 
 def tokens_of(shape) -> object:
@@ -165,11 +176,18 @@ def find_weights(deps: Deps, output, params, ids, T, K, E) -> tuple[fx.Node, boo
     excluded = from_params | accumulators | _permutations(deps, ids)
     scattered = _scattered_from(deps, ids) if _same(K, E) else set()
     from_ids = deps.descendants([ids])  # a dense mask zero outside the top-k is built from the ids
+    # Routing weights come from this top-k (its values, scores gathered at its ids): an earlier
+    # layer's [T, K] weights also reach the output, through the residual stream (at K = 1 they
+    # would do for the expert-sorted rows, which are [T, H] there).
+    from_source = deps.descendants(_routing_sources(ids))
+    squeezed = len(shape_of(ids)) if squeezed_top1(ids) else None  # top-1 weights [T] stand for [T, 1]
     best = None
     for node in deps.ancestors([output]):
-        if node in excluded or dtype_of(node) is None or not dtype_of(node).is_floating_point:
+        if node in excluded or node not in from_source or dtype_of(node) is None or not dtype_of(node).is_floating_point:
             continue
         shape = shape_of(node)
+        if shape is not None and len(shape) == squeezed:
+            shape = shape + (1,)
         if shape is None or len(shape) < 2:
             continue
         if len(shape) == 2 and _same(shape[0], E) and _same(shape[1], T) and not _same(T, E) and node in from_ids:
@@ -189,14 +207,31 @@ def find_weights(deps: Deps, output, params, ids, T, K, E) -> tuple[fx.Node, boo
     return best
 
 
+def _routing_sources(ids: fx.Node) -> list[fx.Node]:
+    """The nodes a top-k's weights may come from: the top-k (or max) whose indices the ids are, the
+    picks concatenated into them (sparsemixer), or the ids themselves (a hash lookup, argmax)."""
+    if ids.op == "call_function" and ids.target is operator.getitem and isinstance(ids.args[1], int):
+        return [ids.args[0]]
+    if is_concatenated_ids(ids):
+        parts = ids.args[0] if ids.args else ids.kwargs.get("tensors")
+        picks = []
+        for part in parts:
+            while is_view_like(part) and not (part.target is operator.getitem and isinstance(part.args[1], int)):
+                part = part.args[0]
+            picks.append(part.args[0] if part.target is operator.getitem else part)
+        return picks
+    return [ids]
+
+
 def cut_region(graph: fx.Graph, deps: Deps, topk, downs, params, K: int, E: int, hidden_sizes) -> Region:
     if _chooses_tokens(topk):
         raise Refusal("expert-choice routing (a top-k over tokens for each expert): the fused op routes each "
                       "token to its top-k experts, which is another function — not rewritten", topk)
     ids = topk_indices(topk)
-    T = tokens_of(shape_of(ids))
+    T = tokens_of(routing_shape(ids))
     first_refusal = None
-    for output in find_outputs(deps, downs, T, hidden_sizes):
+    slots = routing_shape(ids)
+    for output in find_outputs(deps, downs, T, hidden_sizes, slots[:-1] if len(slots) > 2 else None):
         try:
             weights, dense, dense_t = find_weights(deps, output, params, ids, T, K, E)
             return cut_between(graph, deps, ids, weights, output, params, dense, dense_t)
@@ -313,10 +348,10 @@ def cut_between(graph, deps: Deps, ids, weights, output, params, dense=False, de
                       "capacity) in a graph whose token count varies; it would drop tokens at a larger batch "
                       "than the proof ran, which the fused op never does — not rewritten", capped)
     buffer = _root_buffer(output)
-    _absorb_dead_ends(graph, deps, nodes, stop | set(frontier))
+    sizes = _absorb_dead_ends(graph, deps, nodes, stop | set(frontier))
     shared = _sizes_used_outside(nodes, deps)
     nodes -= shared
-    extra += sorted((n for n in shared if any(u in nodes for u in n.users)), key=deps.order.get)
+    extra += sorted((n for n in shared | sizes if any(u in nodes for u in n.users)), key=deps.order.get)
     _check_closed(deps, nodes, output, buffer)
     ordered = sorted(nodes, key=deps.order.get)
     return Region(x, ids, weights, dense, dense_t, output, buffer, ordered, list(params), extra)
@@ -384,15 +419,17 @@ def _is_size_check(node: fx.Node) -> bool:
     return meta(node) is None or (node.op == "call_function" and node.target is operator.getitem)
 
 
-def _absorb_dead_ends(graph, deps: Deps, nodes: set, inputs: set) -> None:
+def _absorb_dead_ends(graph, deps: Deps, nodes: set, inputs: set) -> set:
     """Add side chains fed only by the region whose results nobody else reads (the size asserts
-    Dynamo emits after ``nonzero``) to the region, so erasing it leaves nothing dangling."""
+    Dynamo emits after ``nonzero``) to the region, so erasing it leaves nothing dangling.  Returns
+    the graph's own sizes those checks compare against (the region's size inputs)."""
     extra: set = set()
     for node in graph.nodes:
         if node in nodes or node.op in ("placeholder", "output") or not _is_size_check(node):
             continue
         ins = deps.inputs(node)
-        if ins and any(i in nodes or i in extra for i in ins) and all(i in nodes or i in inputs or i in extra for i in ins):
+        if ins and any(i in nodes or i in extra for i in ins) and all(
+                i in nodes or i in inputs or i in extra or _graph_size(deps, i) for i in ins):
             extra.add(node)
     changed = True
     while changed:
@@ -402,6 +439,19 @@ def _absorb_dead_ends(graph, deps: Deps, nodes: set, inputs: set) -> None:
                 extra.discard(node)
                 changed = True
     nodes |= extra
+    return {i for n in extra for i in deps.inputs(n) if i not in nodes and i not in inputs}
+
+
+def _graph_size(deps: Deps, node: fx.Node) -> bool:
+    """A size computed from the graph's size inputs only (``2 * s27``: T * K in a dynamic graph),
+    which a check of the region's split sizes compares against (``Eq(u0 + u1 + u2 + u3, 2*s27)``)."""
+    ancestors = deps.ancestors([node])
+    return all(isinstance(meta_value(n), (int, torch.SymInt)) for n in ancestors) and any(
+        n.op == "placeholder" for n in ancestors)
+
+
+def meta_value(node: fx.Node):
+    return node.meta.get("example_value", node.meta.get("val"))
 
 
 def _check_closed(deps: Deps, nodes: set, output: fx.Node, buffer: fx.Node | None) -> None:
