@@ -219,6 +219,10 @@ def main() -> None:
         paths = llama_formats(a, f32) if a.llama_quantize else {"f32": f32}
         if a.llama_greedy:
             checks["llama_f32_vs_hf_eager"] = _check_llama(a, model, paths["f32"])
+            eager = next((r for r in rows if r["engine"] == "eager"), None)
+            for fmt, path in paths.items():  # the same context as the PyTorch rows' first-step logits
+                if eager is not None:
+                    checks[f"llama.cpp:{fmt}"] = _llama_first_logits_sqnr(a, path, prompt, eager["first_logits"])
         for fmt, path in paths.items():
             rows.append(dict(engine="llama.cpp", recipe=fmt, bytes=llama_decode_bytes(path, model.config),
                              **llama_bench(a, path)))
@@ -257,6 +261,16 @@ def _check_llama(a, model, path: str) -> dict:
         ref = model(torch.cat([prompt, torch.tensor([toks[:-1]])], 1)).logits[0, 31:]
     lg = torch.from_numpy(logits[: ref.shape[0]])
     return dict(same_tokens=toks == hf, logits_sqnr_db=sqnr_db(ref, lg), hf=hf, llama=toks)
+
+
+def _llama_first_logits_sqnr(a, path: str, prompt: torch.Tensor, eager_logits: torch.Tensor) -> dict:
+    """SQNR of llama.cpp's logits at the prompt's last position against HF eager fp32's there."""
+    from moe_compile.quant.int8 import sqnr_db
+
+    _, logits = llama_greedy(a, path, prompt, 1)
+    want = eager_logits.reshape(-1)
+    finite = torch.isfinite(want)
+    return dict(first_logits_sqnr_db=sqnr_db(want[finite], torch.from_numpy(logits[0])[finite]))
 
 
 def _print(rows: list[dict], bw: float, checks: dict) -> None:
