@@ -219,10 +219,10 @@ def main() -> None:
         paths = llama_formats(a, f32) if a.llama_quantize else {"f32": f32}
         if a.llama_greedy:
             checks["llama_f32_vs_hf_eager"] = _check_llama(a, model, paths["f32"])
-            eager = next((r for r in rows if r["engine"] == "eager"), None)
-            for fmt, path in paths.items():  # the same context as the PyTorch rows' first-step logits
-                if eager is not None:
-                    checks[f"llama.cpp:{fmt}"] = _llama_first_logits_sqnr(a, path, prompt, eager["first_logits"])
+        eager = next((r for r in rows if r["engine"] == "eager"), None)
+        for fmt, path in paths.items():  # the same context as the PyTorch rows' first-step logits
+            if eager is not None and fmt != "f32":
+                checks[f"llama.cpp:{fmt} weights"] = _gguf_weights_sqnr(model, path, prompt, eager["first_logits"])
         for fmt, path in paths.items():
             rows.append(dict(engine="llama.cpp", recipe=fmt, bytes=llama_decode_bytes(path, model.config),
                              **llama_bench(a, path)))
@@ -263,14 +263,30 @@ def _check_llama(a, model, path: str) -> dict:
     return dict(same_tokens=toks == hf, logits_sqnr_db=sqnr_db(ref, lg), hf=hf, llama=toks)
 
 
-def _llama_first_logits_sqnr(a, path: str, prompt: torch.Tensor, eager_logits: torch.Tensor) -> dict:
-    """SQNR of llama.cpp's logits at the prompt's last position against HF eager fp32's there."""
+def _gguf_weights_sqnr(model, path: str, prompt: torch.Tensor, eager_logits: torch.Tensor) -> dict:
+    """SQNR of the first-step logits against HF eager fp32's with the GGUF's own (quantized) weights
+    dequantized into the model: llama.cpp's weight error at that format, with fp32 activations
+    (llama.cpp itself also rounds its activations to 8 bits for q8_0 / q4_0, so its true figure is
+    a little lower).  Its greedy checker cannot run quantized GGUFs on every CPU (llama.cpp's
+    CPU_REPACK path crashed here on an AMX Xeon), this always can."""
+    import copy
+
+    import gguf
+    from gguf.quants import dequantize
+
     from moe_compile.quant.int8 import sqnr_db
 
-    _, logits = llama_greedy(a, path, prompt, 1)
+    tensors = {t.name: (t.data, t.tensor_type) for t in gguf.GGUFReader(path).tensors}
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, param in llamacpp.gguf_tensors(twin):
+            data, kind = tensors[name]
+            param.copy_(torch.from_numpy(dequantize(data, kind).reshape(param.shape).copy()))
+        got = twin(prompt).logits[0, -1]
     want = eager_logits.reshape(-1)
     finite = torch.isfinite(want)
-    return dict(first_logits_sqnr_db=sqnr_db(want[finite], torch.from_numpy(logits[0])[finite]))
+    del twin
+    return dict(first_logits_sqnr_db=sqnr_db(want[finite], got[finite]))
 
 
 def _print(rows: list[dict], bw: float, checks: dict) -> None:

@@ -43,7 +43,7 @@ def write_gguf(model, path: str) -> None:
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     _add_vocab(w, cfg.vocab_size)
-    for name, tensor in _gguf_tensors(model):
+    for name, tensor in gguf_tensors(model):
         w.add_tensor(name, tensor.detach().float().contiguous().numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -66,7 +66,8 @@ def _add_vocab(w, vocab: int) -> None:
     w.add_eos_token_id(2)
 
 
-def _gguf_tensors(model):
+def gguf_tensors(model):
+    """(GGUF name, the model's tensor or a view of it) for every tensor the GGUF holds."""
     m = model.model
     yield "token_embd.weight", m.embed_tokens.weight
     for i, layer in enumerate(m.layers):
