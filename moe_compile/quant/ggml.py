@@ -55,3 +55,19 @@ def matmul_q4_0_q8_0(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     qx, dx = q8_0(x)  # [T, K], [T, B]
     sumi = torch.einsum("tbk,nbk->tnb", _blocks(qx), _blocks(qw))  # exact: |sumi| < 2^24
     return (sumi * (dx[:, None, :] * dw[None])).sum(-1)
+
+
+def moe_q4_0(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+             limit: float = 0.0) -> torch.Tensor:
+    """The SwiGLU MoE (routing weight on the output) as llama.cpp computes it in q4_0 weights with
+    q8_0 activations: x [T, H], ids / weights [T, K], fp32 W1 [E, 2F, H] (gate rows, then up rows),
+    W2 [E, H, F] -> y [T, H] fp32 (``quant.reference_moe``'s meaning in llama.cpp's numerics)."""
+    from moe_compile.quant.reference import swiglu
+
+    y = torch.zeros(x.shape, dtype=torch.float32)
+    for e in range(w1.shape[0]):
+        tok, k = torch.where(ids == e)
+        if tok.numel():
+            a = swiglu(matmul_q4_0_q8_0(x[tok].float(), w1[e]), limit)
+            y.index_add_(0, tok, matmul_q4_0_q8_0(a, w2[e]) * weights[tok, k].float()[:, None])
+    return y
