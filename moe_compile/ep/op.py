@@ -20,8 +20,9 @@ Contract (the graph matcher rewrites expert-parallel regions into exactly this c
   (chunked async all_to_all, ``ep/overlap.py``), "a2a" (one ``ep_dispatch`` / ``ep_combine`` each
   way in torch's ``all_to_all_vdev_2d`` contract, no torch scalar read: ``ep/fused_a2a.py``; CPU,
   routing weight on the output), "a2a-dedup" (the same exchange with each token sent once to
-  each rank owning any of its experts and expanded there: ``ep/fused_dedup.py``), "auto" (symm
-  when every rank is on this host and the tensors are on CPU, else collectives).
+  each rank owning any of its experts and expanded there: ``ep/fused_dedup.py``), "auto" (a2a
+  where ``resolve_auto`` says it takes the call, else symm when every rank is on this host and the
+  tensors are on CPU, else collectives).
 * ``chunks``: pieces per destination block for the compute/transfer overlap; 0 = auto
   (``dispatch.auto_chunks``).  ``timeout_s``: a missing peer raises ``TimeoutError`` naming it.
 * Backward (``register_autograd``): dispatch and combine are each other's transpose — the backward
@@ -74,6 +75,21 @@ def _transport(ctx, transport: str, x):
     return _collectives(), False
 
 
+def resolve_auto(group_name: str, transport: str, x, w, attrs, max_tokens: int, chunks: int) -> str:
+    """"auto" -> "a2a" (one sync-free 2D all-to-all each way) where it takes the call: CPU tensors,
+    every rank on this host, the routing weight applicable at the source, and neither an explicit
+    receive bound (``max_tokens``) nor chunking asked for (the heap transport's options).  The
+    same verdict on every rank (the configuration check made their arguments agree); otherwise
+    "auto" stays as it was (``_transport``: symm or collectives)."""
+    if transport != "auto" or x.is_cuda or max_tokens or chunks:
+        return transport
+    from moe_compile.ep import dispatch, fused_a2a
+
+    if fused_a2a.supports(x, w, attrs) is None and dispatch.same_host(get_context(group_name)):
+        return "a2a"
+    return transport
+
+
 def _a2a(x, w, attrs, transport: str):
     from moe_compile.ep import fused_a2a, fused_dedup
 
@@ -98,6 +114,7 @@ def ep_forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, gro
         raise ValueError(
             f"fused_moe_ep: {w.num_experts} local experts x {ctx.world} ranks != num_experts={num_experts}"
         )
+    transport = resolve_auto(group_name, transport, x, w, attrs, max_tokens, chunks)
     if transport in ("a2a", "a2a-dedup"):
         mod = _a2a(x, w, attrs, transport)
         return mod.forward(x, topk_ids, topk_weights, w, attrs, group_name, num_experts, timeout_s)
@@ -154,6 +171,7 @@ def fused_moe_ep_backward(
     w = weights_from_args(*roles, transposed)
     attrs = attrs_from_args(gate_up, transposed, activation, limit, alpha, weight_on)
     need_roles = needs_by_role(roles, needs)
+    transport = resolve_auto(group_name, transport, x, w, attrs, max_tokens, chunks)
     dx, dg, role_grads = ep_backward(grad_y, x, topk_ids, topk_weights, w, attrs, need_roles, group_name,
                                      num_experts, max_tokens, transport, timeout_s)
     return flat_grads(dx, dg, role_grads, x, topk_weights, roles, needs)
