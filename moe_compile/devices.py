@@ -79,6 +79,10 @@ def _cuda_variants(quant: tuple[str, ...]) -> tuple[Variant, ...]:
             rows.append(Variant(f, "kernels/triton/quant_gemm.py", False, "TRITON_INTERPRET=1 only, not dispatched"))
         else:
             rows.append(Variant(f, "", False, "Triton variant not built"))
+    # the expert-parallel exchange (ep_dispatch / ep_combine) on CUDA: written, never run on a GPU yet
+    rows.append(Variant("ep-a2a", "ep/a2a_cuda.py (symm_mem.all_to_all_vdev_2d with NVSHMEM, else rendezvous + "
+                        "ep/a2a_triton.py)", False, "TRITON_INTERPRET=1 and Meta tensors only; "
+                        "benchmarks/ep_gpu_check.py when a GPU is lent"))
     return tuple(rows)
 
 
