@@ -137,12 +137,60 @@ def torch_row(model, a, prompt: torch.Tensor, engine: str, recipe: str | None) -
         first = generate_timed(model, prompt, a.gen, **kwargs)
         first_s = time.perf_counter() - t
         runs = [generate_timed(model, prompt, a.gen, **kwargs) for _ in range(a.reps)]
+        profile = profile_decode(model, prompt, a.gen, **kwargs) if recipe in a.profile else None
     finally:
         model.forward = forward
     pre, dec = statistics.median(r["prefill_s"] for r in runs), statistics.median(r["decode_s"] for r in runs)
     return dict(engine=engine, recipe=recipe, prefill_tok_s=a.prompt / pre, decode_tok_s=a.gen / dec,
                 decode_ms_tok=1e3 * dec / a.gen, first_call_s=first_s, load1=statistics.median(r["load1"] for r in runs),
-                tokens=first["tokens"], first_logits=first["first_logits"])
+                tokens=first["tokens"], first_logits=first["first_logits"], profile=profile)
+
+
+# Profiler rows of a decode step, by what they are (first match wins); the rest of the step's wall
+# time is Python between them (HF generate's loop, the compiled graph's wrappers).
+PROFILE_GROUPS = (("dense linears (dense_linear)", ("moe_compile::dense_linear",)),
+                  ("MoE experts (fused_moe)", ("moe_compile::fused_moe",)),
+                  ("attention (SDPA)", ("scaled_dot_product",)),
+                  ("Inductor's kernels (norms, rotary, softmax, ...)", ("Call CompiledFxGraph",)),
+                  ("Dynamo guards", ("TorchDynamo Cache Lookup",)),
+                  ("AOTAutograd wrapper", ("AOTDispatcher",)),
+                  ("other aten ops", ("aten::",)))
+
+
+def profile_decode(model, prompt: torch.Tensor, gen: int, **kwargs) -> dict:
+    """ms per decode step by PROFILE_GROUPS (self CPU time of the main thread's ops), from one
+    profiled generate of the timed length (the same graphs: no recompile); ops that start after the
+    prefill's logits (a marker the logits processor records) count."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from transformers import LogitsProcessorList
+
+    class Marker:
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, input_ids, scores):
+            self.calls += 1
+            if self.calls == 1:
+                with record_function("decode starts"):
+                    pass
+            return scores
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        model.generate(prompt, max_new_tokens=gen + 1, min_new_tokens=gen + 1, do_sample=False, pad_token_id=0,
+                       logits_processor=LogitsProcessorList([Marker()]), **kwargs)
+    events = prof.events()
+    start = next(e.time_range.start for e in events if e.name == "decode starts")
+    end = max(e.time_range.end for e in events)
+    out = dict.fromkeys([g for g, _ in PROFILE_GROUPS], 0.0)
+    for ev in events:
+        if ev.time_range.start < start or ev.thread != events[0].thread:
+            continue
+        group = next((g for g, keys in PROFILE_GROUPS if any(k in ev.name for k in keys)), None)
+        if group is not None:
+            out[group] += ev.self_cpu_time_total / 1e3 / gen
+    step_ms = (end - start) / 1e3 / gen
+    out["Python and the rest (wall - the above)"] = step_ms - sum(out.values())
+    return dict(step_ms=step_ms, groups=out)
 
 
 # --------------------------------------------------------------------------------------- roof
@@ -191,6 +239,8 @@ def parse_args():
     p.add_argument("--llama-quantize", help="llama.cpp's llama-quantize binary (for the non-f32 GGUFs)")
     p.add_argument("--llama-greedy", help="greedy-from-ids checker (see the module docstring)")
     p.add_argument("--llama-formats", nargs="*", default=list(LLAMA_FORMATS))
+    p.add_argument("--profile", nargs="*", default=[], choices=list(RECIPES),
+                   help="after timing these recipes, profile 16 decode steps each: where a step's time goes")
     p.add_argument("--work", default=None, help="where the GGUFs go (default: a temporary directory)")
     p.add_argument("--out", default=None, help="directory for e2e_cpu.json")
     return p.parse_args()
@@ -296,6 +346,11 @@ def _print(rows: list[dict], bw: float, checks: dict) -> None:
         roof_ms = 1e3 * r["bytes"] / bw
         print(f"{r['engine']:10s} {str(r['recipe'] or 'fp32'):8s} {r['prefill_tok_s']:13.1f} {r['decode_tok_s']:12.2f} "
               f"{r['decode_ms_tok']:9.2f} {roof_ms:8.2f} {roof_ms / r['decode_ms_tok']:7.2f} {r['load1']:5.2f}")
+    for r in rows:
+        if r.get("profile"):
+            print(f"\nprofile {r['engine']}:{r['recipe']}: {r['profile']['step_ms']:.2f} ms a decode step (profiled)")
+            for group, ms in r["profile"]["groups"].items():
+                print(f"  {group:50s} {ms:7.2f} ms")
     for key, c in checks.items():
         print(f"check {key}: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in c.items()
                                             if k not in ("hf", "llama")))

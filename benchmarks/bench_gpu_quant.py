@@ -61,7 +61,10 @@ def run_shape(name, T, H, F, E, K, bandwidth, budget_end) -> dict:
     for fmt in FORMATS:
         if time.time() > budget_end:
             break
-        q1, q2 = pack(fmt, W1), pack(fmt, W2)  # packed on the GPU (the pack functions are torch ops)
+        from moe_compile.quant import a8w4_int
+
+        packer = (lambda w: a8w4_int.pack(w, group_size=None)) if fmt == "a8w4-int" else (lambda w: pack(fmt, w))
+        q1, q2 = packer(W1), packer(W2)  # packed on the GPU (the pack functions are torch ops); a8w4: per channel
         ms[fmt] = bench(lambda q1=q1, q2=q2: quant_moe_triton(x, ids, weights, q1, q2, attrs))
         roof[fmt] = touched * (q1.nbytes + q2.nbytes) / E / bandwidth * 1e3
     return {"shape": name, "T": T, "H": H, "F": F, "E": E, "K": K, "touched": touched, "ms": ms,

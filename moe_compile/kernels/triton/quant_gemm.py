@@ -144,6 +144,9 @@ def quant_grouped_gemm_kernel(
 def unsupported_reason(w1: QuantWeight, w2: QuantWeight, attrs: FFNAttrs) -> str | None:
     if w1.fmt != w2.fmt or w1.fmt not in FORMAT_CODES:
         return f"Triton quantized GEMMs run {tuple(FORMAT_CODES)}, got {w1.fmt} / {w2.fmt}"
+    if any(q.grouped_activations for q in (w1, w2)):
+        return ("group-wise a8w4-int (activations per block of 32) has no Triton kernel yet; "
+                "quant.a8w4_int.pack(w, group_size=None) is the per-channel form it runs")
     if any(q.group % BLOCK_K for q in (w1, w2)):
         return f"the group must be a multiple of {BLOCK_K}"
     if attrs.activation != "silu" or attrs.weight_on not in ("output", "between"):
