@@ -80,7 +80,19 @@ def parse_op_args(args):
     statics = args[9:15]  # gate_up, transposed, activation, limit, alpha, weight_on
     w = weights_from_args(*roles, statics[1])
     check_inputs(x, topk_ids, topk_weights, w)
-    return x, topk_ids, topk_weights, w, attrs_from_args(*statics)
+    attrs = attrs_from_args(*statics)
+    _check_widths(w, attrs)
+    return x, topk_ids, topk_weights, w, attrs
+
+
+def _check_widths(w: ExpertWeights, attrs: FFNAttrs) -> None:
+    """FC1's output width must be what FC2 reads (2F when gated, F otherwise): a mismatch would
+    have the kernels read past FC1's rows."""
+    F = w.ffn()
+    want = F if attrs.gate_up == "none" else 2 * F
+    if w.fc1_width() != want:
+        raise ValueError(f"fused_moe: FC1 gives {w.fc1_width()} columns but FC2 takes F={F} "
+                         f"(gate_up={attrs.gate_up!r} needs FC1 width {want})")
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
