@@ -313,7 +313,8 @@ def lift(family, graph, deps, candidate, roles: Roles, values: GraphValues, top_
 
 def _source_of(fc2_nodes) -> str:
     """The experts' module path: per-expert weights (``model.layers.3.mlp.experts.0.down_proj.weight``,
-    ``...experts.1...``) up to where the experts' paths differ; a stacked weight's module."""
+    ``...experts.1...``) up to where the experts' paths differ; a stacked weight's module ("self":
+    the compiled module itself)."""
     paths = [module_path(n).split(".") for n in fc2_nodes[:2]]
     if len(paths) == 2 and len(paths[0]) == len(paths[1]):
         differ = next((i for i, (a, b) in enumerate(zip(*paths)) if a != b), None)
@@ -322,7 +323,9 @@ def _source_of(fc2_nodes) -> str:
     parts = paths[0]
     if len(parts) > 2 and parts[-3].isdigit():  # one expert in a list: experts.0.down_proj.weight
         return ".".join(parts[:-3])
-    return ".".join(parts[:-1]) or ".".join(parts)  # weights held by the block itself: its path
+    # weights held by a module: its path; by the compiled module itself (``self.w2``): "self", so
+    # that a region is named by the module holding its experts in every family, never by a weight
+    return ".".join(parts[:-1]) or "self"
 
 
 def int_index_roles(clusters: list[Cluster], refs_of) -> tuple[fx.Node, ...] | None:
