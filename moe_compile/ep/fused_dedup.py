@@ -24,6 +24,7 @@ import torch
 
 from moe_compile.ep import a2a_cpu
 from moe_compile.ep.context import get_context
+from moe_compile.ep.fused_a2a import _columns as _split  # the received byte rows' fields, one tensor each
 from moe_compile.ir import ExpertWeights, FFNAttrs
 from moe_compile.kernels.cpu.backward import Needs, fused_moe_backward_cpu
 from moe_compile.kernels.cpu.forward import fused_moe_cpu
@@ -67,16 +68,6 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def _rows(parts, order):
     """The pair rows, bytes side by side, in send order: [P_all, B] uint8."""
     return torch.cat([_bytes(p) for p in parts], dim=1).index_select(0, order)
-
-
-def _split(window, widths_dtypes):
-    """Column views of the received byte rows: one tensor per (elements, dtype)."""
-    out, at = [], 0
-    for n, dtype in widths_dtypes:
-        nb = n * dtype.itemsize
-        out.append(window[:, at : at + nb].contiguous().view(dtype))
-        at += nb
-    return out
 
 
 def _dispatch(send, in_splits, group_name: str, timeout_s: float):
