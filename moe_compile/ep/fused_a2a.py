@@ -131,13 +131,18 @@ def _dispatch(route, x, group_name: str, timeout_s: float):
     return a2a_cpu.exchange("dispatch", send, route.in_splits, group_name, 0, None, timeout_s, window=True)
 
 
+def ranks_and_local_experts(group_name: str, w: ExpertWeights, num_experts: int) -> tuple[int, int]:
+    """(R ranks, ne local experts) of an EP call, checked: the ranks' experts make up num_experts."""
+    R, ne = get_context(group_name).world, w.num_experts
+    if ne * R != num_experts:
+        raise ValueError(f"fused_moe_ep: {ne} local experts x {R} ranks != num_experts={num_experts}")
+    return R, ne
+
+
 def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_name: str, num_experts: int,
             timeout_s: float = TIMEOUT_S) -> torch.Tensor:
     """y [T, H] = sum_k g_{t,k} FFN_{e_{t,k}}(x_t) over the experts of every rank."""
-    ctx = get_context(group_name)
-    R, ne = ctx.world, w.num_experts
-    if ne * R != num_experts:
-        raise ValueError(f"fused_moe_ep: {ne} local experts x {R} ranks != num_experts={num_experts}")
+    R, ne = ranks_and_local_experts(group_name, w, num_experts)
     T, H = x.shape
     cdt = compute_dtype(x.dtype)
     route = _route(topk_ids, topk_weights, num_experts, cdt)
@@ -172,8 +177,7 @@ def _leaf_weights(w: ExpertWeights, need_roles: dict):
 def backward(grad_y, x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, need_roles: dict,
              group_name: str, num_experts: int, timeout_s: float = TIMEOUT_S):
     """(dx [T, H], dg [T, K], {role: [grad or None]}) — every rank takes part (it serves its peers)."""
-    ctx = get_context(group_name)
-    R, ne = ctx.world, w.num_experts
+    R, ne = ranks_and_local_experts(group_name, w, num_experts)
     T, H = x.shape
     K = topk_ids.shape[1]
     cdt = compute_dtype(x.dtype)

@@ -23,8 +23,8 @@ import math
 import torch
 
 from moe_compile.ep import a2a_cpu
-from moe_compile.ep.context import get_context
 from moe_compile.ep.fused_a2a import _columns as _split  # the received byte rows' fields, one tensor each
+from moe_compile.ep.fused_a2a import ranks_and_local_experts
 from moe_compile.ir import ExpertWeights, FFNAttrs
 from moe_compile.kernels.cpu.backward import Needs, fused_moe_backward_cpu
 from moe_compile.kernels.cpu.forward import fused_moe_cpu
@@ -80,10 +80,7 @@ def _dispatch(send, in_splits, group_name: str, timeout_s: float):
 
 def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_name: str, num_experts: int,
             timeout_s: float = TIMEOUT_S) -> torch.Tensor:
-    ctx = get_context(group_name)
-    R, ne = ctx.world, w.num_experts
-    if ne * R != num_experts:
-        raise ValueError(f"fused_moe_ep: {ne} local experts x {R} ranks != num_experts={num_experts}")
+    R, ne = ranks_and_local_experts(group_name, w, num_experts)
     T, H = x.shape
     K = topk_ids.shape[1]
     order, in_splits, local, gates = _pairs(topk_ids, topk_weights, R, ne)
@@ -100,8 +97,7 @@ def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_
 
 def backward(grad_y, x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, need_roles: dict,
              group_name: str, num_experts: int, timeout_s: float = TIMEOUT_S):
-    ctx = get_context(group_name)
-    R, ne = ctx.world, w.num_experts
+    R, ne = ranks_and_local_experts(group_name, w, num_experts)
     T, H = x.shape
     K = topk_ids.shape[1]
     cdt = compute_dtype(x.dtype)

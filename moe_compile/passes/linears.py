@@ -116,7 +116,9 @@ def _is_router(node: fx.Node) -> bool:
 def _bytes(weight: torch.Tensor, fmt: str) -> int:
     if fmt == "none":
         return weight.numel() * weight.element_size()
-    bits = {"w16": 16, "w8-int": 8, "a8w8-int": 8, "mxfp8": 8, "w4-int": 4, "a8w4-int": 4, "mxfp4": 4}[fmt]
+    from moe_compile.quant.common import FOUR_BIT
+
+    bits = 16 if fmt == "w16" else 4 if fmt in FOUR_BIT else 8  # data only (scales: a few % more)
     return weight.numel() * bits // 8
 
 

@@ -107,8 +107,10 @@ def install() -> bool:
 
 
 def _install() -> bool:
-    if os.environ.get(OP_ENV, "1") == "0" or not skinny.available():
-        _op_state["error"] = f"turned off by {OP_ENV}=0" if os.environ.get(OP_ENV) == "0" else "no skinny kernel"
+    why = f"turned off by {OP_ENV}=0" if os.environ.get(OP_ENV) == "0" else \
+        None if skinny.available() else "no skinny kernel"
+    if why:
+        _op_state["error"] = why
         return False
     path = str(cpu_cc.build_torch_library("dense_op"))
     torch.ops.load_library(path)  # registers the CPU kernel; unarmed, it sends every call to Python
@@ -191,7 +193,7 @@ def _linear_native(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if 0 < T <= SKINNY_ROWS and skinny.fits(weight) and skinny.fits(x2) and weight.is_contiguous() \
             and (bias is None or skinny.fits(bias)) and skinny.available():
         y = torch.empty(T, weight.shape[0], dtype=torch.float32)
-        skinny.run(skinny.tensor_task(weight, x2.contiguous(), y, bias), torch.get_num_threads())
+        skinny.run(skinny.tensor_task(weight, x2, y, bias), torch.get_num_threads())  # strided rows: no copy
         return y
     if 0 < T <= DECODE_ROWS and weight.dtype == torch.bfloat16 and weight.is_contiguous() \
             and unavailable_reason("w16") is None:
@@ -204,7 +206,7 @@ class _Bf16View:
     """A model's own bf16 weight read as the w16 format's [1, N, K] data (no copy, no pack)."""
 
     def __init__(self, weight: torch.Tensor):
-        self.fields = [weight.data_ptr(), 0, 1, weight.shape[1]]  # qdecode.c FMT_BF16, group = K
+        self.fields = [weight.data_ptr(), 0, qdecode._FORMATS["w16-bf16"], weight.shape[1]]  # group = K
 
 
 def _decode(x2: torch.Tensor, pack, N: int, K: int) -> torch.Tensor:
