@@ -36,13 +36,6 @@ FORMATS = ("w16", "w8-int", "w4-int", "a8w8-int", "a8w4-int")
 BITS = {"fp32": 32, "w16": 16, "w8-int": 8, "a8w8-int": 8, "w4-int": 4, "a8w4-int": 4, "int8": 8, "int4": 4}
 
 
-def read_bandwidth() -> float:
-    x = torch.ones(2**28)
-    x.sum()
-    best = min(_timed(x.sum) for _ in range(5))
-    return x.numel() * 4 / best
-
-
 def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -144,7 +137,7 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     print(harness.machine_line(harness.machine_info()))
-    bw = read_bandwidth()
+    bw = harness.best_read_bandwidth()
     print(f"read bandwidth {bw / 1e9:.1f} GB/s (torch.sum over 1 GiB, best of 5); load {os.getloadavg()[0]:.2f}")
     flush = torch.empty(2**28)  # 1 GiB: larger than any last-level cache here
     results = []

@@ -219,13 +219,6 @@ def llama_decode_bytes(path: str, cfg) -> float:
     return total
 
 
-def read_bandwidth() -> float:
-    x = torch.ones(2**28)
-    x.sum()
-    best = min((lambda t0: (x.sum(), time.perf_counter() - t0)[1])(time.perf_counter()) for _ in range(5))
-    return x.numel() * 4 / best
-
-
 # --------------------------------------------------------------------------------------- main
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -250,7 +243,7 @@ def main() -> None:
     a = parse_args()
     torch.set_num_threads(a.threads)
     print(harness.machine_line(harness.machine_info()))
-    bw = read_bandwidth()
+    bw = harness.best_read_bandwidth()
     print(f"read bandwidth {bw / 1e9:.1f} GB/s (torch.sum over 1 GiB, best of 5); load {os.getloadavg()[0]:.2f}")
     model = build_model(a)
     prompt = torch.randint(1, a.vocab, (1, a.prompt), generator=torch.Generator().manual_seed(1))

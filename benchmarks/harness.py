@@ -105,6 +105,13 @@ def time_shuffled(fns: dict, rounds: int, *, before=None, warmup: int = 3) -> di
     return samples
 
 
+def best_read_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
+    """Bytes/s of the fastest of ``repeats`` ``torch.sum`` reads over ``mib`` MiB (whole-model and
+    dense-layer roofs: 1 GiB, beyond any last-level cache of these machines)."""
+    _, t = read_bandwidth(mib, repeats)
+    return mib * 1024 * 1024 / t.min_s
+
+
 def cache_flush(mib: int = 64):
     """``fn()`` reading ``mib`` MiB of unrelated memory (``torch.sum``): run before each timed call
     of a memory-bound cell, every variant then starts with the caches holding none of the weights,

@@ -43,19 +43,20 @@ SKINNY_ROWS = 8
 FORMATS = ("w16", "w8-int", "w4-int", "mxfp4", "mxfp8", "a8w8-int", "a8w4-int")
 
 OP_ENV = "MOE_COMPILE_DENSE_OP"  # "0": no C++ kernel, every call through Python (same results)
-# id(weight) -> _Packed.  A weak reference tells a reused id apart; the version an in-place update.
-_PACKS: dict[int, "_Packed"] = {}
+# (id(weight), fmt, group) -> _Packed: one pack per weight and format.  A weak reference tells a
+# reused id apart; the version an in-place update.
+_PACKS: dict[tuple, "_Packed"] = {}
 
 
 class _Packed:
-    __slots__ = ("ref", "version", "fmt", "group", "qweight", "fields")
+    __slots__ = ("ref", "version", "qweight", "fields")
 
     def __init__(self, weight: torch.Tensor, fmt: str, group: int | None):
         from moe_compile import quant
 
         # the pack goes when the weight does (a dropped model's packs are not kept)
-        self.ref = weakref.ref(weight, functools.partial(_drop, id(weight), self))
-        self.version, self.fmt, self.group = weight._version, fmt, group
+        self.ref = weakref.ref(weight, functools.partial(_drop, (id(weight), fmt, group), self))
+        self.version = weight._version
         with torch.no_grad():
             self.qweight = quant.pack(fmt, weight.detach().float().unsqueeze(0), group)
         N, K = weight.shape
@@ -63,8 +64,8 @@ class _Packed:
         if _op_state.get("installed"):  # later decode calls on this weight: from C++ (dense_op.cpp)
             torch.ops.moe_compile.dense_register(weight, fmt, self.qweight.data, self.qweight.scale, self.fields)
 
-    def fresh(self, weight: torch.Tensor, fmt: str, group: int | None) -> bool:
-        return self.ref() is weight and self.version == weight._version and (self.fmt, self.group) == (fmt, group)
+    def fresh(self, weight: torch.Tensor) -> bool:
+        return self.ref() is weight and self.version == weight._version
 
 
 def _drop(key: int, pack: "_Packed", _ref) -> None:
@@ -76,10 +77,11 @@ def _drop(key: int, pack: "_Packed", _ref) -> None:
 
 def packed(weight: torch.Tensor, fmt: str, group: int | None = None) -> _Packed:
     """The weight's pack in ``fmt``, made on first use and again after an in-place update."""
-    hit = _PACKS.get(id(weight))
-    if hit is not None and hit.fresh(weight, fmt, group):
+    key = (id(weight), fmt, group)
+    hit = _PACKS.get(key)
+    if hit is not None and hit.fresh(weight):
         return hit
-    _PACKS[id(weight)] = hit = _Packed(weight, fmt, group)
+    _PACKS[key] = hit = _Packed(weight, fmt, group)
     return hit
 
 

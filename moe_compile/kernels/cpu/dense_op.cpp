@@ -51,7 +51,15 @@ struct Pack {
   int64_t fields[4] = {};                // qdecode's [data, scale, format code, group]
 };
 std::mutex packs_mutex;
-std::unordered_map<const c10::TensorImpl*, Pack> packs;
+std::unordered_map<std::string, Pack> packs;  // by (weight, format): pack_key
+
+// One pack per (weight, format): a weight read in two formats (two compiles, a benchmark) keeps both.
+std::string pack_key(const at::Tensor& weight, c10::string_view fmt) {
+  std::string key = std::to_string(reinterpret_cast<uintptr_t>(weight.unsafeGetTensorImpl()));
+  key.push_back('\0');
+  key.append(fmt.data(), fmt.size());
+  return key;
+}
 
 void register_pack(const at::Tensor& weight, c10::string_view fmt, const at::Tensor& data, const at::Tensor& scale,
                    at::IntArrayRef fields) {
@@ -62,7 +70,7 @@ void register_pack(const at::Tensor& weight, c10::string_view fmt, const at::Ten
   std::lock_guard<std::mutex> lock(packs_mutex);
   if (packs.size() > 4096)  // weights of dropped models
     for (auto it = packs.begin(); it != packs.end();) it = it->second.weight.expired() ? packs.erase(it) : ++it;
-  packs.insert_or_assign(weight.unsafeGetTensorImpl(), std::move(p));
+  packs.insert_or_assign(pack_key(weight, fmt), std::move(p));
 }
 
 void prune_packs() {  // the packs of weights that are gone
@@ -78,7 +86,7 @@ void forget_packs() {
 // The registered pack's fields for this very weight in fmt, unchanged since; false otherwise.
 bool pack_fields(const at::Tensor& weight, c10::string_view fmt, int64_t* fields) {
   std::lock_guard<std::mutex> lock(packs_mutex);
-  auto found = packs.find(weight.unsafeGetTensorImpl());
+  auto found = packs.find(pack_key(weight, fmt));
   if (found == packs.end()) return false;
   const Pack& p = found->second;
   if (p.fmt != fmt || p.weight.lock().get() != weight.unsafeGetTensorImpl() || p.version != weight._version() ||

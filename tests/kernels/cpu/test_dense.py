@@ -96,3 +96,11 @@ def test_pack_goes_with_its_weight():
     del w
     gc.collect()
     assert len(dense._PACKS) == before - 1
+
+
+def test_one_pack_per_weight_and_format():
+    """A weight read in two formats keeps both packs: alternating calls never repack."""
+    w, x = torch.randn(N, K), torch.randn(1, K)
+    first = dense.packed(w, "w8-int")
+    dense.packed(w, "w4-int")
+    assert dense.packed(w, "w8-int") is first
