@@ -70,7 +70,7 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs, config: MoEConfig) -> Repo
     report = run_moe_pass(gm, example_inputs, config.min_experts, config.save_fc1, config.quant,
                           config.quant_budget_db())
     moe_only = copy_module(gm) if before is not None else None  # the dump finds regions against this graph
-    _rewrite_dense_linears(gm, example_inputs, config, report)
+    _rewrite_dense_layers(gm, example_inputs, config, report)
     if not report.rewritten and not report.skipped:
         _say_why_nothing(gm, report)
     _log_graph(next(_graph_ids), report)
@@ -84,7 +84,7 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs, config: MoEConfig) -> Repo
     return report
 
 
-def _rewrite_dense_linears(gm: fx.GraphModule, example_inputs, config: MoEConfig, report: Report) -> None:
+def _rewrite_dense_layers(gm: fx.GraphModule, example_inputs, config: MoEConfig, report: Report) -> None:
     """After the MoE pass: the graph's other linears onto the dense kernels (passes/linears.py) and
     its grouped-query attention without K/V copies (passes/attention.py)."""
     from moe_compile.passes.attention import run_attention_pass
