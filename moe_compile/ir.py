@@ -24,6 +24,7 @@ GATE_UP_LAYOUTS = ("separate", "concat", "interleaved", "none")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "gptoss")
 WEIGHT_PLACEMENTS = ("output", "between", "input")
 FAMILIES = ("loop", "sorted", "gathered", "dense", "expert_parallel")
+WEIGHT_ROLES = ("fc1", "fc1_up", "fc2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +184,10 @@ class MoESpec:
     region: tuple = ()  # fx.Nodes of the region, in graph order (for dump and erase)
     source: str = ""  # module path when known ("model.layers.0.mlp.experts")
     variant: str = "a16w16"
+    # Weight roles the model holds in the other orientation than ``attrs.transposed`` (DBRX: w1 / v1
+    # used as ``x @ W.t()``, w2 as ``h @ W``): the op reads them as ``transpose(-2, -1)`` views of the
+    # model's tensors — the same storage with swapped strides, never a copy.
+    flipped: tuple = ()
 
     def __post_init__(self) -> None:
         _check_choice("family", self.family, FAMILIES)
@@ -192,3 +197,5 @@ class MoESpec:
                 raise ValueError(f"MoESpec.{name} must be a positive int, got {value!r}")
         if not self.fc1 or not self.fc2:
             raise ValueError("MoESpec needs fc1 and fc2 weight nodes")
+        for role in self.flipped:
+            _check_choice("flipped role", role, WEIGHT_ROLES)

@@ -170,7 +170,7 @@ class EPMatch(Match):
 
         def make_call(g: fx.Graph) -> fx.Node:
             ids, weights = region_mod.flat_routing(g, region)  # [T, K] each
-            x, roles = lift_mod.cast_operands(g, region.x, lift_mod.spec_roles(spec), self.op_dtype)
+            x, roles = lift_mod.cast_operands(g, region.x, lift_mod.op_roles(g, spec), self.op_dtype)
             if self.id_offset is not None:
                 local_ids = g.call_function(torch.sub, (ids, self.id_offset))  # [T, K]
                 out = lift_mod.emit_fused_moe(g, (x, local_ids, weights, *roles, *statics), save_fc1)
@@ -266,7 +266,7 @@ def _find_all_reduce(graph, deps: Deps, candidate: Candidate, values) -> EPMatch
     world = resolve_group(group_name_of(reduce), reduce).size()
     values.compute([region.x, region.ids, region.weights, *region.extra_inputs])
     op_dtype = lift_mod.op_dtype_of(ordered, region.x, params)
-    hyps = lift_mod.hypotheses(deps, region, ordered, roles, values, op_dtype)
+    hyps = lift_mod.uniform_hypotheses(deps, region, ordered, roles, values, op_dtype)
     if not hyps:
         raise Refusal("the expert weight shapes fit no supported gate/up layout", ordered[0].down)
     region_fn = region_mod.extract(region)
@@ -451,7 +451,7 @@ def _find_all_to_all(graph, deps: Deps, candidate: Candidate, values) -> EPMatch
     skeleton = _skeleton(deps, region, downs, E, local)
     values.compute([region.x, region.ids, region.weights, *region.extra_inputs])
     op_dtype = lift_mod.op_dtype_of(ordered, region.x, params)
-    hyps = lift_mod.hypotheses(deps, region, ordered, roles, values, op_dtype)
+    hyps = lift_mod.uniform_hypotheses(deps, region, ordered, roles, values, op_dtype)
     hyps.sort(key=lambda h: h.attrs.weight_on != "output")  # the combine weights after the reverse all-to-all
     if not hyps:
         raise Refusal("the expert weight shapes fit no supported gate/up layout", downs[0])

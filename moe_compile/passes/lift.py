@@ -55,7 +55,7 @@ class Match:
         def make_call(g: fx.Graph) -> fx.Node:
             ids, routing = region_mod.flat_routing(g, self.region)
             a = spec.attrs
-            x, roles = cast_operands(g, self.region.x, spec_roles(spec), self.op_dtype)
+            x, roles = cast_operands(g, self.region.x, op_roles(g, spec), self.op_dtype)
             unflattened = len(shape_of(self.region.x)) > 2  # [B, S, H] tokens, combined as [B, S, H]
             if unflattened:
                 x = g.call_method("reshape", (x, -1, shape_of(self.region.x)[-1]))  # [T, H]
@@ -179,41 +179,54 @@ def _weight_on_options(deps: Deps, region: Region, clusters: list[Cluster]) -> l
     return [first] + [w for w in ("output", "between", "input") if w != first]
 
 
-def _mixed_orientation(roles: Roles, values, x_hidden) -> bool:
-    """FC1 fits one orientation and FC2 only the other (their shapes say so: H is the input of FC1
-    and the output of FC2)."""
-    a, b = values[roles.fc1[0]].shape[-2:]
-    c, d = values[roles.fc2[0]].shape[-2:]
-    fc1_plain, fc1_t, fc2_plain, fc2_t = b == x_hidden, a == x_hidden, c == x_hidden, d == x_hidden
-    return (fc1_plain and fc2_t and not fc2_plain) or (fc1_t and fc2_plain and not fc1_plain)
-
-
-def _layouts(roles: Roles, values, x_hidden) -> list[tuple[str, bool]]:
-    """(gate_up, transposed) pairs consistent with the weight shapes."""
-    down = values[roles.fc2[0]]
-    down_shape = tuple(down.shape[-2:])
-    fc1_out = values[roles.fc1[0]].shape[-2:]
-    out = []
+def _role_orientations(shape, x_hidden, down: bool) -> list[tuple[bool, int]]:
+    """(transposed, the role's other width) for each orientation in which a weight of ``shape``
+    meets H where it must: an FC1 weight reads H ([n, H], or [H, n] transposed), FC2 writes it
+    ([H, F], or [F, H] transposed)."""
+    a, b = shape
+    found = []
     for transposed in (False, True):
-        hidden, ffn = (down_shape[1], down_shape[0]) if transposed else down_shape
-        if hidden != x_hidden:
-            continue
-        n1 = fc1_out[1] if transposed else fc1_out[0]
+        h_side, other = (a, b) if transposed != down else (b, a)
+        if h_side == x_hidden:
+            found.append((transposed, other))
+    return found
+
+
+def _layouts(roles: Roles, values, x_hidden) -> list[tuple[str, bool, tuple]]:
+    """(gate_up, transposed, flipped) triples consistent with the weight shapes.  Each role (gate,
+    up, down) has its own orientation; ``transposed`` is the op's (the roles' majority, FC1's on a
+    tie) and ``flipped`` the roles held in the other one, which the op reads as transposed views
+    (DBRX: w1 / v1 as ``x @ W.t()``, w2 as ``h @ W``).  One orientation for every role comes first."""
+    def shape(role):
+        return tuple(values[role[0]].shape[-2:])
+
+    downs = _role_orientations(shape(roles.fc2), x_hidden, down=True)
+    gates = _role_orientations(shape(roles.fc1), x_hidden, down=False)
+    ups = _role_orientations(shape(roles.fc1_up), x_hidden, down=False) if roles.fc1_up else [(None, None)]
+    out = []
+    for (t2, ffn), (t1, n1), (tu, nu) in itertools.product(downs, gates, ups):
         if roles.fc1_up:
-            layouts = ["separate"] if n1 == ffn else []
+            layouts = ["separate"] if n1 == ffn and nu == ffn else []
         elif n1 == 2 * ffn:
             layouts = ["concat", "interleaved"]
         elif n1 == ffn:
             layouts = ["none"]
         else:
             layouts = []
-        out += [(layout, transposed) for layout in layouts]
-    return out
+        orient = {"fc1": t1, "fc1_up": tu, "fc2": t2} if roles.fc1_up else {"fc1": t1, "fc2": t2}
+        flips = sum(orient.values())
+        op_t = t1 if 2 * flips == len(orient) else 2 * flips > len(orient)
+        flipped = tuple(r for r, t in orient.items() if t != op_t)
+        out += [(layout, op_t, flipped) for layout in layouts]
+    return sorted(out, key=lambda o: bool(o[2]))  # stable: uniform first, in the order above
+
+
+_SWAPPED = {"fc1": "fc1_up", "fc1_up": "fc1"}
 
 
 def hypotheses(deps, region, clusters, roles: Roles, values, op_dtype=None) -> list[prove.Hypothesis]:
-    """Every (layout, activation, clamp, slope, placement, gate/up order) the structure allows, on the
-    real expert weights (cast to ``op_dtype`` as the rewrite will cast them)."""
+    """Every (layout, role orientation, activation, clamp, slope, placement, gate/up order) the
+    structure allows, on the real expert weights (cast to ``op_dtype`` as the rewrite will cast them)."""
     x_hidden = shape_of(region.x)[-1]
     acts = _activation_options(region.nodes)
     limits = _clamp_limits(region.nodes)
@@ -221,19 +234,38 @@ def hypotheses(deps, region, clusters, roles: Roles, values, op_dtype=None) -> l
     places = _weight_on_options(deps, region, clusters)
     orders = [False] if roles.gate_first_known or not roles.fc1_up else [False, True]
     out = []
-    for (layout, transposed), act, limit, alpha, place, swap in itertools.product(
+    for (layout, transposed, flipped), act, limit, alpha, place, swap in itertools.product(
         _layouts(roles, values, x_hidden), acts, limits, alphas, places, orders
     ):
         if act == "gptoss" and (limit <= 0 or layout == "none") or act != "gptoss" and alpha != DEFAULT_ALPHA:
             continue  # gptoss needs its clamp and a gate/up pair; alpha only matters to gptoss
         fc1, up = (roles.fc1_up, roles.fc1) if swap else (roles.fc1, roles.fc1_up)
         b1, b1u = (roles.fc1_up_bias, roles.fc1_bias) if swap else (roles.fc1_bias, roles.fc1_up_bias)
+        flips = tuple(_SWAPPED.get(r, r) for r in flipped) if swap else flipped
         nodes = (fc1, up, roles.fc2, b1, b1u, roles.fc2_bias)
-        weights = ExpertWeights(*(tuple(_as(values[n], op_dtype) for n in role) for role in nodes),
+        weights = ExpertWeights(*(tuple(_oriented(_as(values[n], op_dtype), name in flips) for n in role)
+                                  for name, role in zip(("fc1", "fc1_up", "fc2", "", "", ""), nodes)),
                                 transposed=transposed)
         attrs = FFNAttrs(layout, transposed, act, limit, alpha, place)
-        out.append(prove.Hypothesis(weights, attrs, nodes))
+        out.append(prove.Hypothesis(weights, attrs, nodes, flips))
     return out
+
+
+def uniform_hypotheses(*args, **kwargs) -> list[prove.Hypothesis]:
+    """The hypotheses with one orientation for every role (the expert-parallel ops take no flipped role)."""
+    return [h for h in hypotheses(*args, **kwargs) if not h.flipped]
+
+
+def _oriented(t: torch.Tensor, flip: bool) -> torch.Tensor:
+    return t.transpose(-2, -1) if flip else t  # a view with swapped strides, as the rewrite emits
+
+
+def op_roles(g: fx.Graph, spec: MoESpec) -> list[list[fx.Node]]:
+    """The op's six role lists, emitted into g: the spec's nodes, with a ``transpose(-2, -1)`` view
+    of each tensor of a role held in the other orientation (``spec.flipped``)."""
+    flipped = set(spec.flipped)
+    return [[g.call_method("transpose", (n, -2, -1)) for n in role] if name in flipped else role
+            for name, role in zip(("fc1", "fc1_up", "fc2", "", "", ""), spec_roles(spec))]
 
 
 def _as(t: torch.Tensor, dtype) -> torch.Tensor:
@@ -279,22 +311,27 @@ def lift(family, graph, deps, candidate, roles: Roles, values: GraphValues, top_
     op_dtype = op_dtype_of(candidate.clusters, region.x, params)
     hyps = hypotheses(deps, region, candidate.clusters, roles, values, op_dtype)
     if not hyps:
-        if _mixed_orientation(roles, values, shape_of(region.x)[-1]):
-            raise Refusal("the gate/up weights are used as x @ W.t() ([out, in]) and the down weight as h @ W "
-                          "([in, out]), or the reverse (DBRX's w1 / v1 / w2): the fused op takes one orientation "
-                          "for every role — not rewritten", candidate.clusters[0].down)
-        raise Refusal("the expert weight shapes fit no supported gate/up layout", candidate.clusters[0].down)
+        raise Refusal("the expert weight shapes fit no supported gate/up layout in any orientation of each role",
+                      candidate.clusters[0].down)
     region_fn = region_mod.extract(region)
     dense_mode = None if not region.dense else ("transposed" if region.dense_transposed else "plain")
-    try:
-        best, err, tol = prove.run_proof(
-            region_fn, values[region.x], values[region.ids], values[region.weights],
-            [values[p] for p in params], [values[s] for s in region.extra_inputs], hyps, top_k, num_experts,
-            dense_mode, op_dtype,
-        )
-    except Exception as exc:  # the region itself failed on synthetic routing: not provable
-        raise Refusal(f"running the region on synthetic routing failed ({type(exc).__name__}: {exc})",
-                      candidate.clusters[0].down) from exc
+    # One orientation for every role is proven first; roles in mixed orientations only if it fails
+    # (square weights fit both, and the common case pays for no extra hypotheses).
+    uniform = [h for h in hyps if not h.flipped]
+    best, err, tol = None, float("inf"), 0.0
+    for group in (uniform, [h for h in hyps if h.flipped]):
+        if not group or best is not None:
+            continue
+        try:
+            best, group_err, tol = prove.run_proof(
+                region_fn, values[region.x], values[region.ids], values[region.weights],
+                [values[p] for p in params], [values[s] for s in region.extra_inputs], group, top_k, num_experts,
+                dense_mode, op_dtype,
+            )
+        except Exception as exc:  # the region itself failed on synthetic routing: not provable
+            raise Refusal(f"running the region on synthetic routing failed ({type(exc).__name__}: {exc})",
+                          candidate.clusters[0].down) from exc
+        err = group_err if best is not None else min(err, group_err)
     if best is None:
         raise Refusal(
             f"could not prove the experts compute a supported FFN (closest hypothesis erred by {err:.2e}, "
@@ -306,7 +343,7 @@ def lift(family, graph, deps, candidate, roles: Roles, values: GraphValues, top_
         fc1=tuple(fc1), fc1_up=tuple(up), fc2=tuple(fc2), fc1_bias=tuple(b1), fc1_up_bias=tuple(b1u),
         fc2_bias=tuple(b2),
         attrs=best.attrs, num_experts=num_experts, top_k=top_k, hidden=best.weights.hidden(),
-        ffn=best.weights.ffn(), region=tuple(region.nodes), source=_source_of(fc2),
+        ffn=best.weights.ffn(), region=tuple(region.nodes), source=_source_of(fc2), flipped=best.flipped,
     )
     return Match(spec, region, err, op_dtype)
 

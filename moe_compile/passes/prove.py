@@ -34,6 +34,7 @@ class Hypothesis:
     weights: ExpertWeights
     attrs: FFNAttrs
     roles: tuple  # (fc1 nodes, fc1_up nodes, fc2 nodes) matching weights' tensors
+    flipped: tuple = ()  # roles whose weights are transposed views of the model's (ir.MoESpec.flipped)
 
 
 def synthetic_routing(T: int, K: int, E: int, round_: int, w_dtype, device, generator):
