@@ -61,10 +61,10 @@ def test_every_family_keeps_its_rewrite_at_two_shapes(family):
     _rewritten_at_two_shapes(model, lambda T: torch.randn(1, T, case.hidden, dtype=x.dtype), tol)
 
 
-@pytest.mark.parametrize("name", ["onehot_scatter", "sorted_gather_k1",
+@pytest.mark.parametrize("name", ["onehot_scatter", "sorted_gather_k1", "jetmoe",
                                   *(pytest.param(n, marks=pytest.mark.slow) for n in (
                                       "top1_max", "top1_argmax", "dropout_eval", "all_gather", "all_mask_loop",
-                                      "bsk_where", "fused_views"))])
+                                      "bsk_where", "fused_views", "dbrx_chunk", "dbrx_index"))])
 def test_other_spellings_keep_their_rewrite_at_two_shapes(name):
     from tests.passes import other_spellings
 

@@ -189,27 +189,70 @@ _NONLINEAR = {"silu", "silu_", "gelu", "relu", "relu_", "sigmoid", "sigmoid_", "
 
 def _fc1_gemms(act: fx.Node) -> list[fx.Node]:
     """GEMMs reaching ``act`` through element-wise ops only (the FC1 side of a down GEMM), when
-    that path holds a nonlinearity; else none."""
-    found, seen, stack, nonlinear = [], set(), [act], False
+    that path holds a nonlinearity; else none.
+
+    Grouped passes over sorted rows (JetMoE) run FC1 per group, ``cat`` the groups' rows, apply the
+    activation to all rows at once and split them again: seen from group e's FC2, the walk passes
+    ``split(h, counts)[e]`` and, at a ``cat`` along the rows of as many parts, goes on into part e
+    only (``_row_cat_part``).  A ``cat`` along the last dim (gate and up side by side) is read whole."""
+    found, seen, stack, nonlinear = [], set(), [(act, None)], False
     while stack:
-        node = stack.pop()
-        if node in seen or not isinstance(node, fx.Node):
+        node, group = stack.pop()
+        if (node, group) in seen or not isinstance(node, fx.Node):
             continue
-        seen.add(node)
+        seen.add((node, group))
         if is_matmul(node):
             found.append(node)
             continue
         name = target_name(node)
         if is_identity(node):
-            stack.append(node.args[0])
+            stack.append((node.args[0], group))
+            continue
+        if name in ("cat", "concat"):
+            parts, group = _cat_parts(node, group)
+            stack.extend((p, group) for p in parts)
             continue
         if node.op not in ("call_function", "call_method") or name not in _ELEMENTWISE:
             continue
         if name in ("getitem", "__getitem__") and not _slicing(node.args[1]):
             continue  # advanced indexing (weights[tok, k]) leaves the FFN; h[..., ::2] stays in it
+        row_group = _row_group(node)
+        if row_group is not None:
+            stack.append((node.args[0].args[0], row_group))
+            continue
         nonlinear |= name in _NONLINEAR
-        stack.extend(a for a in node.args if isinstance(a, fx.Node))
+        stack.extend((a, group) for a in node.args if isinstance(a, fx.Node))
     return found if nonlinear else []
+
+
+def _row_group(node: fx.Node) -> tuple[int, int] | None:
+    """(e, n) for ``split(h, sizes)[e]`` with n sizes along dim 0 (a list: one group per expert)."""
+    if node.op != "call_function" or node.target is not operator.getitem or not isinstance(node.args[1], int):
+        return None
+    src = node.args[0]
+    if not isinstance(src, fx.Node) or target_name(src) not in ("split", "split_with_sizes"):
+        return None
+    sizes = src.args[1] if len(src.args) > 1 else src.kwargs.get("split_size_or_sections", src.kwargs.get("split_sizes"))
+    dim = src.kwargs.get("dim", src.args[2] if len(src.args) > 2 else 0)
+    if not isinstance(sizes, (list, tuple)) or dim != 0 or not isinstance(src.args[0], fx.Node):
+        return None
+    return node.args[1], len(sizes)
+
+
+def _cat_parts(node: fx.Node, group) -> tuple[list, tuple | None]:
+    """(what the FFN walk follows into from a ``cat``, the group it carries on): every part along
+    the last dim; part e along the rows when the walk came from group e of a split into as many
+    groups (the group is then used up); else nothing (rows of other tensors joined: no FFN path)."""
+    parts = node.args[0] if node.args else node.kwargs.get("tensors", ())
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+    value = node.meta.get("example_value")
+    if not isinstance(parts, (list, tuple)) or not isinstance(value, torch.Tensor):
+        return [], None
+    if value.dim() > 1 and dim in (-1, value.dim() - 1):
+        return list(parts), group
+    if dim == 0 and group is not None and group[1] == len(parts):
+        return [parts[group[0]]], None
+    return [], None
 
 
 _DROPOUTS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")

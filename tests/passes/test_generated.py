@@ -99,7 +99,7 @@ def test_zoo_every_topk_has_an_outcome(cls, dtype):
 # computed differently from eager, and is rewritten where the pass now proves it (REWRITTEN), else
 # refused with a reason.  Alone and in a 2-layer stack with attention; bf16 under -m slow.
 REWRITTEN = ("contiguous", "onehot_scatter", "dropout_eval", "top1_max", "top1_argmax", "sorted_gather", "all_mask_loop",
-             "sorted_gather_k1", "all_gather", "bsk_where", "fused_views", "dbrx_chunk", "dbrx_index")
+             "sorted_gather_k1", "all_gather", "bsk_where", "fused_views", "dbrx_chunk", "dbrx_index", "jetmoe")
 
 
 def check_other(name: str, layers: int, attention: bool, dtype=torch.float32) -> None:
@@ -115,8 +115,8 @@ def check_other(name: str, layers: int, attention: bool, dtype=torch.float32) ->
         assert any(REFUSED[name] in s.reason for s in report.skipped), f"{name}: not refused as expected\n{report}"
 
 
-# Not rewritten yet, and why: grouped passes (FC1 per group, ``cat``, one activation) form no FFN cluster.
-REFUSED = {"jetmoe": "stopped at `cat`"}
+# Not rewritten yet, and why (none left in this set).
+REFUSED: dict[str, str] = {}
 
 
 OTHER = [(name, 1, False) for name in other_spellings.SPELLINGS] + [
