@@ -188,6 +188,9 @@ class MoESpec:
     # used as ``x @ W.t()``, w2 as ``h @ W``): the op reads them as ``transpose(-2, -1)`` views of the
     # model's tensors — the same storage with swapped strides, never a copy.
     flipped: tuple = ()
+    # (role, (E, out, in)) for roles held as one [E*out, in] weight (experts as one ``nn.Linear(H, E*F)``
+    # whose output is viewed [T, E, F]): the op reads ``param.view(E, out, in)``, then flips it if asked.
+    unflattened: tuple = ()
 
     def __post_init__(self) -> None:
         _check_choice("family", self.family, FAMILIES)
@@ -197,5 +200,7 @@ class MoESpec:
                 raise ValueError(f"MoESpec.{name} must be a positive int, got {value!r}")
         if not self.fc1 or not self.fc2:
             raise ValueError("MoESpec needs fc1 and fc2 weight nodes")
-        for role in self.flipped:
-            _check_choice("flipped role", role, WEIGHT_ROLES)
+        for role in (*self.flipped, *(r for r, _ in self.unflattened)):
+            _check_choice("flipped / unflattened role", role, WEIGHT_ROLES)
+        if any(len(shape) != 3 for _, shape in self.unflattened):
+            raise ValueError(f"MoESpec.unflattened views must be [E, out, in], got {self.unflattened}")

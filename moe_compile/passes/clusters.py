@@ -41,6 +41,9 @@ class WeightRef:
     # The [E, out, in] tensor indexed by ``expert`` when it is a view of param rather than param
     # itself (DBRX's ``w1.view(E, F, H)[e]`` on a [E*F, H] parameter): the stacked role the op reads.
     stack: fx.Node | None = None
+    # (E, n) when param is a [E*n, in] ``F.linear`` weight whose [.., E*n] output is viewed [.., E, n]:
+    # every expert's slice at once, a stack ``param.view(E, n, in)`` seen from the output side.
+    unflat: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,9 +294,28 @@ def find_clusters(graph: fx.Graph) -> list[Cluster]:
         fc1 = _fc1_gemms(act)
         fc1_w = [gemm_operands(n)[1] for n in fc1]
         if fc1 and len(fc1) <= 2 and all(w is not None for w in fc1_w):
+            fc1_w = [_unflattened(g, w) for g, w in zip(fc1, fc1_w)]
             clusters.append(Cluster(node, down_w, tuple(fc1), tuple(fc1_w), gemm_bias(node),
                                     tuple(gemm_bias(n) for n in fc1)))
     return clusters
+
+
+def _unflattened(gemm: fx.Node, ref: WeightRef) -> WeightRef:
+    """``ref`` with ``unflat`` set when gemm is ``F.linear(x, W)`` on a 2-D parameter [E*n, in] and its
+    only reader views the [.., E*n] output as [.., E, n] with E > 1 (experts as one ``nn.Linear(H, E*F)``)."""
+    weight = ref.param.meta.get("example_value")
+    if target_name(gemm) != "linear" or ref.expert is not None or ref.indexed_by is not None \
+            or not isinstance(weight, torch.Tensor) or weight.dim() != 2 or len(gemm.users) != 1:
+        return ref
+    (view,) = gemm.users
+    value = view.meta.get("example_value")
+    if view.op not in ("call_function", "call_method") or target_name(view) not in ("view", "reshape", "unflatten") \
+            or not isinstance(value, torch.Tensor) or value.dim() < 3:
+        return ref
+    experts, n = value.shape[-2:]
+    if not (isinstance(experts, int) and isinstance(n, int)) or experts < 2 or experts * n != weight.shape[0]:
+        return ref
+    return dataclasses.replace(ref, unflat=(experts, n))
 
 
 def is_topk(node: fx.Node) -> bool:

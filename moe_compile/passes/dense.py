@@ -25,8 +25,8 @@ FAMILY = "dense"
 def claims(candidate: Candidate) -> bool:
     refs = weight_refs(candidate)
     return all(w.indexed_by is None and w.expert is None for w in refs) and all(
-        w.param.meta["example_value"].dim() == 3 for w in refs
-    )
+        w.param.meta["example_value"].dim() == 3 or w.unflat is not None for w in refs
+    )  # stacked [E, out, in], or [E*n, in] Linears whose output is viewed [T, E, n]
 
 
 def _zero_outside_topk(scores, ids) -> bool:

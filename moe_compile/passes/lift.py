@@ -33,6 +33,9 @@ class Roles:
     fc1_bias: tuple[fx.Node, ...] = ()  # same forms as the weights: stacked [E, n] or E x [n]
     fc1_up_bias: tuple[fx.Node, ...] = ()
     fc2_bias: tuple[fx.Node, ...] = ()
+    # (role, [E, out, in]) for roles held as a [E*out, in] Linear weight that the op reads as
+    # ``param.view(E, out, in)`` (experts as one ``nn.Linear(H, E*F)`` viewed [T, E, F])
+    unflattened: tuple = ()
 
     def nodes(self) -> list[fx.Node]:
         return list(dict.fromkeys((*self.fc1, *self.fc1_up, *self.fc2, *self.fc1_bias, *self.fc1_up_bias,
@@ -198,7 +201,7 @@ def _layouts(roles: Roles, values, x_hidden) -> list[tuple[str, bool, tuple]]:
     tie) and ``flipped`` the roles held in the other one, which the op reads as transposed views
     (DBRX: w1 / v1 as ``x @ W.t()``, w2 as ``h @ W``).  One orientation for every role comes first."""
     def shape(role):
-        return tuple(values[role[0]].shape[-2:])
+        return tuple(_viewed(values[role[0]], roles.unflattened, _name_of(roles, role)).shape[-2:])
 
     downs = _role_orientations(shape(roles.fc2), x_hidden, down=True)
     gates = _role_orientations(shape(roles.fc1), x_hidden, down=False)
@@ -242,13 +245,27 @@ def hypotheses(deps, region, clusters, roles: Roles, values, op_dtype=None) -> l
         fc1, up = (roles.fc1_up, roles.fc1) if swap else (roles.fc1, roles.fc1_up)
         b1, b1u = (roles.fc1_up_bias, roles.fc1_bias) if swap else (roles.fc1_bias, roles.fc1_up_bias)
         flips = tuple(_SWAPPED.get(r, r) for r in flipped) if swap else flipped
+        views = tuple((_SWAPPED.get(r, r), v) for r, v in roles.unflattened) if swap else roles.unflattened
         nodes = (fc1, up, roles.fc2, b1, b1u, roles.fc2_bias)
-        weights = ExpertWeights(*(tuple(_oriented(_as(values[n], op_dtype), name in flips) for n in role)
-                                  for name, role in zip(("fc1", "fc1_up", "fc2", "", "", ""), nodes)),
+        weights = ExpertWeights(*(tuple(_oriented(_viewed(_as(values[n], op_dtype), views, name), name in flips)
+                                        for n in role)
+                                  for name, role in zip(_ROLE_NAMES, nodes)),
                                 transposed=transposed)
         attrs = FFNAttrs(layout, transposed, act, limit, alpha, place)
-        out.append(prove.Hypothesis(weights, attrs, nodes, flips))
+        out.append(prove.Hypothesis(weights, attrs, nodes, flips, views))
     return out
+
+
+_ROLE_NAMES = ("fc1", "fc1_up", "fc2", "", "", "")  # the six roles' names in op order (biases unnamed)
+
+
+def _name_of(roles: Roles, role) -> str:
+    return "fc1" if role is roles.fc1 else "fc1_up" if role is roles.fc1_up else "fc2"
+
+
+def _viewed(t: torch.Tensor, views, name: str) -> torch.Tensor:
+    shape = dict(views).get(name)
+    return t if shape is None else t.view(shape)  # a [E*n, in] Linear weight as the stack [E, n, in]
 
 
 def uniform_hypotheses(*args, **kwargs) -> list[prove.Hypothesis]:
@@ -261,11 +278,18 @@ def _oriented(t: torch.Tensor, flip: bool) -> torch.Tensor:
 
 
 def op_roles(g: fx.Graph, spec: MoESpec) -> list[list[fx.Node]]:
-    """The op's six role lists, emitted into g: the spec's nodes, with a ``transpose(-2, -1)`` view
-    of each tensor of a role held in the other orientation (``spec.flipped``)."""
-    flipped = set(spec.flipped)
-    return [[g.call_method("transpose", (n, -2, -1)) for n in role] if name in flipped else role
-            for name, role in zip(("fc1", "fc1_up", "fc2", "", "", ""), spec_roles(spec))]
+    """The op's six role lists, emitted into g: the spec's nodes, viewed ``[E, out, in]`` where the
+    model holds a role as one [E*out, in] Linear weight (``spec.unflattened``), then a
+    ``transpose(-2, -1)`` view of each tensor of a role held in the other orientation
+    (``spec.flipped``).  Views only: the op reads the model's storage."""
+    flipped, views = set(spec.flipped), dict(spec.unflattened)
+
+    def emit(node, name):
+        if name in views:
+            node = g.call_method("view", (node, *views[name]))
+        return g.call_method("transpose", (node, -2, -1)) if name in flipped else node
+
+    return [[emit(n, name) for n in role] for name, role in zip(_ROLE_NAMES, spec_roles(spec))]
 
 
 def _as(t: torch.Tensor, dtype) -> torch.Tensor:
@@ -344,6 +368,7 @@ def lift(family, graph, deps, candidate, roles: Roles, values: GraphValues, top_
         fc2_bias=tuple(b2),
         attrs=best.attrs, num_experts=num_experts, top_k=top_k, hidden=best.weights.hidden(),
         ffn=best.weights.ffn(), region=tuple(region.nodes), source=_source_of(fc2), flipped=best.flipped,
+        unflattened=best.unflattened,
     )
     return Match(spec, region, err, op_dtype)
 

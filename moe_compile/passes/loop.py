@@ -21,7 +21,7 @@ FAMILY = "loop"
 def claims(candidate: Candidate) -> bool:
     """Per-expert 2-D weights (Linears, or int slices of a stacked tensor), no gathered weights."""
     refs = weight_refs(candidate)
-    if any(w.indexed_by is not None for w in refs):
+    if any(w.indexed_by is not None or w.unflat is not None for w in refs):
         return False
     return all(w.expert is not None or _ndim(w.param) == 2 for w in refs)
 

@@ -35,6 +35,7 @@ class Hypothesis:
     attrs: FFNAttrs
     roles: tuple  # (fc1 nodes, fc1_up nodes, fc2 nodes) matching weights' tensors
     flipped: tuple = ()  # roles whose weights are transposed views of the model's (ir.MoESpec.flipped)
+    unflattened: tuple = ()  # (role, [E, out, in]) viewed from a [E*out, in] weight (ir.MoESpec.unflattened)
 
 
 def synthetic_routing(T: int, K: int, E: int, round_: int, w_dtype, device, generator):

@@ -15,9 +15,10 @@ def stacked_roles(candidate: Candidate) -> tuple[Roles, int]:
     if len(candidate.clusters) != 1:
         raise Refusal(f"expected one stacked expert FFN, found {len(candidate.clusters)}", candidate.topk)
     cluster = candidate.clusters[0]
-    params = [w.param for w in (*cluster.fc1_w, cluster.down_w)]
-    sizes = {p.meta["example_value"].shape[0] for p in params if p.meta["example_value"].dim() == 3}
-    if len(sizes) != 1 or any(p.meta["example_value"].dim() != 3 for p in params):
+    refs = (*cluster.fc1_w, cluster.down_w)
+    shapes = [_stacked_shape(w) for w in refs]
+    sizes = {s[0] for s in shapes if s is not None}
+    if len(sizes) != 1 or any(s is None for s in shapes):
         raise Refusal("stacked expert weights must be 3-D with one expert count", cluster.down)
     fc1_biases = cluster.fc1_b or (None,) * len(cluster.fc1)
     if len(cluster.fc1) == 2:
@@ -25,9 +26,24 @@ def stacked_roles(candidate: Candidate) -> tuple[Roles, int]:
         (gate, gate_b), (up, up_b) = _ordered(zip(cluster.fc1_w, fc1_biases), swap)
         known = _is_gate(cluster.fc1[0]) != _is_gate(cluster.fc1[1])
         return Roles((gate.param,), (up.param,), (cluster.down_w.param,), known, _bias(gate_b), _bias(up_b),
-                     _bias(cluster.down_b)), sizes.pop()
+                     _bias(cluster.down_b), unflattened=_unflattened(gate, up, cluster.down_w)), sizes.pop()
     return Roles((cluster.fc1_w[0].param,), (), (cluster.down_w.param,), True, _bias(fc1_biases[0]),
-                 (), _bias(cluster.down_b)), sizes.pop()
+                 (), _bias(cluster.down_b), unflattened=_unflattened(cluster.fc1_w[0], None, cluster.down_w)), sizes.pop()
+
+
+def _stacked_shape(ref) -> tuple | None:
+    """[E, out, in] of a stacked role: the parameter's, or ``param.view(E, n, in)`` for a [E*n, in]
+    Linear whose output is viewed [T, E, n] (``WeightRef.unflat``); None when it is neither."""
+    shape = tuple(ref.param.meta["example_value"].shape)
+    if ref.unflat is not None:
+        return (*ref.unflat, shape[1])
+    return shape if len(shape) == 3 else None
+
+
+def _unflattened(gate, up, down) -> tuple:
+    """Roles' (name, [E, out, in]) for the roles the op reads as ``param.view(E, out, in)``."""
+    refs = (("fc1", gate), ("fc1_up", up), ("fc2", down))
+    return tuple((name, _stacked_shape(ref)) for name, ref in refs if ref is not None and ref.unflat is not None)
 
 
 def _ordered(pairs, swap: bool) -> list:

@@ -25,6 +25,10 @@ RMS norms, residual adds and (optionally) a causal self-attention before each.
   onehot_scatter  one_hot counts + stable argsort + ``index_select`` + ``split`` + ``scatter_reduce(sum)``
   sorted_gather   rows sorted by ``gather``, experts per ``split`` group, ``cat``, the inverse permutation
                   gathered back, a weighted sum over K (``_k1``: at K = 1, where sorted rows are [T, H] too)
+  linear_all      gate and up as one ``nn.Linear(H, E*F)`` each, viewed [T, E, F] (a stack of E weight
+                  slices seen from the output side), down ``einsum("tef,ehf->teh")``, ``take_along_dim``
+  einsum_ehf      every expert on every token with [E, in, out] weights, ``einsum("th,ehf->tef")``,
+                  the top-k outputs selected by advanced indexing ``out[arange(T)[:, None], ids]``
 """
 
 from __future__ import annotations
@@ -49,6 +53,13 @@ class Block(nn.Module):
             self.v1 = nn.Parameter(torch.randn(E * FFN, H) / H**0.5)
             down = (E * H, FFN) if name == "fused_views" else (E * FFN, H)  # DBRX: [E*F, H], used as h @ w2
             self.w2 = nn.Parameter(torch.randn(*down) / FFN**0.5)
+        elif name == "linear_all":
+            self.gate_lin, self.up_lin = nn.Linear(H, E * FFN, bias=False), nn.Linear(H, E * FFN, bias=False)
+            self.w_down = nn.Parameter(torch.randn(E, H, FFN) / FFN**0.5)
+        elif name == "einsum_ehf":  # [E, in, out]: used as x @ W
+            self.w_gate = nn.Parameter(torch.randn(E, H, FFN) / H**0.5)
+            self.w_up = nn.Parameter(torch.randn(E, H, FFN) / H**0.5)
+            self.w_down = nn.Parameter(torch.randn(E, FFN, H) / FFN**0.5)
         else:
             self.w_gate = nn.Parameter(torch.randn(E, FFN, H) / H**0.5)
             self.w_up = nn.Parameter(torch.randn(E, FFN, H) / H**0.5)
@@ -114,6 +125,23 @@ class Block(nn.Module):
         out = torch.einsum("tef,ehf->teh", F.silu(g) * u, self.w_down)  # [T, E, H]
         picked = out.gather(1, ids[..., None].expand(-1, -1, self.H))  # [T, K, H]
         return (picked * weights[..., None]).sum(1)
+
+    def _linear_all(self, x):
+        weights, ids = self.route(x)
+        T = x.shape[0]
+        g = self.gate_lin(x).view(T, self.E, FFN)  # [T, E*F] -> [T, E, F]
+        u = self.up_lin(x).view(T, self.E, FFN)
+        out = torch.einsum("tef,ehf->teh", F.silu(g) * u, self.w_down)  # [T, E, H]
+        picked = torch.take_along_dim(out, ids[..., None], dim=1)  # [T, K, H]
+        return (picked * weights[..., None]).sum(1)
+
+    def _einsum_ehf(self, x):
+        weights, ids = self.route(x)
+        g = torch.einsum("th,ehf->tef", x, self.w_gate)  # [T, E, F]
+        u = torch.einsum("th,ehf->tef", x, self.w_up)
+        out = torch.einsum("tef,efh->teh", F.silu(g) * u, self.w_down)  # [T, E, H]
+        picked = out[torch.arange(x.shape[0], device=x.device)[:, None], ids]  # [T, K, H]
+        return torch.einsum("tkh,tk->th", picked, weights)
 
     def _all_mask_loop(self, x):
         weights, ids = self.route(x)
@@ -197,7 +225,8 @@ class Block(nn.Module):
 
 
 SPELLINGS = ("dbrx_chunk", "dbrx_index", "fused_views", "all_gather", "all_mask_loop", "bsk_where", "jetmoe", "dropout_eval",
-             "contiguous", "top1_max", "top1_argmax", "onehot_scatter", "sorted_gather", "sorted_gather_k1")
+             "contiguous", "top1_max", "top1_argmax", "onehot_scatter", "sorted_gather", "sorted_gather_k1", "linear_all",
+             "einsum_ehf")
 TOP1 = ("top1_max", "top1_argmax", "sorted_gather_k1")
 
 

@@ -99,7 +99,8 @@ def test_zoo_every_topk_has_an_outcome(cls, dtype):
 # computed differently from eager, and is rewritten where the pass now proves it (REWRITTEN), else
 # refused with a reason.  Alone and in a 2-layer stack with attention; bf16 under -m slow.
 REWRITTEN = ("contiguous", "onehot_scatter", "dropout_eval", "top1_max", "top1_argmax", "sorted_gather", "all_mask_loop",
-             "sorted_gather_k1", "all_gather", "bsk_where", "fused_views", "dbrx_chunk", "dbrx_index", "jetmoe")
+             "sorted_gather_k1", "all_gather", "bsk_where", "fused_views", "dbrx_chunk", "dbrx_index", "jetmoe",
+             "linear_all", "einsum_ehf")
 
 
 def check_other(name: str, layers: int, attention: bool, dtype=torch.float32) -> None:
