@@ -211,10 +211,23 @@ def _fused_moe_infer_general(*args) -> torch.Tensor:
     if not args[0].is_cuda:  # a plain CPU decode step straight to its kernel: see cpu_decode.decode_args
         from moe_compile.kernels.cpu import decode as cpu_decode
 
+        args = _rows_contiguous_roles(args)
         y = cpu_decode.decode_args(args, torch.get_num_threads())
         if y is not None:
             return y
     return run_experts(*parse_op_args(args))
+
+
+def _rows_contiguous_roles(args) -> tuple:
+    """The op's arguments with each weight role whose last dim is strided (a role the passes flipped
+    to the op's orientation: a ``transpose(-2, -1)`` view of the model's tensor) replaced by its
+    contiguous copy, made once per (tensor, version) like the CPU packs (``cpu_prepack.rows_contiguous``)."""
+    if all(t.stride(-1) == 1 for role in args[3:6] for t in role):
+        return args
+    from moe_compile.kernels.cpu import prepack as cpu_prepack
+
+    roles = [[cpu_prepack.rows_contiguous(t) for t in role] for role in args[3:6]]
+    return (*args[:3], *roles, *args[6:])
 
 
 def _needs_grad(args) -> bool:

@@ -135,3 +135,18 @@ def test_mixed_orientation_gradients_match_eager():
     assert len(report.rewritten) == 1, report
     for g, w in zip((p.grad for p in model.w), want):
         assert rel_err(g, w) <= 1e-4  # fp32 backward: summation order over tokens and F
+
+
+@pytest.mark.parametrize("T", [1, 3, 40])
+def test_flipped_role_updated_in_place_is_read_anew(T):
+    """On CPU the inference op reads a flipped role through a contiguous copy made once per weight
+    version (kernels/cpu/prepack.rows_contiguous): an in-place update must reach the next call."""
+    model = MixedOrientation((False, False, True)).eval()
+    x = torch.randn(T, 32)
+    compiled = torch.compile(model, backend="moe", options={"inner": "eager"})
+    torch._dynamo.reset()
+    with torch.no_grad(), capture_flags():
+        for step in range(3):
+            got, want = compiled(x), model(x)
+            assert rel_err(got, want) <= TOL[torch.float32], f"step {step}"
+            model.w[2].mul_(-1.5)  # the flipped down weight, written in place

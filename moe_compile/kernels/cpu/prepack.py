@@ -196,6 +196,31 @@ def lookup(x: torch.Tensor, w: ExpertWeights, attrs: FFNAttrs) -> PackedExperts 
     return PackedExperts(packs_of(w.fc1), packs_of(w.fc1_up), packs_of(w.fc2), fused=formats[0] != ONEDNN)
 
 
+_ROW_COPIES: dict[tuple, tuple] = {}  # _key -> (base ref, data_ptr, version, copy)
+
+
+def rows_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its last dim is contiguous, else a contiguous copy made once per (tensor,
+    version) and kept until t's base is freed.  A weight role the passes flip to the op's orientation
+    (``transpose(-2, -1)`` of the model's tensor, ``ir.MoESpec.flipped``) reaches the op with stride
+    1 in the wrong dim, which the decode kernels do not read (``cpu_decode``): they then read this
+    copy.  Inference tensors (no version counter) are used as they are."""
+    if t.dim() < 2 or t.stride(-1) == 1:
+        return t
+    key, base = _key(t)
+    version = _version(t)
+    if version is None:
+        return t
+    held = _ROW_COPIES.get(key)
+    if held is not None and held[0]() is base and held[1] == t.data_ptr() and held[2] == version:
+        return held[3]
+    with torch.no_grad():
+        copy = t.contiguous()
+    ref = weakref.ref(base, lambda _ref, key=key: _ROW_COPIES.pop(key, None))
+    _ROW_COPIES[key] = (ref, t.data_ptr(), version, copy)
+    return copy
+
+
 def _forget(tensors) -> None:
     """Drop every entry of these tensors' bases (whatever shape or dtype they were seen with)."""
     bases = {id(_key(t)[1]) for t in tensors}
@@ -217,6 +242,7 @@ def mark_trained(tensors) -> None:
 def clear() -> None:
     """Forget every pack and sighting (after weight writes the version counter does not see)."""
     _SEEN.clear()
+    _ROW_COPIES.clear()
     _REFUSED["memory"] = 0
 
 
