@@ -170,7 +170,8 @@ class EPMatch(Match):
 
         def make_call(g: fx.Graph) -> fx.Node:
             ids, weights = region_mod.flat_routing(g, region)  # [T, K] each
-            x, roles = lift_mod.cast_operands(g, region.x, lift_mod.op_roles(g, spec), self.op_dtype)
+            x, roles = lift_mod.cast_operands(g, region.x, lift_mod.spec_roles(spec), self.op_dtype)
+            roles = lift_mod.op_views(g, spec, roles)
             if self.id_offset is not None:
                 local_ids = g.call_function(torch.sub, (ids, self.id_offset))  # [T, K]
                 out = lift_mod.emit_fused_moe(g, (x, local_ids, weights, *roles, *statics), save_fc1)

@@ -58,7 +58,8 @@ class Match:
         def make_call(g: fx.Graph) -> fx.Node:
             ids, routing = region_mod.flat_routing(g, self.region)
             a = spec.attrs
-            x, roles = cast_operands(g, self.region.x, op_roles(g, spec), self.op_dtype)
+            x, roles = cast_operands(g, self.region.x, spec_roles(spec), self.op_dtype)
+            roles = op_views(g, spec, roles)
             unflattened = len(shape_of(self.region.x)) > 2  # [B, S, H] tokens, combined as [B, S, H]
             if unflattened:
                 x = g.call_method("reshape", (x, -1, shape_of(self.region.x)[-1]))  # [T, H]
@@ -277,11 +278,11 @@ def _oriented(t: torch.Tensor, flip: bool) -> torch.Tensor:
     return t.transpose(-2, -1) if flip else t  # a view with swapped strides, as the rewrite emits
 
 
-def op_roles(g: fx.Graph, spec: MoESpec) -> list[list[fx.Node]]:
-    """The op's six role lists, emitted into g: the spec's nodes, viewed ``[E, out, in]`` where the
-    model holds a role as one [E*out, in] Linear weight (``spec.unflattened``), then a
-    ``transpose(-2, -1)`` view of each tensor of a role held in the other orientation
-    (``spec.flipped``).  Views only: the op reads the model's storage."""
+def op_views(g: fx.Graph, spec: MoESpec, roles) -> list[list[fx.Node]]:
+    """The op's six role lists (``spec_roles``, after ``cast_operands``) as the op reads them, emitted
+    into g: viewed ``[E, out, in]`` where the model holds a role as one [E*out, in] Linear weight
+    (``spec.unflattened``), then a ``transpose(-2, -1)`` view of each tensor of a role held in the
+    other orientation (``spec.flipped``).  Views only: the op reads the model's storage."""
     flipped, views = set(spec.flipped), dict(spec.unflattened)
 
     def emit(node, name):
@@ -289,7 +290,7 @@ def op_roles(g: fx.Graph, spec: MoESpec) -> list[list[fx.Node]]:
             node = g.call_method("view", (node, *views[name]))
         return g.call_method("transpose", (node, -2, -1)) if name in flipped else node
 
-    return [[emit(n, name) for n in role] for name, role in zip(_ROLE_NAMES, spec_roles(spec))]
+    return [[emit(n, name) for n in role] for name, role in zip(_ROLE_NAMES, roles)]
 
 
 def _as(t: torch.Tensor, dtype) -> torch.Tensor:

@@ -31,9 +31,10 @@ class MixedOrientation(nn.Module):
     as ``x @ W[e].t()``) or [E, in, out] (True: ``x @ W[e]``); ``gathered``: family C instead
     (``W[ids]`` per slot, bmm)."""
 
-    def __init__(self, flips=(False, False, True), hidden=32, ffn=16, experts=4, top_k=2, gathered=False):
+    def __init__(self, flips=(False, False, True), hidden=32, ffn=16, experts=4, top_k=2, gathered=False,
+                 cast=None):
         super().__init__()
-        self.flips, self.E, self.K, self.gathered = flips, experts, top_k, gathered
+        self.flips, self.E, self.K, self.gathered, self.cast = flips, experts, top_k, gathered, cast
         self.router = nn.Linear(hidden, experts, bias=False)
         shapes = [(ffn, hidden), (ffn, hidden), (hidden, ffn)]  # [out, in] per role
         self.w = nn.ParameterList([
@@ -41,7 +42,10 @@ class MixedOrientation(nn.Module):
 
     def _gemm(self, rows, role, e):  # [n, in] -> [n, out]
         w = self.w[role][e]
-        return rows @ w if self.flips[role] else rows @ w.t()
+        if self.cast is not None:  # fp32 master weights, GEMMs in ``cast`` (torchtitan's habit)
+            rows, w = rows.to(self.cast), w.to(self.cast)
+        out = rows @ w if self.flips[role] else rows @ w.t()
+        return out.float() if self.cast is not None else out
 
     def forward(self, x):  # [T, H]
         probs = self.router(x).softmax(-1)
@@ -101,11 +105,8 @@ def test_mixed_orientation_bf16(gathered):
     assert rel_err(got, want) <= BF16_TOL
 
 
-def test_flipped_role_is_a_transposed_view_of_the_parameter():
-    """The op's down-role argument is ``transpose`` of the parameter itself (no copy node between),
-    and the rewritten graph computes eager's output."""
-    model = MixedOrientation((False, False, True)).eval()
-    x = torch.randn(5, 32)
+def _compiled_with_call(model, x):
+    """(compiled output, eager output, the fused op's node in the rewritten graph)."""
     moe, graphs = moe_compile.backend(inner="eager"), []
 
     def grab(gm, inputs):
@@ -116,8 +117,27 @@ def test_flipped_role_is_a_transposed_view_of_the_parameter():
     with torch.no_grad(), capture_flags():
         want = model(x)
         got = torch.compile(model, backend=grab)(x)
+    call = next(n for g in graphs for n in g.graph.nodes if "fused_moe" in str(n.target))
+    return got, want, call
+
+
+def test_mixed_orientation_with_gemms_cast_to_bf16():
+    """The region casts fp32 x and weights to bf16 for its GEMMs: the op gets the flipped role cast
+    too (cast, then the view).  bf16 GEMMs against the op's fp32 accumulation: 3e-2."""
+    model = MixedOrientation((False, True, True), cast=torch.bfloat16).eval()
+    got, want, call = _compiled_with_call(model, torch.randn(7, 32))
+    assert rel_err(got, want) <= BF16_TOL
+    (gate,) = call.args[3]  # up and down are [E, in, out]: the op takes that, and flips the gate
+    assert call.args[10] is True  # transposed
+    assert gate.target == "transpose" and gate.args[0].target == "to" and torch.bfloat16 in gate.args[0].args
+
+
+def test_flipped_role_is_a_transposed_view_of_the_parameter():
+    """The op's down-role argument is ``transpose`` of the parameter itself (no copy node between),
+    and the rewritten graph computes eager's output."""
+    model = MixedOrientation((False, False, True)).eval()
+    got, want, call = _compiled_with_call(model, torch.randn(5, 32))
     assert rel_err(got, want) <= TOL[torch.float32]
-    call = next(n for n in graphs[0].graph.nodes if "fused_moe" in str(n.target))
     gate, up, down = call.args[3:6]
     assert len(down) == 1 and down[0].target == "transpose" and down[0].args[1:] == (-2, -1)
     assert all(n.op == "placeholder" for n in (*gate, *up, down[0].args[0]))  # the stacked parameters, in place
