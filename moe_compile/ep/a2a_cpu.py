@@ -1,103 +1,120 @@
 """CPU transport of ``ep_dispatch`` / ``ep_combine``: the 2D all-to-all over the shared-memory heap.
 
-Shapes:  R ranks, ne experts per rank, W = NMETA + 2*R*ne words of one control row, P row bytes.
+Shapes:  R ranks, ne experts per rank, W = NMETA + 2*R*ne words of one header, P row bytes,
+         B slab bytes (one source's share of a receive window), N rows this rank receives.
 
-Per call (epoch e; parity e % 2 picks one of two copies of every window):
-  1. publish + barrier: this rank's control row [meta | splits (and offsets)] goes into slot ``me``
-     of every peer's control window, each followed by the peer's COUNTS flag ``me`` = e — one C call
-     (``kernels/cpu/ep.push``).  Waiting for the R COUNTS flags is the call's one barrier: then every
-     rank holds every rank's row and computes the whole layout itself (``a2a_layout``, numpy on the
-     window: a read of this host's memory, no torch scalar read), so every verdict (a bad size, an
-     ``out`` too small, a heap resize) is the same on every rank with no further message.
-  2. rows: one C call copies this rank's blocks straight to their final rows in each dest's data
-     window and stores the dest's DATA flag ``me`` = e after that dest's blocks.
-  3. wait for the R DATA flags; one C call unpacks the window into ``out`` (uncovered rows zero).
-Parity: a rank writes parity p of a peer's windows in call e+2 only after that peer published in
-call e+1, i.e. after it finished reading call e — so two copies suffice and nothing is reset.
-Every wait has a deadline: the ranks whose flags never came are named in a ``TimeoutError``.
+Fixed per-source slabs (DeepEP's low-latency layout): every rank's data window (two copies,
+parity = epoch % 2) holds R slabs of B bytes, slab s written only by source s; its control window
+holds R header slots.  Per call (epoch e) a source makes ONE C call (``kernels/cpu/ep.Send``):
+for each destination its header [meta | splits (and offsets)] into the destination's slot, its
+rows for that destination packed into its slab there, and — after every destination's rows —
+every destination's flag ``me`` = e.  So counts and rows travel together and a call has ONE wait
+(the R flags of this rank's sources, ``kernels/cpu/ep.Wait``: spin, yield, nap); there is no
+counts barrier.  Then every rank holds every rank's header, computes the layout itself
+(``a2a_layout``, numpy on the window: a read of this host's memory, no torch scalar read), so every
+verdict (a bad size, an ``out`` too small, a slab too small) is the same on every rank, and one C
+call gathers the slabs' blocks to their rows of ``out`` (uncovered rows zero).
 
-Kinds: ``dispatch`` (row: in_splits [R*ne]), ``combine`` (row: in_splits_offsets [2, ne*R]) and
-``combine_t`` (the transpose of a combine, its backward: the same row as the forward combine, the
-rows going back from the combine's outputs to the positions of its inputs).
+Slab too small: the source sends its header but no rows; every rank sees it in the headers, all
+grow the slabs together and the call runs again (a new epoch on the new heap) — once per growth.
+A source whose own splits do not fit its input also sends no rows (the verdict is raised on all).
+``combine_t`` (a combine's transpose, the backward) needs every rank's counts before it knows
+which of its rows go where: it runs a header-only round first.
+
+Parity: a source writes parity p of a peer's windows in call e+2 only after seeing that peer's
+flag of call e+1, which the peer stores after all its copies of call e+1 — by then it has finished
+reading call e's rows (its input may be its call-e window) — so two copies suffice and nothing is
+reset.  Every wait has a deadline: the ranks whose flags never came are named in a
+``TimeoutError``.
+
+Kinds: ``dispatch`` (header: in_splits [R*ne]), ``combine`` (in_splits_offsets [2, ne*R]) and
+``combine_t`` (the transpose of a combine, its backward: the same header as the forward combine,
+the rows going back from the combine's outputs to the positions of its inputs).
 """
 
 from __future__ import annotations
 
 import math
-import time
+import os
 
 import numpy as np
 import torch
 
-from moe_compile.ep.a2a_layout import combine_layout, dispatch_layout, dispatch_rows_needed, exclusive_cumsum
+from moe_compile.ep.a2a_layout import (aligned_tiles, combine_layout, dispatch_layout, dispatch_rows_needed,
+                                       exclusive_cumsum)
 from moe_compile.ep.context import get_context
 from moe_compile.kernels.cpu import ep as cpu_ep
 from moe_compile.symm import allocate
-from moe_compile.symm.cpu_shm import backoff
 
 KINDS = ("dispatch", "combine", "combine_t")
 NMETA = 6  # kind, ne, input rows, out rows, row bytes, major_align (-1 = None)
-SPINS = 128  # polls per C call (~10 us) before Python yields the core: ranks may outnumber cores
+WAIT_ENV = "MOE_COMPILE_EP_WAIT"  # "yield" (default: spin, yield, nap) or "futex" (sleep until the sender wakes)
+SLAB_BYTES = 1 << 20  # a slab's first size (grown, on every rank alike, when a call needs more)
 
 
 def _grow(nbytes: int) -> int:
-    """Round a window up (+25%, whole MiB) so that a growing T resizes it rarely."""
-    return max(1 << 16, (int(nbytes * 1.25) + (1 << 20) - 1) >> 20 << 20)
+    """Round a slab up (+25%, whole MiB) so that a growing T resizes it rarely."""
+    return max(SLAB_BYTES, (int(nbytes * 1.25) + (1 << 20) - 1) >> 20 << 20)
 
 
 class _State:
-    """Windows of one (group, ne): a fixed control heap (rows + flags) and a resizable data heap."""
+    """Windows of one (group, ne): a fixed control heap (R header slots x 2 parities, R flags) and a
+    resizable data heap (R slabs x 2 parities); the send arrays of each parity, made once."""
 
     def __init__(self, ctx, ne: int, timeout_s: float):
-        R = ctx.world
-        self.R, self.ne, self.W = R, ne, NMETA + 2 * R * ne
-        self.control = allocate(ctx.store, ctx.rank, R, 2 * R * self.W * 8, 2 * R,
-                                f"{ctx.group_name}/a2a{ne}/ctl", timeout_s)
-        me = ctx.rank
+        R, me = ctx.world, ctx.rank
+        self.R, self.ne, self.me, self.W = R, ne, me, NMETA + 2 * R * ne
+        # flags: R arrival flags (slot s: source s's epoch), then R "sleeping" words (see ``Wait``)
+        self.control = allocate(ctx.store, me, R, 2 * R * self.W * 8, 2 * R, f"{ctx.group_name}/a2a{ne}/ctl",
+                                timeout_s)
+        sleep_off = R if os.environ.get(WAIT_ENV, "yield") == "futex" else 0
         ctl = np.array([self.control.tensor(r, 0, (1,), torch.uint8).data_ptr() for r in range(R)], dtype=np.uint64)
-        self.flag_base = np.array([self.control.flags(r).ctypes.data for r in range(R)], dtype=np.uint64)
-        # Everything the hot path passes to C, made once: the counts row's destinations per parity,
-        # the COUNTS / DATA flag addresses, the dests in push order (the next rank first, to spread
-        # the writers over the windows) and the per-parity views of this rank's control window.
-        self.order = np.array([(me + k) % R for k in range(1, R + 1)], dtype=np.int64)
-        self.counts_push = []  # per parity: my row into slot ``me`` of every peer's window, then COUNTS[me]
-        for par in (0, 1):
-            p = cpu_ep.Push(R, R)
-            p.dst[:] = ctl + np.uint64((par * R + me) * self.W * 8)
-            p.flags[:] = self.flag_base + np.uint64(8 * me)
-            p.nblk[:], p.blk[0], p.blk[1], p.blk[2] = 1, 0, 0, 1
-            self.counts_push.append(p)
-        self.data_push = [cpu_ep.Push(R, R * ne) for _ in (0, 1)]  # per parity, dests in ``order``
-        for p in self.data_push:
-            p.flags[:] = self.flag_base[self.order] + np.uint64(8 * (R + me))
-            p.nblk[:] = ne
+        flag_base = np.array([self.control.flags(r).ctypes.data for r in range(R)], dtype=np.uint64)
+        self.sends = [cpu_ep.Send(R, R * ne, sleep_off) for _ in (0, 1)]  # per parity, dests 0..R-1
+        for par, snd in enumerate(self.sends):
+            snd.hdr_dst[:] = ctl + np.uint64((par * R + me) * self.W * 8)  # slot ``me`` of each dest
+            snd.flags[:] = flag_base + np.uint64(8 * me)
+            snd.nblk[:] = ne
+        self.slab_rows = np.arange(R, dtype=np.int64)[:, None]  # [R, 1] slab index (times slab bytes)
         self.views = [self.control.tensor(me, par * R * self.W * 8, (R, self.W), torch.int64).numpy() for par in (0, 1)]
-        own = self.control.flags(me)
-        self.counts_poll = cpu_ep.Poll(own, np.arange(R))
-        self.data_poll = cpu_ep.Poll(own, np.arange(R, 2 * R))
-        self.unpack = cpu_ep.Unpack(R * ne)
-        self.data, self.half, self.gen, self.epoch = None, 0, 0, 0
+        self.wait = cpu_ep.Wait(self.control.flags(me), np.arange(R), sleep_off)
+        self.sleep_off = sleep_off
+        self.views_at = [v.ctypes.data for v in self.views]
+        # the C window path's outputs: oso [2, ne*R], rows each source sent [R], a needed size
+        self.oso, self.sent, self.need = np.zeros((2, ne * R), np.int64), np.zeros(R, np.int64), np.zeros(1, np.int64)
+        self.out_at = (self.oso.ctypes.data, self.sent.ctypes.data, self.need.ctypes.data)
+        self.gather = cpu_ep.Gather(R * ne)
+        self.data, self.slab, self.half, self.gen, self.epoch = None, 0, 0, 0, 0
+        self.local = [torch.empty(0, dtype=torch.uint8) for _ in (0, 1)]  # compact receive windows (plain memory)
         self.row = np.zeros(self.W, dtype=np.int64)
         self.row_at = self.row.ctypes.data
 
-    def rows_of(self, par: int) -> np.ndarray:
-        """[R, W] this rank's control window, parity ``par`` (every rank's published row)."""
-        return self.views[par]
-
-    def ensure(self, ctx, nbytes: int, timeout_s: float) -> None:
-        """Every rank calls it with the same ``nbytes`` (computed from the same rows): in step."""
-        if self.data is not None and self.half >= nbytes:
+    def ensure(self, ctx, slab_bytes: int, timeout_s: float) -> None:
+        """Every rank calls it with the same ``slab_bytes`` (computed from the same headers): in step."""
+        if self.data is not None and self.slab >= slab_bytes:
             return
         if self.data is not None:
-            self.data.close()  # every rank is past this call's barrier: nobody reads the old one
+            self.data.close()  # every rank saw every flag of this call: nobody writes the old one
         self.gen += 1
-        self.half = _grow(max(nbytes, self.half))
+        self.slab = _grow(max(slab_bytes, self.slab))
+        self.half = self.R * self.slab
         self.data = allocate(ctx.store, ctx.rank, ctx.world, 2 * self.half, 0,
                              f"{ctx.group_name}/a2a{self.ne}/data{self.gen}", timeout_s)
-        self.data_base = [self.data.tensor(r, 0, (1,), torch.uint8).data_ptr() for r in range(ctx.world)]
-        base = np.array(self.data_base, dtype=np.uint64)[self.order]
-        for par, p in enumerate(self.data_push):
-            p.dst[:] = base + np.uint64(par * self.half)
+        base = np.array([self.data.tensor(r, 0, (1,), torch.uint8).data_ptr() for r in range(ctx.world)],
+                        dtype=np.uint64)
+        self.base_me = int(base[self.me])
+        self.dst_base = base  # [R] data window of each dest
+        self.slab_at = self.base_me + self.slab_rows * self.slab  # [R, 1] this rank's slab of each source
+        # per parity: each dest's window (the combine's rows) and my slab in it (the dispatch's)
+        self.win_dst = [base + np.uint64(par * self.half) for par in (0, 1)]
+        self.slab_dst = [w + np.uint64(self.me * self.slab) for w in self.win_dst]
+        self.win_dst_at = [a.ctypes.data for a in self.win_dst]
+        self.slab_dst_at = [a.ctypes.data for a in self.slab_dst]
+
+    def local_window(self, par: int, nbytes: int) -> torch.Tensor:
+        if self.local[par].numel() < nbytes:
+            self.local[par] = torch.empty(_grow(nbytes), dtype=torch.uint8)
+        return self.local[par]
 
 
 def _state(ctx, ne: int, timeout_s: float) -> _State:
@@ -107,27 +124,26 @@ def _state(ctx, ne: int, timeout_s: float) -> _State:
     return st
 
 
-def _wait(st: _State, poll, ep: int, timeout_s: float, what: str) -> None:
-    if not poll(ep, SPINS):
-        return
-    flags, slots = poll.flags, poll.slots
-    deadline, spins = time.monotonic() + timeout_s, 0
-    while poll(ep, SPINS):
-        if time.monotonic() > deadline:
-            missing = sorted(int(s) % st.R for s in slots[flags[slots] < ep])
-            raise TimeoutError(
-                f"ep a2a: rank(s) {missing} did not arrive within timeout_s={timeout_s:g}s ({what}; this is "
-                f"rank {st.control.rank})")
-        spins += 1
-        backoff(50 + spins)  # the C poll already spun: yield the core from the first round on
+def _wait(st: _State, ep: int, timeout_s: float, what: str) -> None:
+    if st.wait(ep, timeout_s):
+        flags, slots = st.wait.flags, st.wait.slots
+        missing = sorted(int(s) for s in slots[flags[slots] < ep])
+        raise TimeoutError(f"ep a2a: rank(s) {missing} did not arrive within timeout_s={timeout_s:g}s ({what}; this "
+                           f"is rank {st.me})")
 
 
 def _meta(kind: str, ne: int, rows_in: int, out_rows: int, row_bytes: int, major_align) -> list:
     return [KINDS.index(kind), ne, rows_in, out_rows, row_bytes, -1 if major_align is None else int(major_align)]
 
 
+_AGREE = np.array([0, 1, 4, 5])  # meta columns every rank must share
+
+
 def _agree(rows: np.ndarray, me: int) -> None:
     """Every rank called the same kind with the same row width and alignment (else: raise on all)."""
+    cols = rows[:, _AGREE]
+    if not (cols != cols[0]).any():  # one numpy op on the hot path
+        return
     for col, name in ((0, "op"), (1, "experts per rank"), (4, "row bytes"), (5, "major_align")):
         vals = rows[:, col]
         if (vals != vals[0]).any():
@@ -136,18 +152,18 @@ def _agree(rows: np.ndarray, me: int) -> None:
 
 
 def _layout(kind: str, rows: np.ndarray, me: int, R: int, ne: int):
-    """From every rank's control row: this rank's send blocks [R_dst, ne] (rows, src row, dst row),
-    its receive blocks (offsets, rows), its out_splits_offsets, and the checks' verdicts."""
+    """From every rank's header: this rank's out_splits_offsets (None for ``combine_t``), every
+    rank's out rows, and the checks' verdicts — the same on every rank."""
     pay = rows[:, NMETA:]
     rows_in, out_rows = rows[:, 2], rows[:, 3].copy()
-    align = None if rows[0, 5] < 0 else int(rows[0, 5])
+    if (pay < 0).any():
+        bad = int(np.nonzero((pay < 0).any(1))[0][0])
+        raise ValueError(f"ep a2a: rank {bad} passed a negative split or offset (raised on rank {me})")
     if kind == "dispatch":
+        align = None if rows[0, 5] < 0 else int(rows[0, 5])
         splits = pay[:, : R * ne]  # [R_src, R*ne]
-        used, need = splits.sum(1), dispatch_rows_needed(splits, ne, align)  # [R_src], [R_dst]
         o_splits, o_offs = dispatch_layout(splits, ne, align)  # [R_dst, ne*R]
-        send = (splits[me].reshape(R, ne), exclusive_cumsum(splits[me]).reshape(R, ne),
-                o_offs.reshape(R, ne, R)[:, :, me])
-        recv = (o_offs[me], o_splits[me])
+        used, need = splits.sum(1), dispatch_rows_needed(splits, ne, align)  # [R_src], [R_dst]
         oso = np.stack([o_splits[me], o_offs[me]])
     else:
         so = pay.reshape(R, 2, ne * R)  # [R_p, 2, ne*R] every rank's (forward) in_splits_offsets
@@ -155,18 +171,11 @@ def _layout(kind: str, rows: np.ndarray, me: int, R: int, ne: int):
         ends = (so[:, 0] + so[:, 1]) * (so[:, 0] > 0)  # [R_p, ne*R] end row of each block in p's input
         if kind == "combine":
             used, need = ends.max(1, initial=0), o_splits.sum(1)
-            send = (so[me, 0].reshape(ne, R).T, so[me, 1].reshape(ne, R).T, o_offs[:, me * ne : (me + 1) * ne])
-            recv = (o_offs[me], o_splits[me])
             oso = np.stack([o_splits[me], o_offs[me]])
         else:  # combine_t: d sends the rows at its forward outputs back to p's forward inputs
             used, need = o_splits.sum(1), ends.max(1, initial=0)
-            send = (o_splits[me].reshape(R, ne), o_offs[me].reshape(R, ne), so[:, 1].reshape(R, ne, R)[:, :, me])
-            recv = (so[me, 1], so[me, 0])
             oso = None
     out_rows[out_rows < 0] = need[out_rows < 0]  # window mode: exactly what arrives
-    if (pay < 0).any():
-        bad = int(np.nonzero((pay < 0).any(1))[0][0])
-        raise ValueError(f"ep a2a: rank {bad} passed a negative split or offset (raised on rank {me})")
     for r in range(R):
         if used[r] > rows_in[r]:
             raise ValueError(f"ep a2a {kind}: rank {r}'s splits span {int(used[r])} rows of its input, which has "
@@ -174,22 +183,165 @@ def _layout(kind: str, rows: np.ndarray, me: int, R: int, ne: int):
         if need[r] > out_rows[r]:
             raise ValueError(f"ep a2a {kind}: rank {r} receives {int(need[r])} rows, its out has {int(out_rows[r])} "
                              f"(size out for R*T_max*min(K, E_local) rows + alignment; raised on rank {me})")
-    return send, recv, oso, out_rows
+    return oso, out_rows
 
 
-def _rows_after_dispatch(drows: np.ndarray, st: _State, row_bytes: int) -> np.ndarray:
-    """The control rows a combine of a window dispatch's rows would publish, from that dispatch's:
-    each rank's input is its window (its dispatch's out_splits_offsets), each gets back what it sent."""
-    R, ne = st.R, st.ne
-    splits = drows[:, NMETA : NMETA + R * ne]
-    align = None if drows[0, 5] < 0 else int(drows[0, 5])
-    o_splits, o_offs = dispatch_layout(splits, ne, align)  # [R, ne*R]
-    rows = np.zeros((R, st.W), dtype=np.int64)
-    rows[:, :NMETA] = [KINDS.index("combine"), ne, 0, 0, row_bytes, -1]
-    rows[:, 2] = dispatch_rows_needed(splits, ne, align)
-    rows[:, 3] = splits.sum(1)
-    rows[:, NMETA : NMETA + ne * R], rows[:, NMETA + ne * R : NMETA + 2 * ne * R] = o_splits, o_offs
+def _next(st: _State) -> tuple[int, int]:
+    st.epoch += 1
+    return st.epoch, st.epoch % 2
+
+
+def _own_blocks(kind: str, pay: np.ndarray, rows_in: int, R: int, ne: int, pre, me: int):
+    """This source's blocks per dest, ([R_dst, ne] rows, [R_dst, ne] first row in its input), each
+    dest's blocks in expert order — from its own header (``combine_t``: from every header of the
+    header round, ``pre``).  None when its splits do not fit its input: it then sends no rows and
+    every rank raises the verdict from the headers (no read outside the input)."""
+    if (pay < 0).any() or (pre is not None and (pre[:, NMETA:] < 0).any()):
+        return None
+    if kind == "dispatch":
+        sp = pay[: R * ne]
+        ok = sp.sum() <= rows_in
+        blocks = (sp.reshape(R, ne), exclusive_cumsum(sp).reshape(R, ne))
+    elif kind == "combine":
+        so = pay[: 2 * ne * R].reshape(2, ne, R)
+        ok = ((so[0] + so[1]) * (so[0] > 0)).max(initial=0) <= rows_in
+        blocks = (so[0].T, so[1].T)
+    else:  # combine_t: my input is laid out as the combine's output (rank-major over every source p)
+        o_splits, o_offs, _ = combine_layout(pre[:, NMETA : NMETA + 2 * ne * R].reshape(R, 2, ne * R), ne)
+        ok = o_splits[me].sum() <= rows_in
+        blocks = (o_splits[me].reshape(R, ne), o_offs[me].reshape(R, ne))
+    return blocks if ok else None
+
+
+def _recv_blocks(kind: str, rows: np.ndarray, me: int, R: int, ne: int):
+    """From every header: what this rank receives, ([R_src, ne] rows, [R_src, ne] row in ``out``)
+    in each source's slab order (expert order), and the rows ``out`` spans."""
+    pay = rows[:, NMETA:]
+    if kind == "dispatch":
+        align = None if rows[0, 5] < 0 else int(rows[0, 5])
+        rs = pay[:, me * ne : (me + 1) * ne]  # [R_s, ne]
+        tiles = aligned_tiles(rs.sum(0), align)  # [ne]
+        offs = exclusive_cumsum(tiles)[:, None] + exclusive_cumsum(rs.T, 1)  # [ne, R_s]: e*R + s
+        return rs, offs.T, int(tiles.sum())
+    so = pay[:, : 2 * ne * R].reshape(R, 2, ne, R)  # [R_p, 2, ne, R_d] every rank's in_splits_offsets
+    if kind == "combine":  # from p: its blocks (e, me), to out's block (p, e), packed rank-major
+        rs = so[:, 0, :, me]  # [R_p, ne]
+        return rs, exclusive_cumsum(rs.reshape(-1)).reshape(R, ne), int(rs.sum())
+    rs, dst = so[me, 0].T, so[me, 1].T  # combine_t, from d: rows back to my forward input's block (e, d)
+    return rs, dst, int(((rs + dst) * (rs > 0)).max(initial=0))
+
+
+def _slab_need(kind: str, rows: np.ndarray, R: int, ne: int) -> int:
+    """Most rows any source sends any dest in this call (from every header)."""
+    pay = rows[:, NMETA:]
+    if kind == "dispatch":
+        return int(pay[:, : R * ne].reshape(R, R, ne).sum(2).max(initial=0))
+    # combine: p sends d its blocks (e, d); combine_t: d sends p the same rows back
+    return int(pay[:, : ne * R].reshape(R, ne, R).sum(1).max(initial=0))
+
+
+def _send_slabs(st: _State, par: int, ep: int, x: torch.Tensor, row_bytes: int, own) -> None:
+    """One C call: header + this rank's rows into its slab of every dest's window, then the flags."""
+    snd = st.sends[par]
+    snd.dst[:] = st.dst_base + np.uint64(par * st.half + st.me * st.slab)
+    if own is None or int(own[0].sum(1).max(initial=0)) * row_bytes > st.slab:
+        snd.blk[2] = 0  # header only: every rank sees why in the headers
+    else:
+        rows, src = own
+        snd.blk[0], snd.blk[1], snd.blk[2] = src.reshape(-1), exclusive_cumsum(rows, 1).reshape(-1), rows.reshape(-1)
+        snd.blk[2, st.me * st.ne : (st.me + 1) * st.ne] = 0  # own rows: gathered from x directly, never copied twice
+    snd(x.data_ptr(), row_bytes, st.row_at, st.W * 8, ep)
+
+
+def _header_round(st: _State, timeout_s: float) -> np.ndarray:
+    """Every rank's header, no rows (``combine_t`` needs every rank's counts to place its own rows)."""
+    ep, par = _next(st)
+    snd = st.sends[par]
+    snd.blk[2] = 0
+    snd(0, 0, st.row_at, st.W * 8, ep)
+    _wait(st, ep, timeout_s, "the combine_t's counts")
+    rows = st.views[par].copy()
+    _agree(rows, st.me)
     return rows
+
+
+def _gather(st: _State, par: int, rs: np.ndarray, dst: np.ndarray, row_bytes: int, out: torch.Tensor,
+            expert_major: bool, x: torch.Tensor, own) -> None:
+    """One C call: the blocks out of the R slabs of this rank's window — and this rank's own blocks
+    straight from its input ``x`` (never copied into its own slab) — into ``out`` (gaps zeroed)."""
+    me = st.me
+    src = st.slab_at + (par * st.half + exclusive_cumsum(rs, 1) * row_bytes)  # [R_s, ne] addresses in the slabs
+    src[me] = x.data_ptr() + own[1][me] * row_bytes
+    g = st.gather
+    if expert_major:  # dispatch: e*R + s order, sorted by row (one pass)
+        rs, dst, src = rs.T, dst.T, src.T
+    g.src_at[:], g.dst_row[:], g.rows[:] = src.reshape(-1), dst.reshape(-1), rs.reshape(-1)
+    g(out, row_bytes)
+
+
+def _combine_after(ctx, st: _State, x: torch.Tensor, row_bytes: int, handle, timeout_s: float):
+    """A combine of the window dispatch's rows straight after it: every rank already knows where
+    each row goes (the dispatch's headers), so each block goes to its FINAL row of the source's
+    window (rank-major, as the source sent it) — no header, no gather, one wait."""
+    R, ne, me = st.R, st.ne, st.me
+    _, _, drows, rs, dst = handle  # rs, dst [R_s, ne]: rows from s and where they sit in my window
+    splits = drows[:, NMETA : NMETA + R * ne]  # [R_s, R*ne] every source's dispatch splits
+    S = splits.sum(1)  # [R] rows each source sent, and gets back
+    back = exclusive_cumsum(splits, 1)[:, me * ne : (me + 1) * ne]  # [R_s, ne] where my blocks sit at s
+    if x.shape[0] < int(((rs + dst) * (rs > 0)).max(initial=0)):
+        raise ValueError(f"ep a2a combine: input has {x.shape[0]} rows, fewer than the dispatch's window")
+    st.ensure(ctx, -(-int(S.max(initial=0)) * row_bytes // R), timeout_s)  # same on every rank
+    ep, par = _next(st)
+    snd = st.sends[par]
+    snd.dst[:] = st.dst_base + np.uint64(par * st.half)
+    snd.blk[0], snd.blk[1], snd.blk[2] = dst.reshape(-1), back.reshape(-1), rs.reshape(-1)
+    snd(x.data_ptr(), row_bytes, 0, 0, ep)
+    _wait(st, ep, timeout_s, "the combine's rows")
+    return st.data.tensor(me, par * st.half, (int(S[me]), *x.shape[1:]), x.dtype), None
+
+
+def _dispatch_window_c(ctx, st: _State, lib, x: torch.Tensor, row_bytes: int, timeout_s: float):
+    """The fused op's dispatch, whole in C: one send (header + rows + flags), one wait, one receive
+    (checks, layout, gather into the compact window).  The header is in ``st.row`` already."""
+    R, me, W = st.R, st.me, st.W
+    while True:
+        ep, par = _next(st)
+        snd = st.sends[par]
+        lib.moe_ep_dispatch_send(st.row_at, W, R, me, x.data_ptr(), st.slab_dst_at[par], st.slab, snd._at[5],
+                                 snd._at[6], ep, st.sleep_off)
+        _wait(st, ep, timeout_s, "the dispatch's rows")
+        while True:
+            buf = st.local[par]
+            cap = buf.numel() // row_bytes if row_bytes else 1 << 62
+            n = lib.moe_ep_dispatch_recv(st.views_at[par], W, R, me, st.base_me + par * st.half, st.slab,
+                                         x.data_ptr(), buf.data_ptr(), cap, *st.out_at)
+            if n != -3:
+                break
+            st.local_window(par, int(st.need[0]) * row_bytes)
+        if n == -1:  # a bad split or a disagreement: the numpy checks name it, on every rank alike
+            rows = st.views[par]
+            _agree(rows, me)
+            _layout("dispatch", rows, me, R, st.ne)
+            raise RuntimeError("ep a2a dispatch: the C checks refused headers the numpy checks accept")
+        if n >= 0:
+            break
+        st.ensure(ctx, int(st.need[0]), timeout_s)  # -2: a slab too small: every rank grows, sends again
+    view = st.local[par][: n * row_bytes].view(x.dtype).view(n, *x.shape[1:])
+    oso = st.oso.copy()
+    return view, torch.from_numpy(oso), oso, (ep, st, st.views[par].copy(), oso, st.sent.copy(), int(st.need[0]))
+
+
+def _combine_after_c(ctx, st: _State, lib, x: torch.Tensor, row_bytes: int, handle, timeout_s: float):
+    """``_combine_after`` whole in C: each block to its final row of its source's window, the flags."""
+    _, _, drows, oso, sent, used = handle
+    if x.shape[0] < used:
+        raise ValueError(f"ep a2a combine: input has {x.shape[0]} rows, the dispatch's blocks span {used}")
+    st.ensure(ctx, -(-int(sent.max(initial=0)) * row_bytes // st.R), timeout_s)  # same on every rank
+    ep, par = _next(st)
+    lib.moe_ep_combine_after(drows.ctypes.data, st.W, st.R, st.me, oso.ctypes.data, x.data_ptr(), row_bytes,
+                             st.win_dst_at[par], st.sends[par]._at[6], ep, st.sleep_off)
+    _wait(st, ep, timeout_s, "the combine's rows")
+    return st.data.tensor(st.me, par * st.half, (int(sent[st.me]), *x.shape[1:]), x.dtype), None
 
 
 def exchange(kind: str, input: torch.Tensor, payload: torch.Tensor, group_name: str, out_rows: int,
@@ -198,53 +350,69 @@ def exchange(kind: str, input: torch.Tensor, payload: torch.Tensor, group_name: 
     [2, R*ne] int64, or None for ``combine_t``).  ``payload``: in_splits (dispatch) or
     in_splits_offsets (combine / combine_t).
 
-    ``window=True`` (the fused op): ``out`` is this rank's receive window itself, exactly as many
-    rows as arrive (``out_rows`` ignored), not unpacked — rows between blocks hold whatever was
-    there — and valid until the second exchange after this one on the group; the third result is
+    ``window=True`` (the fused op's dispatch): ``out`` is this rank's compact receive window, exactly
+    as many rows as arrive (``out_rows`` ignored; expert-major with the alignment, gaps zero), valid
+    until this rank's second exchange after this one on the group; the third result is
     out_splits_offsets as numpy (the tiles' bounds, read from this host's memory), the fourth a
     handle for ``after``.
 
-    ``after=handle`` (a combine of that window's rows straight after it): every rank already knows
-    the combine's layout from the dispatch's counts, so the counts phase is skipped — one barrier
-    less.  Safe: the dispatch's barrier already proved every peer done with the windows this
-    combine writes (parity argument above), and the next exchange publishes again."""
+    ``after=handle`` (a combine of that window's rows straight after it): each row goes straight
+    to its final row in the source's window (``_combine_after``); ``out`` is a view of this rank's
+    shared window (rank-major, exactly the rows this rank sent), valid until this rank's next
+    exchange on the group sends, and the second result is None."""
     ctx = get_context(group_name)
     R, me = ctx.world, ctx.rank
+    if window and kind != "dispatch":
+        raise ValueError(f"ep a2a {kind}: window=True is a dispatch's mode")
     if payload.numel() % (R * (2 if kind != "dispatch" else 1)):
         raise ValueError(f"ep a2a {kind}: {payload.numel()} splits is not a multiple of the world size {R}")
     ne = payload.numel() // (R if kind == "dispatch" else 2 * R)
     x = input.contiguous()
     row_bytes = math.prod(x.shape[1:]) * x.element_size()
     st = _state(ctx, ne, timeout_s)
-    st.epoch += 1
-    ep, par = st.epoch, st.epoch % 2
-    if after is not None and kind == "combine" and after[0] == ep - 1 and after[1] is st:
-        rows = _rows_after_dispatch(after[2], st, row_bytes)
-    else:  # 1. publish this rank's row into every peer's window, then the one barrier
-        n_pay = payload.numel()
-        st.row[:NMETA] = _meta(kind, ne, x.shape[0], -1 if window else out_rows, row_bytes, major_align)
-        st.row[NMETA : NMETA + n_pay] = payload.reshape(-1).numpy()
-        st.counts_push[par](st.row_at, st.W * 8, ep)
-        _wait(st, st.counts_poll, ep, timeout_s, f"the {kind}'s counts")
-        rows = st.rows_of(par)
+    if st.data is None:
+        st.ensure(ctx, SLAB_BYTES, timeout_s)
+    lib = cpu_ep.fast_lib()
+    if after is not None and kind == "combine" and after[0] == st.epoch and after[1] is st:
+        back = (_combine_after_c(ctx, st, lib, x, row_bytes, after, timeout_s) if len(after) == 6
+                else _combine_after(ctx, st, x, row_bytes, after, timeout_s))[0]
+        if back.shape[0] < out_rows:  # rows this rank sent no block from (dedup's pairs): zero
+            back = torch.cat([back, back.new_zeros((out_rows - back.shape[0], *back.shape[1:]))])
+        return back, None
+    n_pay = payload.numel()
+    st.row[:NMETA] = _meta(kind, ne, x.shape[0], -1 if window else out_rows, row_bytes, major_align)
+    st.row[NMETA : NMETA + n_pay] = payload.reshape(-1).numpy()
+    if window and lib is not None:
+        return _dispatch_window_c(ctx, st, lib, x, row_bytes, timeout_s)
+    pre = _header_round(st, timeout_s) if kind == "combine_t" else None
+    own = _own_blocks(kind, st.row[NMETA:], x.shape[0], R, ne, pre, me)
+    while True:
+        ep, par = _next(st)
+        _send_slabs(st, par, ep, x, row_bytes, own)
+        _wait(st, ep, timeout_s, f"the {kind}'s rows")
+        rows = st.views[par]
         _agree(rows, me)
-    send, recv, oso, out_rows_all = _layout(kind, rows, me, R, ne)
-    st.ensure(ctx, int(out_rows_all.max()) * row_bytes, timeout_s)
-    # 2. every block straight to its final rows, a DATA flag after each dest's blocks
-    push = st.data_push[par]
-    for i, a in enumerate((send[1], send[2], send[0])):  # src_row, dst_row, rows
-        push.blk[i] = a[st.order].reshape(-1)
-    push(x.data_ptr(), row_bytes, ep)
-    # 3. all R sources' rows here: unpack the window into out
-    _wait(st, st.data_poll, ep, timeout_s, f"the {kind}'s rows")
+        if window and kind == "dispatch":  # the fused op's hot path: the checks in two numpy ops, the layout of this rank only
+            pay = rows[:, NMETA : NMETA + R * ne]
+            if (pay < 0).any() or (pay.sum(1) > rows[:, 2]).any():
+                _layout(kind, rows, me, R, ne)  # raises, on every rank alike
+        else:
+            oso, out_rows_all = _layout(kind, rows if pre is None else pre, me, R, ne)  # raises on every rank alike
+        need = _slab_need(kind, rows, R, ne) * row_bytes
+        if need <= st.slab:
+            break
+        st.ensure(ctx, need, timeout_s)  # a slab too small on some rank: every rank grows, sends again
+    rs, dst, n = _recv_blocks(kind, rows if pre is None else pre, me, R, ne)
     if window:
-        view = st.data.tensor(me, par * st.half, (int(out_rows_all[me]), *x.shape[1:]), x.dtype)
-        return view, torch.from_numpy(np.ascontiguousarray(oso)), oso, (ep, st, rows.copy())
+        buf = st.local_window(par, n * row_bytes)
+        view = buf[: n * row_bytes].view(x.dtype).view(n, *x.shape[1:])
+        _gather(st, par, rs, dst, row_bytes, view, True, x, own)
+        oso = np.stack([rs.T.reshape(-1), dst.T.reshape(-1)])  # [2, ne*R]: e*R + s
+        return view, torch.from_numpy(oso), oso, (ep, st, rows.copy(), rs.copy(), dst)
     if out_rows < out_rows_all[me]:
         raise ValueError(f"ep a2a {kind}: out has {out_rows} rows, {int(out_rows_all[me])} arrive")
     out = x.new_empty((out_rows, *x.shape[1:]))
-    st.unpack.off[:], st.unpack.rows[:] = recv
-    st.unpack(st.data_base[me] + par * st.half, out, row_bytes)
+    _gather(st, par, rs, dst, row_bytes, out, kind == "dispatch", x, own)
     return out, (None if oso is None else torch.from_numpy(np.ascontiguousarray(oso)))
 
 

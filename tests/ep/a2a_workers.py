@@ -281,3 +281,34 @@ def fullgraph(rank, world):
     assert not torch._dynamo.config.capture_scalar_outputs
     got = torch.compile(layer, fullgraph=True, backend="aot_eager")(xs[rank], scores)
     return rel(got, want)
+
+
+def window_paths(rank, world, seeds, ne, H, big_rows):
+    """The fused op's window dispatch + combine-after (the C path, or numpy's without the C kernel):
+    the window equals the model's dispatch out, the combine brings every row back; then one
+    dispatch whose blocks overflow the slabs (every rank grows them and sends again)."""
+    from moe_compile.ep import a2a_cpu
+    from moe_compile.ep.a2a_layout import dispatch_rows_needed
+
+    group = dist.group.WORLD.group_name
+    bad = []
+    cases = [(seed, None) for seed in seeds] + [("big", big_rows)]
+    for seed, big in cases:
+        gen = torch.Generator().manual_seed(7 if big else seed)
+        if big:  # every rank sends big rows to every rank's first expert: more than a slab holds
+            splits = [torch.zeros(world * ne, dtype=torch.long) for _ in range(world)]
+            for s in splits:
+                s[::ne] = big
+            inputs = [torch.randn(int(s.sum()), H, generator=gen) for s in splits]
+        else:
+            inputs, splits, _ = random_dispatch(gen, world, ne, H)
+        need = dispatch_rows_needed(torch.stack(splits), ne, None).tolist()  # the window: exactly what arrives
+        ref = dispatch_reference(inputs, splits, ne, need)[rank]
+        win, oso, _, handle = a2a_cpu.exchange("dispatch", inputs[rank], splits[rank], group, 0, window=True)
+        if not (torch.equal(win, ref[0]) and torch.equal(oso, ref[1])):
+            bad.append(("window", seed))
+        rows = int(splits[rank].sum())
+        back = a2a_cpu.exchange("combine", win * 2, oso, group, rows, after=handle)[0]
+        if not torch.equal(back, inputs[rank][:rows] * 2):
+            bad.append(("combine_after", seed))
+    return bad

@@ -72,3 +72,17 @@ def test_200_random_routings_bit_identical(world):
     for rank, (status, out) in res.items():
         assert status == "ok", out
         assert out == [], f"rank {rank}: not bit-identical to the model on {out}"
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("env", [{}, {"MOE_COMPILE_EP_COPY": "0", "MOE_COMPILE_EP_WAIT": "futex"}])
+def test_window_path_and_slab_growth(env, monkeypatch):
+    """The fused op's path (C, or numpy's with the C kernel off; the futex wait) equal to the model,
+    and a dispatch larger than the slabs (grown on every rank, sent again) still exact."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    # big: 300 rows of 1024 fp32 (4 KiB) per (source, dest) = 1.2 MiB > the 1 MiB first slab
+    res = run_world(2, "tests.ep.a2a_workers.window_paths", list(range(10)), 2, 1024, 300, timeout=180)
+    for rank, (status, out) in res.items():
+        assert status == "ok", out
+        assert out == [], f"rank {rank}: window path differs from the model on {out}"

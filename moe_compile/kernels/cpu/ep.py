@@ -8,8 +8,9 @@ Reuses the single-device kernels: ``kernels/cpu.fused_moe_cpu`` with K = 1 (its 
 ``out``, which on the heap transport is a view of the source rank's return window) and ``kernels/cpu_backward.fused_moe_backward_cpu`` (with K = 1 and
 the local expert ids of the rows).
 
-``push`` / ``poll`` / ``unpack`` are ``ep_copy.c``'s three functions (one C call per exchange
-step, whatever the number of blocks); without a C compiler or AVX2 (or ``MOE_COMPILE_EP_COPY=0``)
+``Send`` / ``Wait`` / ``Gather`` (the slab transport of ``ep/a2a_cpu``) and ``push`` / ``poll`` /
+``unpack`` are ``ep_copy.c``'s functions (one C call per exchange step, whatever the number of
+blocks); without a C compiler or AVX2 (or ``MOE_COMPILE_EP_COPY=0``)
 they run as a loop of ``ctypes.memmove`` per block — the same bytes, slower.
 """
 
@@ -31,8 +32,20 @@ _COPY = cpu_cc.Kernel(
     "ep_copy", COPY_ENV,
     {"moe_ep_push": [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64],
      "moe_ep_poll": ([_PTR, _PTR, _I64, _I64, _I64], _I64),
-     "moe_ep_unpack": [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64]},
+     "moe_ep_unpack": [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64],
+     "moe_ep_send": [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64],
+     "moe_ep_wait": ([_PTR, _PTR, _I64, _I64, _I64, _I64], _I64),
+     "moe_ep_gather": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64],
+     "moe_ep_dispatch_send": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64], _I64),
+     "moe_ep_dispatch_recv": ([_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR], _I64),
+     "moe_ep_combine_after": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64]},
     "the exchange copies block by block from Python")
+
+
+def fast_lib():
+    """``ep_copy.c`` loaded (its ``moe_ep_dispatch_send`` / ``_recv`` / ``moe_ep_combine_after``: the
+    fused op's window exchanges whole in C), or None (then ``ep/a2a_cpu`` takes its numpy path)."""
+    return _COPY.lib()
 
 
 def copy_kernel_reason() -> str | None:
@@ -138,6 +151,90 @@ class Unpack:
         lib.moe_ep_unpack(src_ptr, out.data_ptr(), row_bytes, self.off.size, self._at[0], self._at[1], out.shape[0])
 
 
+class Send:
+    """One source's exchange step to ``ndst`` destinations (``moe_ep_send``): per destination a
+    header copy and its blocks, then every flag.  Arrays made once with their addresses; the caller
+    fills ``dst`` / ``hdr_dst`` / ``flags`` / ``nblk`` / ``blk`` (src_row, dst_row, rows) in place."""
+
+    def __init__(self, ndst: int, nblk: int, sleep_off: int = 0):
+        self.sleep_off = sleep_off  # int64s from each flag to its waiter's "sleeping" word (0: none)
+        self.dst, self.hdr_dst = np.zeros(ndst, dtype=np.uint64), np.zeros(ndst, dtype=np.uint64)
+        self.flags = np.zeros(ndst, dtype=np.uint64)
+        self.nblk = np.zeros(ndst, dtype=np.int64)
+        self.blk = np.zeros((3, nblk), dtype=np.int64)
+        self._at = [a.ctypes.data for a in (self.dst, self.nblk, self.blk[0], self.blk[1], self.blk[2],
+                                            self.hdr_dst, self.flags)]
+
+    def __call__(self, src_ptr: int, row_bytes: int, hdr_ptr: int, hdr_bytes: int, value: int) -> None:
+        lib = _COPY.lib()
+        if lib is not None:
+            d, n, sr, dr, r, h, f = self._at
+            lib.moe_ep_send(src_ptr, d, row_bytes, self.dst.size, n, sr, dr, r, hdr_ptr, hdr_bytes, h, f, value,
+                            self.sleep_off)
+            return
+        at = 0
+        for j in range(self.dst.size):
+            if hdr_bytes:
+                ctypes.memmove(int(self.hdr_dst[j]), hdr_ptr, hdr_bytes)
+            for i in range(at, at + int(self.nblk[j])):
+                n = int(self.blk[2, i])
+                if n > 0:
+                    ctypes.memmove(int(self.dst[j]) + int(self.blk[1, i]) * row_bytes,
+                                   src_ptr + int(self.blk[0, i]) * row_bytes, n * row_bytes)
+            at += int(self.nblk[j])
+        for j in range(self.dst.size):  # x86: stores land in program order
+            ctypes.c_int64.from_address(int(self.flags[j])).value = value
+
+
+class Wait:
+    """``moe_ep_wait`` on fixed ``slots`` of one flag array until every flag reaches ``value`` or
+    ``timeout_s``: spin, then sleep in a futex that the sender wakes (with ``sleep_off``, the
+    distance to the "sleeping" words; else yield, then nap); returns how many are still below."""
+
+    def __init__(self, flags: np.ndarray, slots: np.ndarray, sleep_off: int = 0):
+        self.flags, self.slots = flags, np.ascontiguousarray(slots, dtype=np.int64)
+        self.sleep_off = sleep_off
+        self._at = (self.flags.ctypes.data, self.slots.ctypes.data)
+
+    def __call__(self, value: int, timeout_s: float) -> int:
+        lib = _COPY.lib()
+        if lib is not None:
+            return int(lib.moe_ep_wait(self._at[0], self._at[1], self.slots.size, value, int(timeout_s * 1e9),
+                                       self.sleep_off))
+        import time
+
+        from moe_compile.symm.cpu_shm import backoff
+
+        deadline, spins = time.monotonic() + timeout_s, 0
+        while (pending := int((self.flags[self.slots] < value).sum())) and time.monotonic() < deadline:
+            spins += 1
+            backoff(spins)
+        return pending
+
+
+class Gather:
+    """``moe_ep_gather`` of up to ``n`` blocks into ``out`` rows [0, total), rows no block covers
+    zeroed: the caller fills ``src_at`` (each block's source address), ``dst_row``, ``rows`` in place."""
+
+    def __init__(self, n: int):
+        self.src_at = np.zeros(n, dtype=np.uint64)
+        self.dst_row, self.rows = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        self._at = tuple(a.ctypes.data for a in (self.src_at, self.dst_row, self.rows))
+
+    def __call__(self, out: torch.Tensor, row_bytes: int) -> None:
+        total = out.shape[0]
+        if total == 0:
+            return
+        lib = _COPY.lib()
+        if lib is not None:
+            lib.moe_ep_gather(out.data_ptr(), row_bytes, self.rows.size, *self._at, total)
+            return
+        out.zero_()
+        for sa, dr, n in zip(self.src_at.tolist(), self.dst_row.tolist(), self.rows.tolist()):
+            if n > 0:
+                ctypes.memmove(out.data_ptr() + dr * row_bytes, sa, n * row_bytes)
+
+
 def _local_ids(counts, n_rows: int, device) -> torch.Tensor:
     """[n, 1] local expert of each received row, from counts [R, El] (src-major blocks)."""
     el = len(counts[0]) if len(counts) else 0
@@ -173,4 +270,5 @@ def experts_backward_on_rows(x_rows, dy_rows, g, counts, w: ExpertWeights, attrs
 
 
 __all__ = ["experts_on_rows", "experts_backward_on_rows", "push", "poll", "unpack", "Push", "Poll", "Unpack",
+           "Send", "Wait", "Gather", "fast_lib",
            "copy_kernel_reason", "ROLES"]

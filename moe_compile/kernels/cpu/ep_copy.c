@@ -8,6 +8,12 @@
  */
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
+#include <sched.h>
+#include <limits.h>
+#include <unistd.h>
+#include <sys/syscall.h>
+#include <linux/futex.h>
 #include <immintrin.h>
 
 static void copy_blocks(const char *src, char *dst, int64_t row_bytes, int64_t n, const int64_t *src_row,
@@ -69,4 +75,267 @@ void moe_ep_unpack(const char *src, char *dst, int64_t row_bytes, int64_t n, con
     }
     if (total > at)
         memset(dst + at * row_bytes, 0, (size_t)((total - at) * row_bytes));
+}
+
+/* Flags are int64 epochs; a waiter sleeps in a futex on the flag's low 32 bits (x86 is little
+ * endian: the int64's address is its low word), shared between processes (not FUTEX_PRIVATE: the
+ * word lives in another process's mapping too).  The epoch only grows, so the low word changes on
+ * every store (until 2^32 calls). */
+static void flag_wake(int64_t *flag) {
+    syscall(SYS_futex, (int32_t *)flag, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+/* Each flag has a "sleeping" word `sleep_off` int64s after it: a waiter sets it before it sleeps
+ * and the sender wakes only when it is set, so a call whose waiter is still spinning costs no
+ * system call.  Both sides use seq_cst (store, then load the other word): either the sender sees
+ * the waiter asleep and wakes it, or the waiter sees the new flag and does not sleep. */
+
+/* One source's whole exchange step (the slab transport, ep/a2a_cpu.py): for each destination j its
+ * header (hdr_bytes of hdr; none when 0) into hdr_dst[j] and its nblk[j] blocks into dst[j]; then,
+ * only after every destination's rows, every flag[j] = value, each followed by a futex wake of its
+ * waiter.  Storing the flags last means that when a peer sees its flag this rank has finished
+ * reading its input (which may be its previous receive window) for every destination, so the peer
+ * may reuse that window in its next call. */
+void moe_ep_send(const char *src, char *const *dst, int64_t row_bytes, int64_t ndst, const int64_t *nblk,
+                 const int64_t *src_row, const int64_t *dst_row, const int64_t *rows, const char *hdr,
+                 int64_t hdr_bytes, char *const *hdr_dst, int64_t *const *flag, int64_t value, int64_t sleep_off) {
+    int64_t at = 0;
+    for (int64_t j = 0; j < ndst; j++) {
+        if (hdr_bytes > 0)
+            memcpy(hdr_dst[j], hdr, (size_t)hdr_bytes);
+        copy_blocks(src, dst[j], row_bytes, nblk[j], src_row + at, dst_row + at, rows + at);
+        at += nblk[j];
+    }
+    for (int64_t j = 0; j < ndst; j++) {
+        __atomic_store_n(flag[j], value, __ATOMIC_SEQ_CST);
+        if (sleep_off && __atomic_load_n(flag[j] + sleep_off, __ATOMIC_SEQ_CST))
+            flag_wake(flag[j]);
+    }
+}
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* Wait until flags[slots[i]] >= value for every i, or timeout_ns; returns how many are still below.
+ * Ranks share the cores with each other and with other processes, so a waiter must not hold a core:
+ * a short pause-spin (~5 us: the peer is usually that close on the other core), then it sleeps in
+ * the kernel on the first missing flag (futex, 1 ms slices to check the deadline) and its sender's
+ * wake puts it back on a core at once — where sched_yield would hand the core to whatever else is
+ * runnable for a whole time slice (measured: bench_ep.py --exchange-only on the 2-core VM under
+ * load 3-5, see the module docstring of ep/a2a_cpu.py). */
+int64_t moe_ep_wait(int64_t *flags, const int64_t *slots, int64_t n, int64_t value, int64_t timeout_ns,
+                    int64_t sleep_off) {
+    for (int s = 0; s < 64; s++) {
+        int64_t i = 0;
+        while (i < n && __atomic_load_n(flags + slots[i], __ATOMIC_ACQUIRE) >= value)
+            i++;
+        if (i == n)
+            return 0;
+        _mm_pause();
+    }
+    int64_t t0 = now_ns();
+    for (int64_t i = 0; i < n;) {
+        int64_t *f = flags + slots[i];
+        int64_t v = __atomic_load_n(f, __ATOMIC_ACQUIRE);
+        if (v >= value) {
+            i++;
+            continue;
+        }
+        int64_t left = timeout_ns - (now_ns() - t0);
+        if (left <= 0) {
+            int64_t pending = 0;
+            for (int64_t k = 0; k < n; k++)
+                pending += __atomic_load_n(flags + slots[k], __ATOMIC_ACQUIRE) < value;
+            return pending;
+        }
+        if (!sleep_off) {  /* no sleeping words: yield, then nap */
+            if (now_ns() - t0 < 2000000)
+                sched_yield();
+            else
+                nanosleep(&(struct timespec){0, 20000}, NULL);
+            continue;
+        }
+        struct timespec ts = {0, left < 1000000 ? left : 1000000};
+        __atomic_store_n(f + sleep_off, 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(f, __ATOMIC_SEQ_CST) == v)
+            syscall(SYS_futex, (int32_t *)f, FUTEX_WAIT, (int32_t)v, &ts, NULL, 0);  /* returns at once if *f moved */
+        __atomic_store_n(f + sleep_off, 0, __ATOMIC_RELAXED);
+    }
+    return 0;
+}
+
+/* dst rows [0, total): block i's rows [dst_row[i], dst_row[i] + rows[i]) from the rows[i] * row_bytes
+ * bytes at address src_at[i] (a slab of this rank's window, or this rank's own input); every row no
+ * block covers zeroed.  Blocks sorted
+ * by dst_row take one pass (memset only the gaps); otherwise dst is zeroed first. */
+void moe_ep_gather(char *dst, int64_t row_bytes, int64_t n, const char *const *src_at, const int64_t *dst_row,
+                   const int64_t *rows, int64_t total) {
+    int sorted = 1;
+    for (int64_t i = 1, end = 0; i < n && sorted; i++) {
+        if (rows[i - 1] > 0)
+            end = dst_row[i - 1] + rows[i - 1];
+        sorted = rows[i] <= 0 || dst_row[i] >= end;
+    }
+    if (!sorted)
+        memset(dst, 0, (size_t)(total * row_bytes));
+    int64_t at = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (rows[i] <= 0)
+            continue;
+        if (sorted && dst_row[i] > at)
+            memset(dst + at * row_bytes, 0, (size_t)((dst_row[i] - at) * row_bytes));
+        memcpy(dst + dst_row[i] * row_bytes, src_at[i], (size_t)(rows[i] * row_bytes));
+        at = dst_row[i] + rows[i];
+    }
+    if (sorted && total > at)
+        memset(dst + at * row_bytes, 0, (size_t)((total - at) * row_bytes));
+}
+
+/* ---- the fused op's dispatch and combine, whole in C (ep/a2a_cpu.py's window path) -------------
+ * Header of rank r (W int64s): meta[0..5] = kind, ne, input rows, out rows, row bytes, major_align
+ * (-1 = None), then its in_splits [R*ne] (block (d, e) = rows for expert e of rank d).  Python's
+ * per-call numpy work (tens of small-array ops, ~2 us each) was most of a decode exchange. */
+#define NMETA 6
+
+/* Send this rank's dispatch: header into every dest's slot, its rows for dest d (contiguous in x:
+ * the input is rank-major) into its slab of d's window, none to itself (gathered from x by the
+ * receive), then the flags.  Rows are sent only when every split is valid and fits its slab; else
+ * headers only and the receive reports why on every rank.  Returns 0 (rows sent) or 1 (headers only). */
+int64_t moe_ep_dispatch_send(const int64_t *hdr, int64_t W, int64_t R, int64_t me, const char *x,
+                             char *const *slab_dst, int64_t slab_bytes, char *const *hdr_dst, int64_t *const *flag,
+                             int64_t value, int64_t sleep_off) {
+    int64_t ne = hdr[1], rows_in = hdr[2], row_bytes = hdr[4];
+    const int64_t *sp = hdr + NMETA;
+    int64_t total = 0, ok = 1;
+    for (int64_t d = 0; d < R; d++) {
+        int64_t n = 0;
+        for (int64_t e = 0; e < ne; e++) {
+            ok &= sp[d * ne + e] >= 0;
+            n += sp[d * ne + e];
+        }
+        ok &= n * row_bytes <= slab_bytes;
+        total += n;
+    }
+    ok &= total <= rows_in;
+    int64_t at = 0;
+    for (int64_t d = 0; d < R; d++) {
+        memcpy(hdr_dst[d], hdr, (size_t)(W * 8));
+        int64_t n = 0;
+        for (int64_t e = 0; e < ne; e++)
+            n += sp[d * ne + e];
+        if (ok && d != me && n > 0)
+            memcpy(slab_dst[d], x + at * row_bytes, (size_t)(n * row_bytes));
+        at += n;
+    }
+    for (int64_t d = 0; d < R; d++) {
+        __atomic_store_n(flag[d], value, __ATOMIC_SEQ_CST);
+        if (sleep_off && __atomic_load_n(flag[d] + sleep_off, __ATOMIC_SEQ_CST))
+            flag_wake(flag[d]);
+    }
+    return ok ? 0 : 1;
+}
+
+/* Receive the dispatch into out (expert-major, tiles rounded up to major_align, gaps zeroed):
+ * hdrs [R, W] every source's header (this rank's control window), slabs = this rank's data window
+ * (slab s at s * slab_bytes), x = this rank's own input.  Writes oso [2, ne*R] (splits, offsets at
+ * e*R + s), sent [R] (rows each source sent in all) and *need = the end of the last block with
+ * rows (what a combine of out reads).  Returns N >= 0 rows; -1: the headers
+ * disagree or a split is bad (Python raises the verdict); -2: a slab too small, *need = bytes; -3:
+ * out holds fewer than *need rows. */
+int64_t moe_ep_dispatch_recv(const int64_t *hdrs, int64_t W, int64_t R, int64_t me, const char *slabs,
+                             int64_t slab_bytes, const char *x, char *out, int64_t out_cap, int64_t *oso,
+                             int64_t *sent, int64_t *need) {
+    int64_t ne = hdrs[1], row_bytes = hdrs[4], align = hdrs[5] < 0 ? 1 : hdrs[5], most = 0;
+    for (int64_t s = 0; s < R; s++) {
+        const int64_t *h = hdrs + s * W;
+        if (h[0] != hdrs[0] || h[1] != ne || h[4] != row_bytes || h[5] != hdrs[5])
+            return -1;
+        int64_t tot = 0;
+        for (int64_t d = 0; d < R; d++) {
+            int64_t n = 0;
+            for (int64_t e = 0; e < ne; e++) {
+                if (h[NMETA + d * ne + e] < 0)
+                    return -1;
+                n += h[NMETA + d * ne + e];
+            }
+            most = n > most ? n : most;
+            tot += n;
+        }
+        if (tot > h[2])
+            return -1;
+        sent[s] = tot;
+    }
+    if (most * row_bytes > slab_bytes) {
+        *need = most * row_bytes;
+        return -2;
+    }
+    int64_t N = 0;
+    for (int64_t e = 0; e < ne; e++) {
+        int64_t n = 0;
+        for (int64_t s = 0; s < R; s++)
+            n += hdrs[s * W + NMETA + me * ne + e];
+        n = (n + align - 1) / align * align;
+        N += n < align ? align : n;
+    }
+    if (N > out_cap) {
+        *need = N;
+        return -3;
+    }
+    /* where each source's blocks for me start: in its slab (peers), in x (this rank) */
+    int64_t at = 0, used = 0;
+    for (int64_t e = 0; e < ne; e++) {
+        int64_t o = at;
+        for (int64_t s = 0; s < R; s++) {
+            const int64_t *sp = hdrs + s * W + NMETA;
+            int64_t first = 0;  /* rows before block (me, e) in s's slab for me (or in x, rank-major) */
+            int64_t lo = s == me ? 0 : me * ne;
+            for (int64_t i = lo; i < me * ne + e; i++)
+                first += sp[i];
+            int64_t n = sp[me * ne + e];
+            oso[e * R + s] = n;
+            oso[ne * R + e * R + s] = o;
+            if (n > 0) {
+                const char *src = s == me ? x + first * row_bytes : slabs + s * slab_bytes + first * row_bytes;
+                memcpy(out + o * row_bytes, src, (size_t)(n * row_bytes));
+                used = o + n;
+            }
+            o += n;
+        }
+        int64_t tile = (o - at + align - 1) / align * align;
+        tile = tile < align ? align : tile;
+        if (at + tile > o)
+            memset(out + o * row_bytes, 0, (size_t)((at + tile - o) * row_bytes));
+        at += tile;
+    }
+    *need = used;
+    return N;
+}
+
+/* The combine of that window's rows straight back: block (e, s) of x (laid out as the dispatch's
+ * out: rows oso[1][e*R+s], oso[0][e*R+s] of them) to its final row of source s's window — where
+ * source s sent it from (rank-major: after s's blocks for ranks < me and experts < e) — then the
+ * flags.  hdrs: the dispatch's headers (a copy). */
+void moe_ep_combine_after(const int64_t *hdrs, int64_t W, int64_t R, int64_t me, const int64_t *oso, const char *x,
+                          int64_t row_bytes, char *const *dst, int64_t *const *flag, int64_t value, int64_t sleep_off) {
+    int64_t ne = hdrs[1];
+    for (int64_t s = 0; s < R; s++) {
+        const int64_t *sp = hdrs + s * W + NMETA;
+        int64_t first = 0;
+        for (int64_t i = 0; i < me * ne; i++)
+            first += sp[i];
+        for (int64_t e = 0; e < ne; e++) {
+            int64_t n = oso[e * R + s];
+            if (n > 0)
+                memcpy(dst[s] + first * row_bytes, x + oso[ne * R + e * R + s] * row_bytes, (size_t)(n * row_bytes));
+            first += n;
+        }
+    }
+    for (int64_t s = 0; s < R; s++) {
+        __atomic_store_n(flag[s], value, __ATOMIC_SEQ_CST);
+        if (sleep_off && __atomic_load_n(flag[s] + sleep_off, __ATOMIC_SEQ_CST))
+            flag_wake(flag[s]);
+    }
 }
