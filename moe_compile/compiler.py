@@ -140,18 +140,45 @@ def copy_module(gm: fx.GraphModule) -> fx.GraphModule:
 def compile_graph(gm: fx.GraphModule, example_inputs, config: MoEConfig, inductor_options: dict | None = None):
     original = copy_module(gm) if config.verify else None
     report = rewrite_graph(gm, example_inputs, config)
-    compiled = inner_compile(gm, example_inputs, config, inductor_options, report)
+    compiled = _compile_rewritten(gm, example_inputs, config, inductor_options, report)
     record(report)
     if original is not None and report.rewritten:
         return VerifyFirstCall(compiled, original, example_inputs, config)
     return compiled
 
 
+def _compile_rewritten(gm: fx.GraphModule, example_inputs, config: MoEConfig, inductor_options: dict | None,
+                       report: Report):
+    """inner_compile, with Inductor's C++ wrapper for a decode step (decode_step.py); where that
+    wrapper fails to build, the same graph again with the Python wrapper."""
+    from moe_compile import decode_step
+
+    patches, line = (decode_step.inductor_patches(gm, example_inputs, inductor_options) if config.inner == "inductor"
+                     else (inductor_options, None))
+    if line is None:
+        return inner_compile(gm, example_inputs, config, inductor_options, report)
+    from torch._dynamo.exc import RestartAnalysis, SkipFrame
+
+    try:
+        compiled = inner_compile(gm, example_inputs, config, patches, report=None, strict=True)
+    except (RestartAnalysis, SkipFrame):  # Dynamo's retrace signals, not failures
+        raise
+    except Exception as exc:  # noqa: BLE001 — the C++ wrapper did not build: the Python wrapper instead
+        from moe_compile.passes.pipeline import describe
+
+        log.debug("Inductor's C++ wrapper failed on the graph; Python wrapper instead", exc_info=True)
+        report.notes.append(Note(f"decode step: Inductor's C++ wrapper failed ({describe(exc)}); compiled with "
+                                 f"its Python wrapper"))
+        return inner_compile(gm, example_inputs, config, inductor_options, report)
+    report.notes.append(Note(line))
+    return compiled
+
+
 def inner_compile(gm: fx.GraphModule, example_inputs, config: MoEConfig, inductor_options: dict | None = None,
-                  report: Report | None = None):
+                  report: Report | None = None, strict: bool = False):
     """The inner compiler's callable for gm; where Inductor fails, gm itself (eager), with a
     warning once per distinct failure and a note in the report: the backend runs wherever
-    ``backend="eager"`` does."""
+    ``backend="eager"`` does.  ``strict``: raise Inductor's failure instead (the caller retries)."""
     if config.inner == "eager":
         return gm.forward
     from torch._dynamo.exc import RestartAnalysis, SkipFrame
@@ -162,6 +189,8 @@ def inner_compile(gm: fx.GraphModule, example_inputs, config: MoEConfig, inducto
     except (RestartAnalysis, SkipFrame):  # raised inside Inductor to make Dynamo retrace: signals, not failures
         raise
     except Exception as exc:  # noqa: BLE001 — any Inductor failure: run the graph as it is
+        if strict:
+            raise
         from moe_compile.passes.pipeline import describe
 
         reason = describe(exc)

@@ -730,8 +730,43 @@ enum { C_X, C_LDX, C_Y, C_LDY, C_TOK, C_SCALE, C_H, C_F, C_G1, C_G2, C_CHUNK, C_
        C_QX, C_SX, C_SUMX, C_QA, C_SA, C_SUMA, C_ACT_BLOCKS, C_FIELDS };
 #define PTR(type, f, i) ((type *)(intptr_t)(f)[i])
 
+/* Rows of x already quantized by the host (plain int8 q [n, K] in place of the kernel's own
+ * quantize_rows): this thread's share moved to the tiles' form — q + 128 for vpdpbusd's unsigned
+ * operand when `offset`, the row sums a8w4 needs into sum. */
+static void adopt_rows(int8_t *q, int64_t n, int64_t K, int32_t *sum, int offset) {
+    int64_t r0, r1;
+    my_units(n, &r0, &r1);
+    for (int64_t r = r0; r < r1; ++r) {
+        int8_t *row = q + r * K;
+        int32_t total = 0;
+        for (int64_t k = 0; k < K; ++k) {
+            total += row[k];
+            if (offset) row[k] = (int8_t)((uint8_t)row[k] ^ 0x80);
+        }
+        if (sum) sum[r] = total;
+    }
+}
+
+static int64_t run_call(const int64_t *f, const int64_t *experts, const int64_t *bounds, int64_t num_experts,
+                        int64_t num_tokens, float limit, int64_t nthreads, int prequantized);
+
 int64_t moe_qgemm_run(const int64_t *f, const int64_t *experts, const int64_t *bounds, int64_t num_experts,
                       int64_t num_tokens, float limit, int64_t nthreads) {
+    return run_call(f, experts, bounds, num_experts, num_tokens, limit, nthreads, 0);
+}
+
+/* moe_qgemm_run on rows the host quantized (integer formats only): qx holds q [num_tokens, H] as
+ * plain int8 and sx its per-row scales (quant/common.py's quantize_per_token_int8, e.g. rows that
+ * arrived quantized over the expert-parallel exchange); x is not read.  qx is rewritten in place
+ * (the tiles' form).  Otherwise the same call, the same results as quantizing x here. */
+int64_t moe_qgemm_run_quantized(const int64_t *f, const int64_t *experts, const int64_t *bounds, int64_t num_experts,
+                                int64_t num_tokens, float limit, int64_t nthreads) {
+    if (!is_int((int)f[C_FMT])) return -1;
+    return run_call(f, experts, bounds, num_experts, num_tokens, limit, nthreads, 1);
+}
+
+static int64_t run_call(const int64_t *f, const int64_t *experts, const int64_t *bounds, int64_t num_experts,
+                        int64_t num_tokens, float limit, int64_t nthreads, int prequantized) {
     int fmt = (int)f[C_FMT];
     Shape s = shape_of((int)f[C_ISA], fmt);
     if (!isa_ok(s.isa, fmt) || f[C_F] % PANEL || f[C_H] % 32 || f[C_CHUNK] < 1) return -1;
@@ -753,7 +788,10 @@ int64_t moe_qgemm_run(const int64_t *f, const int64_t *experts, const int64_t *b
         int64_t step = 0;
         float *buf = bufs ? bufs + omp_get_thread_num() * 2 * kmax * 16 : NULL;
         if (is_int(fmt)) {
-            quantize_rows(cl.x, num_tokens, cl.H, cl.qx, cl.sx, cl.sumx, offset);  /* ldx == H: the host's copy */
+            if (prequantized)
+                adopt_rows(cl.qx, num_tokens, cl.H, cl.sumx, offset);
+            else
+                quantize_rows(cl.x, num_tokens, cl.H, cl.qx, cl.sx, cl.sumx, offset);  /* ldx == H: the host's copy */
 #pragma omp barrier
         }
         for (int64_t e = 0; e < num_experts; ++e) {

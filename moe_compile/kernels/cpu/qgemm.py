@@ -43,6 +43,7 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _KERNEL = cpu_cc.Kernel(
     "qgemm", ENV,
     {"moe_qgemm_run": ([_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, _I64], _I64),
+     "moe_qgemm_run_quantized": ([_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, _I64], _I64),
      "moe_qgemm_int_matmul": ([_I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR], _I64),
      "moe_qgemm_dequant_panel": ([_I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR], _I64),
      "moe_qgemm_quantize": [_PTR, _I64, _I64, _PTR, _PTR, _PTR],
@@ -256,6 +257,45 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, attrs
                                          E, T, attrs.limit, threads)
     if status == -2:
         raise MemoryError("qgemm: no memory for the per-thread dequantization buffers")
+    if status != 0:
+        raise RuntimeError(f"qgemm: the kernel refused {w1.fmt} H={H}, F={F}, isa={isa} (status {status})")
+    return y
+
+
+def run_quantized_rows(qx: torch.Tensor, sx: torch.Tensor, tokens: torch.Tensor, scale: torch.Tensor, bounds: list,
+                       w1, w2, attrs: FFNAttrs, pack_cache, threads: int | None = None) -> torch.Tensor:
+    """``run`` on rows that arrive quantized (the expert-parallel int8 dispatch): y [N, H] fp32 =
+    sum over slots i of scale[i] * FFN_e(row tokens[i]), e the expert whose ``bounds`` segment holds
+    slot i.  ``qx`` [N, H] int8 (quantize_per_token_int8's q; REWRITTEN in place into the tiles'
+    form), ``sx`` [N] fp32 its scales, ``tokens`` int64 [S'], ``scale`` fp32 [S'], ``bounds`` the
+    E + 1 host segment bounds.  Integer formats (a8w8-int, per-channel a8w4-int) only; the rows are
+    never dequantized."""
+    if w1.fmt not in INTEGER or _grouped(w1):
+        raise ValueError(f"qgemm.run_quantized_rows: integer per-channel formats only, got {w1.fmt}")
+    N, H = qx.shape
+    E, F = w1.shape[0], w1.shape[1] // 2
+    if qx.dtype != torch.int8 or not qx.is_contiguous() or sx.dtype != torch.float32 or sx.numel() != N:
+        raise ValueError(f"qgemm.run_quantized_rows: qx int8 [N, H] contiguous and sx fp32 [N], got {qx.dtype} "
+                         f"{tuple(qx.shape)}, {sx.dtype} {tuple(sx.shape)}")
+    if len(bounds) != E + 1:
+        raise ValueError(f"qgemm.run_quantized_rows: {len(bounds)} bounds for {E} experts")
+    check_call(torch.empty(0, H), w1, w2, attrs)
+    y = torch.zeros(N, H, dtype=torch.float32)
+    if N == 0 or bounds[-1] == bounds[0]:
+        return y
+    isa, threads = best_isa(w1.fmt), threads or torch.get_num_threads()
+    p1, p2 = packed(w1, pack_cache), packed(w2, pack_cache)
+    rel = [b - bounds[0] for b in bounds]
+    chunk = max(1, min(CHUNK_ROWS, max((b - a for a, b in zip(rel, rel[1:])), default=0)))
+    a, q = _scratch(w1.fmt, 0, H, F, chunk)  # x's quantized copy is qx / sx themselves
+    sums = torch.empty(N, dtype=torch.int32)
+    qptr = [qx.data_ptr(), sx.contiguous().data_ptr(), sums.data_ptr()] + [t.data_ptr() for t in q[3:]]
+    tokens, scale = tokens.contiguous(), scale.float().contiguous()
+    fields = (ctypes.c_int64 * 22)(0, H, y.data_ptr(), y.stride(0), tokens.data_ptr(), scale.data_ptr(), H, F,
+                                   w1.group, w2.group, chunk, a.data_ptr(), isa, p1.code,
+                                   int(attrs.weight_on == "between"), *qptr, 0)
+    status = _KERNEL.lib().moe_qgemm_run_quantized(fields, _expert_table(p1, p2), (ctypes.c_int64 * len(rel))(*rel),
+                                                   E, N, attrs.limit, threads)
     if status != 0:
         raise RuntimeError(f"qgemm: the kernel refused {w1.fmt} H={H}, F={F}, isa={isa} (status {status})")
     return y
