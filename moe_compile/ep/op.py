@@ -20,7 +20,8 @@ Contract (the graph matcher rewrites expert-parallel regions into exactly this c
   (chunked async all_to_all, ``ep/overlap.py``), "a2a" (one ``ep_dispatch`` / ``ep_combine`` each
   way in torch's ``all_to_all_vdev_2d`` contract, no torch scalar read: ``ep/fused_a2a.py``; CPU,
   routing weight on the output), "a2a-dedup" (the same exchange with each token sent once to
-  each rank owning any of its experts and expanded there: ``ep/fused_dedup.py``), "auto" (a2a
+  each rank owning any of its experts and expanded there: ``ep/fused_dedup.py``), "a2a-int8" (int8
+  rows + per-token scales dispatched straight into a8w8-int experts: ``ep/fused_int8.py``), "auto" (a2a
   where ``resolve_auto`` says it takes the call, else symm when every rank is on this host and the
   tensors are on CPU, else collectives).
 * ``chunks``: pieces per destination block for the compute/transfer overlap; 0 = auto
@@ -46,7 +47,8 @@ from moe_compile.autograd import flat_grads, flat_inputs, needs_by_role, pack_gr
 
 OP_NAME = "moe_compile::fused_moe_ep"
 BACKWARD_OP_NAME = "moe_compile::fused_moe_ep_backward"
-TRANSPORTS = ("auto", "symm", "symm-int8", "collectives", "a2a", "a2a-dedup")
+TRANSPORTS = ("auto", "symm", "symm-int8", "collectives", "a2a", "a2a-dedup", "a2a-int8")
+A2A_TRANSPORTS = ("a2a", "a2a-dedup", "a2a-int8")
 
 
 def _check(x, topk_ids, topk_weights, w, num_experts, transport, max_tokens, chunks, timeout_s):
@@ -91,9 +93,9 @@ def resolve_auto(group_name: str, transport: str, x, w, attrs, max_tokens: int, 
 
 
 def _a2a(x, w, attrs, transport: str):
-    from moe_compile.ep import fused_a2a, fused_dedup
+    from moe_compile.ep import fused_a2a, fused_dedup, fused_int8
 
-    mod = fused_a2a if transport == "a2a" else fused_dedup
+    mod = {"a2a": fused_a2a, "a2a-dedup": fused_dedup, "a2a-int8": fused_int8}[transport]
     why = mod.supports(x, w, attrs)
     if why is not None:
         raise ValueError(f"fused_moe_ep: transport={transport!r} cannot take this call: {why}")
@@ -115,7 +117,7 @@ def ep_forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, gro
             f"fused_moe_ep: {w.num_experts} local experts x {ctx.world} ranks != num_experts={num_experts}"
         )
     transport = resolve_auto(group_name, transport, x, w, attrs, max_tokens, chunks)
-    if transport in ("a2a", "a2a-dedup"):
+    if transport in A2A_TRANSPORTS:
         mod = _a2a(x, w, attrs, transport)
         return mod.forward(x, topk_ids, topk_weights, w, attrs, group_name, num_experts, timeout_s)
     plan = make_plan(topk_ids, num_experts, ctx.world)  # [S'] order, [R, El] counts
@@ -188,7 +190,7 @@ def _fused_moe_ep_backward_fake(grad_y, x, topk_ids, topk_weights, fc1, fc1_up, 
 def ep_backward(grad_y, x, topk_ids, topk_weights, w, attrs, need_roles, group_name, num_experts,
                 max_tokens, transport, timeout_s):
     """Transpose of dispatch/experts/combine.  Every rank takes part (it serves other ranks' rows)."""
-    if transport in ("a2a", "a2a-dedup"):
+    if transport in A2A_TRANSPORTS:
         mod = _a2a(x, w, attrs, transport)
         return mod.backward(grad_y, x, topk_ids, topk_weights, w, attrs, need_roles, group_name, num_experts, timeout_s)
     ctx = get_context(group_name)

@@ -312,3 +312,31 @@ def window_paths(rank, world, seeds, ne, H, big_rows):
         if not torch.equal(back, inputs[rank][:rows] * 2):
             bad.append(("combine_after", seed))
     return bad
+
+
+def int8_scenarios(rank, world, scenarios):
+    """transport="a2a-int8" for each (name, Ts, routing): y vs the single-device a8w8-int op on the
+    whole problem (``kernels/cpu/quant.run``: the same quantizer, kernel and pack) and vs fp32
+    (SQNR), torch scalar reads counted on the forward."""
+    from moe_compile.ep.op import call_fused_moe_ep
+    from moe_compile.ir import ExpertWeights, FFNAttrs
+    from moe_compile.kernels.cpu import quant as cpu_quant
+    from moe_compile.kernels.reference import fused_moe_reference
+
+    H, F, E, K = 64, 32, 8, 2  # the integer kernel's multiples: H % 32, F % 16
+    el = E // world
+    results = {}
+    for name, Ts, routing in scenarios:
+        fc1, fc2, xs, ids, gws, _ = _problem(world, Ts, H, F, E, K, routing, seed=len(results) + 31)
+        whole = ExpertWeights((fc1,), (), (fc2,))
+        want = cpu_quant.run(xs[rank], ids[rank], gws[rank], whole, FFNAttrs(), "a8w8-int", 0.0, f"ep-test-{name}") \
+            if Ts[rank] else xs[rank].new_zeros(0, H)
+        fp32 = fused_moe_reference(xs[rank], ids[rank], gws[rank], whole, FFNAttrs())
+        mine = ExpertWeights((fc1[rank * el : (rank + 1) * el].clone(),), (), (fc2[rank * el : (rank + 1) * el].clone(),))
+        with _Scalars() as fwd:
+            y = call_fused_moe_ep(xs[rank], ids[rank], gws[rank], mine, FFNAttrs(), dist.group.WORLD, E,
+                                  transport="a2a-int8")
+        err = (y - fp32).double().pow(2).sum()
+        sqnr = float(10 * torch.log10(fp32.double().pow(2).sum() / err)) if err > 0 else 99.0
+        results[name] = {"vs_a8w8": rel(y, want), "sqnr_db": sqnr if Ts[rank] else 99.0, "scalar_reads": fwd.counts}
+    return results

@@ -1,0 +1,106 @@
+"""The "a2a-int8" transport of ``fused_moe_ep``: int8 rows dispatched straight into a8w8-int experts.
+
+Shapes:  T tokens (this rank), K top-k, S = T*K slots, H hidden, F expert FFN width, R ranks,
+         ne local experts, N rows this rank receives (expert-major, all sources), B = H + 4.
+
+The a2a transport (``fused_a2a``) with the seed operator's A8W8 path on the wire:
+  1. each token quantized once at its source, per token (``quant/common.quantize_per_token_int8``
+     by the integer kernel's own quantizer, ``kernels/cpu/qgemm.quantize_rows``): one row
+     [q int8 (H bytes) | s fp32 (4 bytes)] = B bytes, a quarter of an fp32 row;
+  2. ``ep_dispatch`` of the K rows of each token into this rank's receive window;
+  3. the local experts run on the received q and s as they are (``qgemm.run_quantized_rows``:
+     int32 accumulation, y = acc * s_x * s_w, SwiGLU in fp32, FC2's input re-quantized per row) —
+     the rows are never dequantized; the weights are this layer's a8w8-int pack
+     (``kernels/cpu/quant.layer_pack``, made once, kept while the weights stay unchanged);
+  4. the fp32 outputs combined back (the a2a combine), y = sum_k g * row at the source.
+So the result is the single-device a8w8-int op's (``quant="a8w8-int"``) up to the order of the
+K-sum; against the fp32 layer it has a8w8's error (>= 30 dB SQNR at the bench shapes).
+
+Backward: the fp32 a2a backward (``fused_a2a.backward``: the straight-through gradient of the
+quantized forward, as for the "symm-int8" transport).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from moe_compile.ep import a2a_cpu
+from moe_compile.ep.fused_a2a import TIMEOUT_S, _route, _tiles, backward, ranks_and_local_experts
+from moe_compile.ir import ExpertWeights, FFNAttrs
+from moe_compile.kernels.reference import compute_dtype
+
+FORMAT = "a8w8-int"
+SCALE_BYTES = 4  # the fp32 per-token scale after the H int8 codes of a row
+
+
+def supports(x, w: ExpertWeights, attrs: FFNAttrs) -> str | None:
+    """Why this call cannot take the a2a-int8 transport (None when it can)."""
+    from moe_compile.kernels.cpu import qgemm
+    from moe_compile.quant.layout import refusal
+
+    if x.device.type != "cpu":
+        return "the a2a-int8 transport runs on CPU tensors"
+    if attrs.weight_on != "output":
+        return f"weight_on={attrs.weight_on!r}: the routing weight is applied at the source (output only)"
+    why = refusal(w, attrs) or qgemm.unavailable_reason(FORMAT)
+    if why:
+        return why
+    try:
+        qgemm.check_call(torch.empty(0, w.hidden()), _FakeQW(w, 1), _FakeQW(w, 2), attrs)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+class _FakeQW:
+    """The shape and format ``qgemm.check_call`` reads, without packing the weights."""
+
+    def __init__(self, w: ExpertWeights, fc: int):
+        E, H, F = w.num_experts, w.hidden(), w.ffn()
+        self.fmt, self.group = FORMAT, 0
+        self.shape = (E, 2 * F, H) if fc == 1 else (E, H, F)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H] -> [T, B] uint8: each token's int8 codes and its fp32 scale, side by side."""
+    from moe_compile.kernels.cpu import qgemm
+
+    q, s, _ = qgemm.quantize_rows(x)  # [T, H] int8, [T] fp32
+    return torch.cat([q.view(torch.uint8), s.view(torch.uint8).reshape(-1, SCALE_BYTES)], dim=1)
+
+
+def _experts(window: torch.Tensor, tiles: list, w: ExpertWeights, attrs: FFNAttrs) -> torch.Tensor:
+    """[N, H] fp32 outputs of every tile's expert on its received int8 rows (zero elsewhere)."""
+    from moe_compile.kernels.cpu import qgemm, quant as cpu_quant
+
+    N, H = window.shape[0], window.shape[1] - SCALE_BYTES
+    q = window[:, :H].contiguous().view(torch.int8)  # [N, H] (a copy: the kernel rewrites it in place)
+    s = window[:, H:].contiguous().view(torch.float32).reshape(N)  # [N]
+    spans = [np.arange(lo, hi, dtype=np.int64) for lo, hi in tiles]
+    tokens = torch.from_numpy(np.concatenate(spans) if spans else np.zeros(0, dtype=np.int64))
+    bounds = [0] + np.cumsum([hi - lo for lo, hi in tiles]).tolist()  # numpy ints, not a tensor read
+    p = cpu_quant.layer_pack(w, attrs, FORMAT)
+    return qgemm.run_quantized_rows(q, s, tokens, torch.ones(tokens.shape[0]), bounds, p.w1, p.w2, attrs,
+                                    p.kernel_cache)
+
+
+def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_name: str, num_experts: int,
+            timeout_s: float = TIMEOUT_S) -> torch.Tensor:
+    """y [T, H] = sum_k g_{t,k} FFN^{a8w8}_{e_{t,k}}(x_t) over the experts of every rank."""
+    R, ne = ranks_and_local_experts(group_name, w, num_experts)
+    T, H = x.shape
+    cdt = compute_dtype(x.dtype)
+    route = _route(topk_ids, topk_weights, num_experts, cdt)
+    send = _rows(x.float()).index_select(0, route.tokens)  # [S, B]: a token quantized once, sent K times
+    window, oso, oso_np, handle = a2a_cpu.exchange("dispatch", send, route.in_splits, group_name, 0, None,
+                                                   timeout_s, window=True)
+    out = _experts(window, _tiles(oso_np, R, ne), w, attrs)  # [N, H] fp32
+    back = a2a_cpu.exchange("combine", out, oso, group_name, route.order.shape[0], None, timeout_s,
+                            after=handle)[0]  # [S, H]
+    y = torch.zeros(T, H, dtype=cdt)
+    y.index_add_(0, route.tokens, back.to(cdt) * route.gates[:, None])
+    return y.to(x.dtype)
+
+
+__all__ = ["FORMAT", "backward", "forward", "supports"]
