@@ -1,0 +1,97 @@
+"""Decode steps compile with Inductor's C++ wrapper.
+
+A generative model's decode step runs a few hundred small kernels on one token (norms, rotary,
+the cache write, top-k glue) between the weight-reading matmuls.  Inductor's default wrapper calls
+each of them from Python: on a 2-core CPU that costs more per step than the kernels themselves
+(~10-20 us a call, a few ms a step for a 4-layer model), which is what holds a quantized decode
+step away from its memory roof.  Inductor's C++ wrapper (``torch._inductor.config.cpp_wrapper``)
+calls the same kernels, and moe_compile's ops, from C++.
+
+It costs a C++ compile of the wrapper (seconds per graph), so it is turned on only where it pays:
+a CPU inference graph that writes a tensor it was given in place through an index (``index_copy_``,
+``index_put_``, ``x[..., pos] = ...``, ``narrow(...).copy_``) — a static KV cache's update, which
+is what a decode step with a static cache looks like (HF ``cache_implementation="static"``,
+gpt-fast-style caches).  A prefill graph with the same cache compiles with it too (same graph
+kind); training graphs and graphs without such a write never do.
+
+``options={"cpp_wrapper": False}`` (an Inductor option, passed through) or
+``MOE_COMPILE_CPP_WRAPPER=0`` turns it off; ``options={"cpp_wrapper": True}`` turns it on for any
+graph.  Where the C++ wrapper fails to build a graph, that graph compiles with the Python wrapper
+(``compiler.inner_compile``) and the report says so.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+
+import torch
+import torch.fx as fx
+
+ENV = "MOE_COMPILE_CPP_WRAPPER"
+# in-place writes through an index: how static KV caches are updated
+_INDEXED_WRITES = frozenset({"index_copy_", "index_put_", "index_fill_", "scatter_", "copy_"})
+# what a cache slot is cut with before an in-place copy_ (k_cache[:, :, a:b].copy_(k))
+_VIEWS = frozenset({"narrow", "select", "view", "__getitem__", "slice", "transpose", "unsqueeze"})
+
+
+def cache_write(gm: fx.GraphModule) -> fx.Node | None:
+    """The first node of gm that writes one of its inputs in place through an index, else None."""
+    for node in gm.graph.nodes:
+        if _writes_input(node):
+            return node
+    return None
+
+
+def _writes_input(node: fx.Node) -> bool:
+    if node.op == "call_method" and node.target in _INDEXED_WRITES and node.args:
+        target = node.args[0]
+        # a plain whole-tensor copy_ is not a cache write; a copy_ into a cut slot is
+        if node.target == "copy_" and not _is_view(target):
+            return False
+        return _root_is_input(target)
+    if node.op == "call_function" and node.target is operator.setitem and node.args:
+        return _root_is_input(node.args[0])
+    return False
+
+
+def _is_view(node) -> bool:
+    return isinstance(node, fx.Node) and (
+        (node.op == "call_method" and node.target in _VIEWS)
+        or (node.op == "call_function" and node.target in (operator.getitem, torch.narrow, torch.select)))
+
+
+def _root_is_input(node) -> bool:
+    """node is a graph input, or a view chain of one (the cache tensor itself, not a temporary)."""
+    for _ in range(16):  # a view chain is short; anything deeper is not a cache slot
+        if not isinstance(node, fx.Node):
+            return False
+        if node.op == "placeholder":
+            return True
+        if not _is_view(node):
+            return False
+        node = node.args[0]
+    return False
+
+
+def inductor_patches(gm: fx.GraphModule, example_inputs, patches: dict | None) -> tuple[dict | None, str | None]:
+    """(Inductor config patches for gm, the report's line or None): ``cpp_wrapper=True`` added for
+    a CPU inference graph that writes a cache in place, unless the user set it or turned it off."""
+    patches = dict(patches or {})
+    if "cpp_wrapper" in patches or os.environ.get(ENV) == "0" or torch.is_grad_enabled():
+        return patches or None, None
+    if not _on_cpu(example_inputs):
+        return patches or None, None
+    write = cache_write(gm)
+    if write is None:
+        return patches or None, None
+    patches["cpp_wrapper"] = True
+    how = write.target if write.op == "call_method" else "x[index] = ..."
+    return patches, (f"decode step (writes an input tensor in place with {how}: a static KV cache): compiled "
+                     f"with Inductor's C++ wrapper, no Python between kernels (options={{'cpp_wrapper': False}} "
+                     f"or {ENV}=0 turns it off)")
+
+
+def _on_cpu(example_inputs) -> bool:
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    return bool(tensors) and all(t.device.type == "cpu" for t in tensors)

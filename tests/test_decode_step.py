@@ -1,0 +1,110 @@
+"""Decode steps (graphs that write a static KV cache in place) compile with Inductor's C++
+wrapper (moe_compile/decode_step.py)."""
+
+import pytest
+import torch
+import torch.fx as fx
+
+from moe_compile import decode_step
+
+
+class _IndexCopyCache(torch.nn.Module):  # HF StaticLayer.update
+    def forward(self, cache, pos, k):
+        cache.index_copy_(2, pos, k)
+        return cache.sum()
+
+
+class _SetitemCache(torch.nn.Module):  # gpt-fast's KVCache.update
+    def forward(self, cache, pos, k):
+        cache[:, :, pos] = k
+        return cache.sum()
+
+
+class _NarrowCopyCache(torch.nn.Module):  # k_cache.narrow(2, start, n).copy_(k)
+    def forward(self, cache, k):
+        cache.narrow(2, 3, 1).copy_(k)
+        return cache.sum()
+
+
+class _LocalBuffer(torch.nn.Module):  # an index_put_ into a tensor the graph made: no cache
+    def forward(self, x, idx):
+        out = torch.zeros_like(x)
+        out.index_put_((idx,), x[idx], accumulate=True)
+        return out
+
+
+class _WholeCopy(torch.nn.Module):  # a whole-tensor copy_ into an input: not an indexed write
+    def forward(self, buf, x):
+        buf.copy_(x)
+        return buf
+
+
+_INPUTS = {_IndexCopyCache: lambda: (torch.zeros(1, 2, 8, 4), torch.tensor([3]), torch.ones(1, 2, 1, 4)),
+           _SetitemCache: lambda: (torch.zeros(1, 2, 8, 4), torch.tensor([3]), torch.ones(1, 2, 1, 4)),
+           _NarrowCopyCache: lambda: (torch.zeros(1, 2, 8, 4), torch.ones(1, 2, 1, 4)),
+           _LocalBuffer: lambda: (torch.randn(6, 4), torch.tensor([0, 2, 2])),
+           _WholeCopy: lambda: (torch.zeros(3), torch.ones(3))}
+
+
+def _dynamo_graph(module) -> fx.GraphModule:
+    """module's graph as Dynamo gives it to a backend (tensor methods as call_method nodes)."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(module(), backend=capture, fullgraph=True)(*_INPUTS[module]())
+    return graphs[0]
+
+
+@pytest.mark.parametrize("module", [_IndexCopyCache, _SetitemCache, _NarrowCopyCache])
+def test_cache_writes_are_found(module):
+    assert decode_step.cache_write(_dynamo_graph(module)) is not None
+
+
+@pytest.mark.parametrize("module", [_LocalBuffer, _WholeCopy])
+def test_other_writes_are_not_cache_writes(module):
+    assert decode_step.cache_write(_dynamo_graph(module)) is None
+
+
+def _patches(module, **env):
+    return decode_step.inductor_patches(_dynamo_graph(module), [torch.zeros(2)], dict(env) or None)
+
+
+def test_cpp_wrapper_only_for_inference_cache_writes(monkeypatch):
+    with torch.no_grad():
+        patches, line = _patches(_IndexCopyCache)
+        assert patches == {"cpp_wrapper": True} and "C++ wrapper" in line
+        assert _patches(_LocalBuffer) == (None, None)
+        # the user's own choice wins, both ways
+        assert _patches(_IndexCopyCache, cpp_wrapper=False) == ({"cpp_wrapper": False}, None)
+        monkeypatch.setenv(decode_step.ENV, "0")
+        assert _patches(_IndexCopyCache) == (None, None)
+    monkeypatch.delenv(decode_step.ENV)
+    assert _patches(_IndexCopyCache) == (None, None)  # grad enabled: a training graph
+
+
+def test_hf_static_cache_decode_with_cpp_wrapper_equal_to_eager():
+    """The documented decode recipe end to end: HF generate with a static cache, backend="moe" with
+    Inductor; the decode graph gets the C++ wrapper and greedy tokens equal eager's."""
+    transformers = pytest.importorskip("transformers")
+    import moe_compile
+
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.for_model(
+        "qwen3_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128, num_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(1, 128, (1, 5))
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, cache_implementation="static", pad_token_id=0)
+    with torch.no_grad():
+        want = model.generate(ids, **kw)
+        torch._dynamo.reset()
+        model.forward = torch.compile(model.forward, backend="moe")
+        got = model.generate(ids, **kw)
+    assert torch.equal(got, want)
+    notes = [n.line() for n in moe_compile.last_report().notes]
+    assert any("C++ wrapper, no Python between kernels" in line for line in notes), notes
