@@ -12,16 +12,27 @@ Per world size (ranks = processes on this host, gloo, 1 torch thread each) and s
   fused_coll_cN   fused_moe_ep, transport="collectives" (chunked async all_to_all), N chunks
   fused_int8      transport="symm-int8"
   fused_a2a       transport="a2a": one ep_dispatch / ep_combine each way (torch's all_to_all_vdev_2d
-                  contract), the local experts on the receive window, no torch scalar read
+                  contract, fixed per-source slabs: one wait each way), the local experts on the
+                  receive window, no torch scalar read
+  fused_a2a_int8  transport="a2a-int8": int8 rows + scales dispatched into a8w8-int experts
   comm_a2a        that exchange alone: the dispatch into the window and the combine of its rows back
+  comm_a2a_int8   the same with the int8 rows (H + 4 bytes) out, fp32 rows back
   comm_symm       the heap exchange with no expert work (rows out, rows back)
   comm_gloo       the gloo all_to_all_single exchange of the same rows, both ways (+ counts)
   compute         the local experts on the rows this rank receives, no exchange
-Times: per call, max over ranks of each rank's median (ranks start each repeat after a barrier).
+Times: per call, the median over repeats of the slowest rank's time in that repeat (ranks start
+each repeat after a barrier, and a layer is done when its slowest rank is).
+Bytes: what the a2a exchange moves between ranks per call and rank (rows to / from the other
+ranks; a rank's own rows never cross), dispatch + combine; "model" = those bytes / the measured
+shared-memory copy bandwidth (``shm_bw``, one 64 MiB copy into /dev/shm, one thread), "GB/s" = the
+bytes / comm_a2a.  Ratios: fused_a2a / (compute + comm_a2a), fused_a2a / (compute + model),
+eager_gloo / fused_a2a.
 Overlap figure: fused_symm / max(comm_symm, compute) (the issue's target: <= 1.15).
+Every run records ``uptime``'s load beside its figures: the CI machine is shared.
 
 Usage: python benchmarks/bench_ep.py --out benchmarks/results/ep_cpu [--worlds 2 4] [--tokens 512] [--quick]
        python benchmarks/bench_ep.py --out /dev/null --exchange-only --worlds 2 --tokens 8 --repeats 200
+       python benchmarks/bench_ep.py --out OUT --a2a-only --worlds 2 --tokens 8 512   (the a2a rows alone)
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ SHAPES = [  # name, H, F, E, K
 
 
 def _timeit(fn, repeats, warmup):
+    """This rank's time of each repeat (merged over ranks by ``run_world``: the slowest per repeat)."""
     for _ in range(warmup):
         dist.barrier()
         fn()
@@ -57,7 +69,39 @@ def _timeit(fn, repeats, warmup):
         t0 = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+    return out
+
+
+def _load() -> str:
+    return " ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def shm_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
+    """Bytes/s of one thread's copy into a /dev/shm mapping (the exchange's copies are of this kind)."""
+    path = os.path.join("/dev/shm", f"moec_bench_bw_{os.getpid()}")
+    try:
+        dst = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        dst.copy_(src)  # fault the pages in
+        best = min(_copy_time(dst, src) for _ in range(repeats))
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    return nbytes / best
+
+
+def _copy_time(dst, src) -> float:
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    return time.perf_counter() - t0
+
+
+def _a2a_bytes(ids, E: int, world: int, rank: int, row_bytes: int, back_bytes: int) -> list:
+    """[dispatch, combine] bytes this rank sends to the other ranks in one a2a layer."""
+    el = E // world
+    per_rank = torch.bincount((ids.reshape(-1) // el).clamp(0, world - 1), minlength=world)  # slots to each rank
+    sent = int(per_rank.sum() - per_rank[rank])
+    return [sent * row_bytes, sent * back_bytes]
 
 
 def _rank_main(rank, world, store_path, cfg, queue):
@@ -96,13 +140,21 @@ def _run_shapes(rank, world, cfg):
             return lambda: call_fused_moe_ep(x, ids, gw, w, attrs, g, E, transport=transport, chunks=chunks)
 
         row["eager_gloo"] = _timeit(lambda: eager_ep_layer(x, ids, gw, w, attrs, g, E), rep, wu)
+        row["fused_a2a"] = _timeit(fused("a2a"), rep, wu)
+        row["fused_a2a_int8"] = _timeit(fused("a2a-int8"), rep, wu)
+        row["comm_a2a"] = _timeit(_a2a_exchange(x, ids, gw, E, g.group_name), rep, wu)
+        row["comm_a2a_int8"] = _timeit(_a2a_exchange(x, ids, gw, E, g.group_name, int8=True), rep, wu)
+        row["bytes_a2a"] = _a2a_bytes(ids, E, world, rank, H * 4, H * 4)
+        row["bytes_a2a_int8"] = _a2a_bytes(ids, E, world, rank, H + 4, H * 4)
+        row["compute"] = _timeit(_compute_only(rank, world, x, ids, gw, w, attrs, E, gen), rep, wu)
+        if cfg.get("a2a_only"):
+            results[name] = row
+            continue
         row["fused_symm"] = _timeit(fused("symm"), rep, wu)
         for c in cfg["chunks"]:
             row[f"fused_symm_c{c}"] = _timeit(fused("symm", c), rep, wu)
             row[f"fused_coll_c{c}"] = _timeit(fused("collectives", c), rep, wu)
         row["fused_int8"] = _timeit(fused("symm-int8"), rep, wu)
-        row["fused_a2a"] = _timeit(fused("a2a"), rep, wu)
-        row["comm_a2a"] = _timeit(_a2a_exchange(x, ids, gw, E, g.group_name), rep, wu)
         # communication only: the same exchanges with no expert work
         ctx = get_context(g.group_name)
         plan = make_plan(ids, E, world)
@@ -115,19 +167,23 @@ def _run_shapes(rank, world, cfg):
                                                              timeout_s=60), rep, wu)
         row["comm_gloo"] = _timeit(lambda: overlap.exchange(ctx, plan, x, gp, copy_rows, H, x.dtype, chunks=1,
                                                             timeout_s=60), rep, wu)
-        # compute only: the local experts on this rank's received rows (counts from a gather)
-        allc = [torch.empty_like(plan.counts) for _ in range(world)]
-        dist.all_gather(allc, plan.counts, group=g)
-        recv = torch.stack(allc)[:, rank]  # [R_src, El]
-        n = int(recv.sum())
-        rows = torch.randn(n, H, generator=gen)
-        grow = torch.rand(n, generator=gen)
-        out = torch.empty(n, H)
-        counts = recv.tolist()
-        row["compute"] = _timeit(lambda: experts_on_rows(rows, grow, counts, w, attrs, out), rep, wu)
-        row["recv_rows"] = n
         results[name] = row
     return results
+
+
+def _compute_only(rank, world, x, ids, gw, w, attrs, E, gen):
+    """The local experts on the rows this rank receives (counts from a gather), no exchange."""
+    from moe_compile.ep.plan import make_plan
+    from moe_compile.kernels.cpu.ep import experts_on_rows
+
+    plan = make_plan(ids, E, world)
+    allc = [torch.empty_like(plan.counts) for _ in range(world)]
+    dist.all_gather(allc, plan.counts, group=dist.group.WORLD)
+    recv = torch.stack(allc)[:, rank]  # [R_src, El]
+    n = int(recv.sum())
+    rows, grow, out = torch.randn(n, x.shape[1], generator=gen), torch.rand(n, generator=gen), torch.empty(n, x.shape[1])
+    counts = recv.tolist()
+    return lambda: experts_on_rows(rows, grow, counts, w, attrs, out)
 
 
 def _run_exchange(rank, world, cfg):
@@ -154,16 +210,19 @@ def _run_exchange(rank, world, cfg):
                                                                   timeout_s=60), rep, wu)}}
 
 
-def _a2a_exchange(x, ids, gw, E, group_name):
-    """The a2a transport's exchange with no expert work: rows into the receive window and back."""
-    from moe_compile.ep import a2a_cpu, fused_a2a
+def _a2a_exchange(x, ids, gw, E, group_name, int8=False):
+    """The a2a transport's exchange with no expert work: rows into the receive window and back
+    (``int8``: the a2a-int8 rows out — quantized here, as the transport does — fp32 rows back)."""
+    from moe_compile.ep import a2a_cpu, fused_a2a, fused_int8
 
     route = fused_a2a._route(ids, gw, E, torch.float32)
 
     def run():
-        win, oso, _, handle = a2a_cpu.exchange("dispatch", x.index_select(0, route.tokens), route.in_splits,
+        rows = fused_int8._rows(x) if int8 else x
+        win, oso, _, handle = a2a_cpu.exchange("dispatch", rows.index_select(0, route.tokens), route.in_splits,
                                                group_name, 0, window=True)
-        a2a_cpu.exchange("combine", win, oso, group_name, route.order.shape[0], after=handle)
+        back = torch.empty(win.shape[0], x.shape[1]) if int8 else win
+        a2a_cpu.exchange("combine", back, oso, group_name, route.order.shape[0], after=handle)
 
     return run
 
@@ -180,42 +239,72 @@ def run_world(world, cfg):
             p.join()
     merged = {}
     for shape in per_rank[0]:
-        merged[shape] = {k: max(per_rank[r][shape][k] for r in range(world)) for k in per_rank[0][shape]}
+        merged[shape] = {}
+        for k, v in per_rank[0][shape].items():
+            if k.startswith("bytes"):  # [dispatch, combine] bytes: the busiest rank's
+                merged[shape][k] = max((per_rank[r][shape][k] for r in range(world)), key=sum)
+            elif isinstance(v, list):  # per-repeat times: the slowest rank of each repeat, then the median
+                merged[shape][k] = statistics.median(max(ts) for ts in zip(*(per_rank[r][shape][k] for r in range(world))))
+            else:
+                merged[shape][k] = max(per_rank[r][shape][k] for r in range(world))
     return merged
 
 
-def _table(all_results, cfg):
-    lines = [
-        f"# Expert-parallel MoE layer on CPU ({platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores, torch {torch.__version__})",
-        "",
-        f"T = {cfg['tokens']} tokens per rank, fp32, 1 torch thread per rank, ranks = processes on this host "
-        f"(gloo for the collectives). Times in ms per call: max over ranks of each rank's median of "
-        f"{cfg['repeats']} repeats.",
-    ]
-    if max(cfg["worlds"]) > (os.cpu_count() or 1):
-        lines.append(f"**World sizes above {os.cpu_count()} oversubscribe this {os.cpu_count()}-core machine**: "
-                     "ranks share cores, so their times include waiting for a core; ratios are still side by side.")
-    lines += ["", "| world | shape | eager gloo EP | fused symm | speed-up | fused coll (best c) | fused int8 | "
-              "comm symm | comm gloo | compute | overlap = fused / max(comm, compute) | best symm chunks |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for world, res in all_results.items():
+def _symm_table(all_results, cfg) -> list:
+    lines = ["", "| world | T | shape | eager gloo EP | fused symm | speed-up | fused coll (best c) | fused int8 | "
+             "comm symm | comm gloo | compute | overlap = fused / max(comm, compute) | best symm chunks |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (world, T), res in all_results.items():
         for shape, r in res.items():
             best_c = min(cfg["chunks"], key=lambda c: r[f"fused_symm_c{c}"])
             best_coll = min(r[f"fused_coll_c{c}"] for c in cfg["chunks"])
             ov = r["fused_symm"] / max(r["comm_symm"], r["compute"])
             lines.append(
-                f"| {world} | {shape} | {r['eager_gloo']*1e3:.1f} | {r['fused_symm']*1e3:.1f} | "
+                f"| {world} | {T} | {shape} | {r['eager_gloo']*1e3:.1f} | {r['fused_symm']*1e3:.1f} | "
                 f"{r['eager_gloo']/r['fused_symm']:.2f}x | {best_coll*1e3:.1f} | {r['fused_int8']*1e3:.1f} | "
-                f"{r['comm_symm']*1e3:.1f} | {r['comm_gloo']*1e3:.1f} | {r['compute']*1e3:.1f} | {ov:.2f} | {best_c} |"
-            )
-    lines += ["", "a2a transport (ms): " + "; ".join(
-        f"w{w} {s}: fused a2a {r['fused_a2a']*1e3:.2f}, its exchange alone {r['comm_a2a']*1e3:.3f}"
-        for w, res in all_results.items() for s, r in res.items())]
+                f"{r['comm_symm']*1e3:.1f} | {r['comm_gloo']*1e3:.1f} | {r['compute']*1e3:.1f} | {ov:.2f} | {best_c} |")
     lines += ["", "Chunk sweep (ms): " + "; ".join(
-        f"w{w} {s}: " + ", ".join(f"symm c{c}={r[f'fused_symm_c{c}']*1e3:.1f} coll c{c}={r[f'fused_coll_c{c}']*1e3:.1f}"
-                                  for c in cfg["chunks"])
-        for w, res in all_results.items() for s, r in res.items())]
+        f"w{w} T{T} {s}: " + ", ".join(f"symm c{c}={r[f'fused_symm_c{c}']*1e3:.1f} "
+                                       f"coll c{c}={r[f'fused_coll_c{c}']*1e3:.1f}" for c in cfg["chunks"])
+        for (w, T), res in all_results.items() for s, r in res.items())]
+    return lines
+
+
+def _a2a_table(all_results, bw: float) -> list:
+    lines = ["", f"a2a transport (shared-memory copy bandwidth measured here: {bw / 1e9:.1f} GB/s, one thread):", "",
+             "| world | T | shape | eager gloo | fused a2a | fused a2a-int8 | int8 / fp32 | compute | comm a2a | "
+             "bytes/call (disp + comb) | GB/s | model = bytes/bw | fused / (compute + comm) | "
+             "fused / (compute + model) | gloo / fused | int8 comm | int8 bytes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (world, T), res in all_results.items():
+        for shape, r in res.items():
+            b, b8 = sum(r["bytes_a2a"]), sum(r["bytes_a2a_int8"])
+            model = b / bw
+            lines.append(
+                f"| {world} | {T} | {shape} | {r['eager_gloo']*1e3:.2f} | {r['fused_a2a']*1e3:.2f} | "
+                f"{r['fused_a2a_int8']*1e3:.2f} | {r['fused_a2a_int8']/r['fused_a2a']:.2f}x | {r['compute']*1e3:.2f} | "
+                f"{r['comm_a2a']*1e3:.3f} | {b / 1e6:.3f} MB | {b / r['comm_a2a'] / 1e9:.2f} | {model*1e3:.3f} | "
+                f"{r['fused_a2a'] / (r['compute'] + r['comm_a2a']):.3f} | {r['fused_a2a'] / (r['compute'] + model):.3f} | "
+                f"{r['eager_gloo'] / r['fused_a2a']:.2f}x | {r['comm_a2a_int8']*1e3:.3f} | {b8 / 1e6:.3f} MB |")
+    return lines
+
+
+def _table(all_results, cfg, bw: float, loads: dict) -> str:
+    lines = [
+        f"# Expert-parallel MoE layer on CPU ({platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, torch {torch.__version__})",
+        "",
+        f"T tokens per rank, fp32, 1 torch thread per rank, ranks = processes on this host (gloo for the "
+        f"collectives). Times in ms per call: the median over {cfg['repeats']} repeats of the slowest rank's "
+        f"time. Load (uptime: 1, 5, 15 min) at the start of each run: "
+        + "; ".join(f"world {w} T {T}: {ld}" for (w, T), ld in loads.items()) + ".",
+    ]
+    if max(cfg["worlds"]) > (os.cpu_count() or 1):
+        lines.append(f"**World sizes above {os.cpu_count()} oversubscribe this {os.cpu_count()}-core machine**: "
+                     "ranks share cores, so their times include waiting for a core; ratios are still side by side.")
+    lines += _a2a_table(all_results, bw)
+    if not cfg.get("a2a_only"):
+        lines += _symm_table(all_results, cfg)
     return "\n".join(lines) + "\n"
 
 
@@ -223,33 +312,40 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="path prefix: writes OUT.md and OUT.json")
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8, 512], help="T per rank: decode and prefill rows")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="T=64, 2 repeats (smoke run)")
+    ap.add_argument("--a2a-only", action="store_true", help="only the a2a rows (no symm / collectives sweep)")
     ap.add_argument("--exchange-only", action="store_true",
                     help="only the exchanges (a2a and symm transports, 64-expert shape): prints the medians in ms")
     args = ap.parse_args(argv)
-    cfg = {"tokens": 64 if args.quick else args.tokens, "repeats": 2 if args.quick else args.repeats,
-           "warmup": 1, "chunks": [1, 2, 4], "shapes": SHAPES, "worlds": args.worlds,
-           "exchange_only": args.exchange_only}
+    cfg = {"repeats": 2 if args.quick else args.repeats, "warmup": 1, "chunks": [1, 2, 4], "shapes": SHAPES,
+           "worlds": args.worlds, "exchange_only": args.exchange_only, "a2a_only": args.a2a_only}
+    tokens = [64] if args.quick else args.tokens
     if args.exchange_only:
         cfg["warmup"] = 20
         for world in args.worlds:
-            res = run_world(world, cfg)
-            print(json.dumps({"world": world, "tokens": cfg["tokens"], "repeats": cfg["repeats"],
-                              "ms": {s: {k: round(v * 1e3, 4) for k, v in r.items()} for s, r in res.items()}}))
+            for T in tokens:
+                load = _load()
+                res = run_world(world, dict(cfg, tokens=T))
+                print(json.dumps({"world": world, "tokens": T, "repeats": cfg["repeats"], "load_before": load,
+                                  "load_after": _load(),
+                                  "ms": {s: {k: round(v * 1e3, 4) for k, v in r.items()} for s, r in res.items()}}))
         return
-    results = {}
+    bw = shm_bandwidth()
+    results, loads = {}, {}
     for world in args.worlds:
-        t0 = time.time()
-        results[world] = run_world(world, cfg)
-        print(f"world {world}: {time.time() - t0:.0f}s", flush=True)
-    md = _table(results, cfg)
+        for T in tokens:
+            t0, loads[(world, T)] = time.time(), _load()
+            results[(world, T)] = run_world(world, dict(cfg, tokens=T))
+            print(f"world {world} T {T}: {time.time() - t0:.0f}s (load {loads[(world, T)]} -> {_load()})", flush=True)
+    md = _table(results, cfg, bw, loads)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".md", "w") as f:
         f.write(md)
     with open(args.out + ".json", "w") as f:
-        json.dump({"config": cfg, "results": {str(k): v for k, v in results.items()}}, f, indent=1)
+        json.dump({"config": cfg, "shm_bw": bw, "loads": {f"{w}/{T}": v for (w, T), v in loads.items()},
+                   "results": {f"{w}/{T}": v for (w, T), v in results.items()}}, f, indent=1)
     print(md)
 
 
