@@ -21,7 +21,8 @@ Per world size (ranks = processes on this host, gloo, 1 torch thread each) and s
   comm_gloo       the gloo all_to_all_single exchange of the same rows, both ways (+ counts)
   compute         the local experts on the rows this rank receives, no exchange
 Times: per call, the median over repeats of the slowest rank's time in that repeat (ranks start
-each repeat after a barrier, and a layer is done when its slowest rank is).
+each repeat after a barrier — gloo's, then a shared-memory flag barrier unless ``--barrier gloo`` —
+and a layer is done when its slowest rank is).
 Bytes: what the a2a exchange moves between ranks per call and rank (rows to / from the other
 ranks; a rank's own rows never cross), dispatch + combine; "model" = those bytes / the measured
 shared-memory copy bandwidth (``shm_bw``, one 64 MiB copy into /dev/shm, one thread), "GB/s" = the
@@ -58,14 +59,26 @@ SHAPES = [  # name, H, F, E, K
 ]
 
 
+_SYNC = []  # the shared-memory barrier heap of this rank (``--barrier shm``), made on first use
+
+
+def _barrier():
+    """gloo's barrier, then (``--barrier shm``) a flag barrier on a shared-memory heap: gloo releases
+    the ranks tens of microseconds apart, which the first wait of a decode exchange would absorb;
+    the flag barrier releases them within a few."""
+    dist.barrier()
+    if _SYNC:
+        _SYNC[0].barrier(60.0)
+
+
 def _timeit(fn, repeats, warmup):
     """This rank's time of each repeat (merged over ranks by ``run_world``: the slowest per repeat)."""
     for _ in range(warmup):
-        dist.barrier()
+        _barrier()
         fn()
     out = []
     for _ in range(repeats):
-        dist.barrier()
+        _barrier()
         t0 = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t0)
@@ -106,7 +119,14 @@ def _a2a_bytes(ids, E: int, world: int, rank: int, row_bytes: int, back_bytes: i
 
 def _rank_main(rank, world, store_path, cfg, queue):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    if cfg.get("pin"):  # rank r on core r % cores (how one would deploy ranks; off by default)
+        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    if cfg.get("barrier") == "shm":
+        from moe_compile.symm import allocate
+
+        _SYNC.append(allocate(store, rank, world, 64, 2 * world, "bench_ep/sync", 60.0))
     try:
         queue.put((rank, (_run_exchange if cfg.get("exchange_only") else _run_shapes)(rank, world, cfg)))
     finally:
@@ -205,6 +225,11 @@ def _run_exchange(rank, world, cfg):
         out.copy_(rows)
 
     ctx, rep, wu = get_context(g.group_name), cfg["repeats"], cfg["warmup"]
+    layers = cfg.get("layers", 1)
+    if layers > 1:  # back to back, as a model's decode runs its layers: the barrier's skew amortized
+        a2a, a2a8 = _a2a_exchange(x, ids, gw, E, g.group_name), _a2a_exchange(x, ids, gw, E, g.group_name, int8=True)
+        return {name: {"comm_a2a": [t / layers for t in _timeit(lambda: [a2a() for _ in range(layers)], rep, wu)],
+                       "comm_a2a_int8": [t / layers for t in _timeit(lambda: [a2a8() for _ in range(layers)], rep, wu)]}}
     return {name: {"comm_a2a": _timeit(_a2a_exchange(x, ids, gw, E, g.group_name), rep, wu),
                    "comm_symm": _timeit(lambda: dispatch.exchange(ctx, plan, x, gp, copy_rows, H, x.dtype, chunks=1,
                                                                   timeout_s=60), rep, wu)}}
@@ -318,9 +343,16 @@ def main(argv=None):
     ap.add_argument("--a2a-only", action="store_true", help="only the a2a rows (no symm / collectives sweep)")
     ap.add_argument("--exchange-only", action="store_true",
                     help="only the exchanges (a2a and symm transports, 64-expert shape): prints the medians in ms")
+    ap.add_argument("--pin", action="store_true", help="pin rank r to core r %% cores")
+    ap.add_argument("--barrier", choices=("shm", "gloo"), default="shm",
+                    help="before each repeat: gloo's barrier then a shared-memory flag barrier (shm), or gloo's alone")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="--exchange-only: a2a exchanges per timed repeat, back to back (a decode step's layers; "
+                         "the time is per exchange)")
     args = ap.parse_args(argv)
     cfg = {"repeats": 2 if args.quick else args.repeats, "warmup": 1, "chunks": [1, 2, 4], "shapes": SHAPES,
-           "worlds": args.worlds, "exchange_only": args.exchange_only, "a2a_only": args.a2a_only}
+           "worlds": args.worlds, "exchange_only": args.exchange_only, "a2a_only": args.a2a_only,
+           "layers": args.layers, "pin": args.pin, "barrier": args.barrier}
     tokens = [64] if args.quick else args.tokens
     if args.exchange_only:
         cfg["warmup"] = 20
