@@ -201,7 +201,8 @@ def _compute_only(rank, world, x, ids, gw, w, attrs, E, gen):
     dist.all_gather(allc, plan.counts, group=dist.group.WORLD)
     recv = torch.stack(allc)[:, rank]  # [R_src, El]
     n = int(recv.sum())
-    rows, grow, out = torch.randn(n, x.shape[1], generator=gen), torch.rand(n, generator=gen), torch.empty(n, x.shape[1])
+    rows, out = torch.randn(n, x.shape[1], generator=gen), torch.empty(n, x.shape[1])
+    grow = torch.rand(n, generator=gen)
     counts = recv.tolist()
     return lambda: experts_on_rows(rows, grow, counts, w, attrs, out)
 
@@ -228,8 +229,9 @@ def _run_exchange(rank, world, cfg):
     layers = cfg.get("layers", 1)
     if layers > 1:  # back to back, as a model's decode runs its layers: the barrier's skew amortized
         a2a, a2a8 = _a2a_exchange(x, ids, gw, E, g.group_name), _a2a_exchange(x, ids, gw, E, g.group_name, int8=True)
-        return {name: {"comm_a2a": [t / layers for t in _timeit(lambda: [a2a() for _ in range(layers)], rep, wu)],
-                       "comm_a2a_int8": [t / layers for t in _timeit(lambda: [a2a8() for _ in range(layers)], rep, wu)]}}
+        per = {k: _timeit(lambda f=f: [f() for _ in range(layers)], rep, wu) for k, f in
+               (("comm_a2a", a2a), ("comm_a2a_int8", a2a8))}
+        return {name: {k: [t / layers for t in ts] for k, ts in per.items()}}
     return {name: {"comm_a2a": _timeit(_a2a_exchange(x, ids, gw, E, g.group_name), rep, wu),
                    "comm_symm": _timeit(lambda: dispatch.exchange(ctx, plan, x, gp, copy_rows, H, x.dtype, chunks=1,
                                                                   timeout_s=60), rep, wu)}}
@@ -269,7 +271,8 @@ def run_world(world, cfg):
             if k.startswith("bytes"):  # [dispatch, combine] bytes: the busiest rank's
                 merged[shape][k] = max((per_rank[r][shape][k] for r in range(world)), key=sum)
             elif isinstance(v, list):  # per-repeat times: the slowest rank of each repeat, then the median
-                merged[shape][k] = statistics.median(max(ts) for ts in zip(*(per_rank[r][shape][k] for r in range(world))))
+                ranks = (per_rank[r][shape][k] for r in range(world))
+                merged[shape][k] = statistics.median(max(ts) for ts in zip(*ranks))
             else:
                 merged[shape][k] = max(per_rank[r][shape][k] for r in range(world))
     return merged
@@ -309,7 +312,8 @@ def _a2a_table(all_results, bw: float) -> list:
                 f"| {world} | {T} | {shape} | {r['eager_gloo']*1e3:.2f} | {r['fused_a2a']*1e3:.2f} | "
                 f"{r['fused_a2a_int8']*1e3:.2f} | {r['fused_a2a_int8']/r['fused_a2a']:.2f}x | {r['compute']*1e3:.2f} | "
                 f"{r['comm_a2a']*1e3:.3f} | {b / 1e6:.3f} MB | {b / r['comm_a2a'] / 1e9:.2f} | {model*1e3:.3f} | "
-                f"{r['fused_a2a'] / (r['compute'] + r['comm_a2a']):.3f} | {r['fused_a2a'] / (r['compute'] + model):.3f} | "
+                f"{r['fused_a2a'] / (r['compute'] + r['comm_a2a']):.3f} | "
+                f"{r['fused_a2a'] / (r['compute'] + model):.3f} | "
                 f"{r['eager_gloo'] / r['fused_a2a']:.2f}x | {r['comm_a2a_int8']*1e3:.3f} | {b8 / 1e6:.3f} MB |")
     return lines
 

@@ -392,7 +392,7 @@ def exchange(kind: str, input: torch.Tensor, payload: torch.Tensor, group_name: 
         _wait(st, ep, timeout_s, f"the {kind}'s rows")
         rows = st.views[par]
         _agree(rows, me)
-        if window and kind == "dispatch":  # the fused op's hot path: the checks in two numpy ops, the layout of this rank only
+        if window and kind == "dispatch":  # numpy's window path: two checks, the layout of this rank only
             pay = rows[:, NMETA : NMETA + R * ne]
             if (pay < 0).any() or (pay.sum(1) > rows[:, 2]).any():
                 _layout(kind, rows, me, R, ne)  # raises, on every rank alike

@@ -332,7 +332,8 @@ def int8_scenarios(rank, world, scenarios):
         want = cpu_quant.run(xs[rank], ids[rank], gws[rank], whole, FFNAttrs(), "a8w8-int", 0.0, f"ep-test-{name}") \
             if Ts[rank] else xs[rank].new_zeros(0, H)
         fp32 = fused_moe_reference(xs[rank], ids[rank], gws[rank], whole, FFNAttrs())
-        mine = ExpertWeights((fc1[rank * el : (rank + 1) * el].clone(),), (), (fc2[rank * el : (rank + 1) * el].clone(),))
+        lo, hi = rank * el, (rank + 1) * el
+        mine = ExpertWeights((fc1[lo:hi].clone(),), (), (fc2[lo:hi].clone(),))
         with _Scalars() as fwd:
             y = call_fused_moe_ep(xs[rank], ids[rank], gws[rank], mine, FFNAttrs(), dist.group.WORLD, E,
                                   transport="a2a-int8")
