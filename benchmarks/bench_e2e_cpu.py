@@ -2,7 +2,7 @@
 backend="moe" at each format, prefill and decode tokens/s, on the same random-weight model.
 
     python benchmarks/bench_e2e_cpu.py [--llama-bench PATH --llama-quantize PATH]
-        [--llama-greedy PATH] [--recipes fp32 w16 w8 w4 a8w4] [--engines eager inductor]
+        [--llama-greedy PATH] [--recipes fp32 w16 w8 w4 a8w4] [--engines eager inductor] [--loop]
         [--hidden 2048 --experts 64 --ffn 768 --topk 8 --layers 4 ...] [--out DIR]
 
 The model: a Qwen3-MoE causal LM (default: Qwen3-30B-A3B's layer shapes, 4 layers, vocab 32000,
@@ -17,7 +17,9 @@ processor stamps the clock at each step (stamp 0 ends the prefill), medians of -
 after a first (compiling) call.  backend="moe" recipes (``RECIPES``) put every weight the decode
 step reads in the named format (experts: ``quant``, everything else: ``quant_dense``) with a
 static KV cache (``cache_implementation="static"``: one decode graph, no cache growth); the
-fp32 recipe is equal-tokens checked against HF eager.  ``--llama-greedy``: a program
+fp32 recipe is equal-tokens checked against HF eager.  ``--loop``: each such recipe also through
+``moe_compile.generate`` (the same greedy tokens without HF generate's per-step Python; the
+"moe-loop" rows).  ``--llama-greedy``: a program
 ``PATH MODEL.gguf THREADS IDS.txt N_GEN LOGITS.bin`` printing "gen: <ids>" (greedy from token ids
 with llama.cpp's C API) checks that the GGUF is the same model (tokens and logits vs HF eager).
 
@@ -118,6 +120,21 @@ def generate_timed(model, prompt: torch.Tensor, gen: int, **kwargs) -> dict:
                 first_logits=clock.first, load1=os.getloadavg()[0])
 
 
+def loop_timed(model, prompt: torch.Tensor, gen: int) -> dict:
+    """moe_compile.generate (greedy, static cache, no HF generate loop): the prefill is the time of a
+    one-token call, the decode the rest of a (gen + 1)-token call.  The long call first: the short
+    one then reuses its cache (the same graphs, no recompile)."""
+    import moe_compile
+
+    t0 = time.perf_counter()
+    out = moe_compile.generate(model, prompt, gen + 1, stop_at_eos=False)
+    t1 = time.perf_counter()
+    moe_compile.generate(model, prompt, 1, stop_at_eos=False)
+    t2 = time.perf_counter()
+    return dict(prefill_s=t2 - t1, decode_s=(t1 - t0) - (t2 - t1), tokens=out[0, prompt.shape[1]:].tolist(),
+                first_logits=None, load1=os.getloadavg()[0])
+
+
 def torch_row(model, a, prompt: torch.Tensor, engine: str, recipe: str | None) -> dict:
     """One engine / recipe: a first (compiling) call, then --reps timed calls."""
     import moe_compile
@@ -128,16 +145,19 @@ def torch_row(model, a, prompt: torch.Tensor, engine: str, recipe: str | None) -
     kwargs = {}
     if engine == "inductor":
         model.forward = torch.compile(forward)
-    elif engine == "moe":
+    elif engine in ("moe", "moe-loop"):
         quant, dense = RECIPES[recipe]
         model.forward = torch.compile(forward, backend="moe", options={"quant": quant, "quant_dense": dense})
         kwargs["cache_implementation"] = "static"
+    timed = (lambda: loop_timed(model, prompt, a.gen)) if engine == "moe-loop" else (
+        lambda: generate_timed(model, prompt, a.gen, **kwargs))
     try:
         t = time.perf_counter()
-        first = generate_timed(model, prompt, a.gen, **kwargs)
+        first = timed()
         first_s = time.perf_counter() - t
-        runs = [generate_timed(model, prompt, a.gen, **kwargs) for _ in range(a.reps)]
-        profile = profile_decode(model, prompt, a.gen, **kwargs) if recipe in a.profile else None
+        runs = [timed() for _ in range(a.reps)]
+        profile = (profile_decode(model, prompt, a.gen, **kwargs) if recipe in a.profile and engine == "moe"
+                   else None)
     finally:
         model.forward = forward
     pre, dec = statistics.median(r["prefill_s"] for r in runs), statistics.median(r["decode_s"] for r in runs)
@@ -232,6 +252,8 @@ def parse_args():
     p.add_argument("--llama-quantize", help="llama.cpp's llama-quantize binary (for the non-f32 GGUFs)")
     p.add_argument("--llama-greedy", help="greedy-from-ids checker (see the module docstring)")
     p.add_argument("--llama-formats", nargs="*", default=list(LLAMA_FORMATS))
+    p.add_argument("--loop", action="store_true",
+                   help="also time each backend='moe' recipe through moe_compile.generate (no HF generate loop)")
     p.add_argument("--profile", nargs="*", default=[], choices=list(RECIPES),
                    help="after timing these recipes, profile 16 decode steps each: where a step's time goes")
     p.add_argument("--work", default=None, help="where the GGUFs go (default: a temporary directory)")
@@ -251,7 +273,8 @@ def main() -> None:
     for engine in a.engines:
         rows.append(torch_row(model, a, prompt, engine, None) | dict(bytes=decode_bytes(model, "none", "none")))
     for recipe in a.recipes:
-        rows.append(torch_row(model, a, prompt, "moe", recipe) | dict(bytes=decode_bytes(model, *RECIPES[recipe])))
+        for engine in ("moe", "moe-loop") if a.loop else ("moe",):
+            rows.append(torch_row(model, a, prompt, engine, recipe) | dict(bytes=decode_bytes(model, *RECIPES[recipe])))
     checks = _check_torch(rows)
     if a.llama_bench:
         work = a.work or tempfile.mkdtemp(prefix="moe_e2e_")
@@ -288,6 +311,9 @@ def _check_torch(rows: list[dict]) -> dict:
         if eager is None or r is eager:
             continue
         key = f"{r['engine']}:{r['recipe']}"
+        if r["first_logits"] is None:  # moe_compile.generate keeps no logits: its tokens only
+            out[key] = dict(same_tokens=r["tokens"] == eager["tokens"])
+            continue
         finite = torch.isfinite(eager["first_logits"])  # generate masks EOS to -inf (min_new_tokens)
         out[key] = dict(same_tokens=r["tokens"] == eager["tokens"],
                         first_logits_sqnr_db=sqnr_db(eager["first_logits"][finite], r["first_logits"][finite]))
