@@ -189,7 +189,8 @@ class MoESpec:
     # model's tensors — the same storage with swapped strides, never a copy.
     flipped: tuple = ()
     # (role, (E, out, in)) for roles held as one [E*out, in] weight (experts as one ``nn.Linear(H, E*F)``
-    # whose output is viewed [T, E, F]): the op reads ``param.view(E, out, in)``, then flips it if asked.
+    # whose output is viewed [T, E, F]): the op reads ``param.view(E, out, in)``, then flips it if asked;
+    # (role + "_bias", (E, out)) for that Linear's [E*out] bias, read as ``bias.view(E, out)``.
     unflattened: tuple = ()
 
     def __post_init__(self) -> None:
@@ -200,7 +201,10 @@ class MoESpec:
                 raise ValueError(f"MoESpec.{name} must be a positive int, got {value!r}")
         if not self.fc1 or not self.fc2:
             raise ValueError("MoESpec needs fc1 and fc2 weight nodes")
-        for role in (*self.flipped, *(r for r, _ in self.unflattened)):
-            _check_choice("flipped / unflattened role", role, WEIGHT_ROLES)
-        if any(len(shape) != 3 for _, shape in self.unflattened):
-            raise ValueError(f"MoESpec.unflattened views must be [E, out, in], got {self.unflattened}")
+        for role in self.flipped:
+            _check_choice("flipped role", role, WEIGHT_ROLES)
+        for role, shape in self.unflattened:
+            _check_choice("unflattened role", role, (*WEIGHT_ROLES, *(f"{r}_bias" for r in WEIGHT_ROLES)))
+            if len(shape) != (2 if role.endswith("bias") else 3):
+                raise ValueError(f"MoESpec.unflattened: {role} must be viewed [E, out, in] (a bias [E, out]), "
+                                 f"got {shape}")

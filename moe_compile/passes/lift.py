@@ -34,7 +34,8 @@ class Roles:
     fc1_up_bias: tuple[fx.Node, ...] = ()
     fc2_bias: tuple[fx.Node, ...] = ()
     # (role, [E, out, in]) for roles held as a [E*out, in] Linear weight that the op reads as
-    # ``param.view(E, out, in)`` (experts as one ``nn.Linear(H, E*F)`` viewed [T, E, F])
+    # ``param.view(E, out, in)`` (experts as one ``nn.Linear(H, E*F)`` viewed [T, E, F]); its bias
+    # (role "<name>_bias", [E, out]) as ``bias.view(E, out)``
     unflattened: tuple = ()
 
     def nodes(self) -> list[fx.Node]:
@@ -225,7 +226,7 @@ def _layouts(roles: Roles, values, x_hidden) -> list[tuple[str, bool, tuple]]:
     return sorted(out, key=lambda o: bool(o[2]))  # stable: uniform first, in the order above
 
 
-_SWAPPED = {"fc1": "fc1_up", "fc1_up": "fc1"}
+_SWAPPED = {"fc1": "fc1_up", "fc1_up": "fc1", "fc1_bias": "fc1_up_bias", "fc1_up_bias": "fc1_bias"}
 
 
 def hypotheses(deps, region, clusters, roles: Roles, values, op_dtype=None) -> list[prove.Hypothesis]:
@@ -257,7 +258,7 @@ def hypotheses(deps, region, clusters, roles: Roles, values, op_dtype=None) -> l
     return out
 
 
-_ROLE_NAMES = ("fc1", "fc1_up", "fc2", "", "", "")  # the six roles' names in op order (biases unnamed)
+_ROLE_NAMES = ("fc1", "fc1_up", "fc2", "fc1_bias", "fc1_up_bias", "fc2_bias")  # the six roles in op order
 
 
 def _name_of(roles: Roles, role) -> str:
@@ -266,7 +267,7 @@ def _name_of(roles: Roles, role) -> str:
 
 def _viewed(t: torch.Tensor, views, name: str) -> torch.Tensor:
     shape = dict(views).get(name)
-    return t if shape is None else t.view(shape)  # a [E*n, in] Linear weight as the stack [E, n, in]
+    return t if shape is None else t.view(shape)  # a [E*n, in] Linear weight as the stack [E, n, in] ([E*n] bias: [E, n])
 
 
 def uniform_hypotheses(*args, **kwargs) -> list[prove.Hypothesis]:

@@ -25,10 +25,19 @@ def stacked_roles(candidate: Candidate) -> tuple[Roles, int]:
         swap = _is_gate(cluster.fc1[1]) and not _is_gate(cluster.fc1[0])
         (gate, gate_b), (up, up_b) = _ordered(zip(cluster.fc1_w, fc1_biases), swap)
         known = _is_gate(cluster.fc1[0]) != _is_gate(cluster.fc1[1])
-        return Roles((gate.param,), (up.param,), (cluster.down_w.param,), known, _bias(gate_b), _bias(up_b),
-                     _bias(cluster.down_b), unflattened=_unflattened(gate, up, cluster.down_w)), sizes.pop()
-    return Roles((cluster.fc1_w[0].param,), (), (cluster.down_w.param,), True, _bias(fc1_biases[0]),
-                 (), _bias(cluster.down_b), unflattened=_unflattened(cluster.fc1_w[0], None, cluster.down_w)), sizes.pop()
+    else:
+        (gate, gate_b), (up, up_b), known = (cluster.fc1_w[0], fc1_biases[0]), (None, None), True
+    pairs = {"fc1": (gate, gate_b), "fc1_up": (up, up_b), "fc2": (cluster.down_w, cluster.down_b)}
+    biases = {name: _bias(b, w) for name, (w, b) in pairs.items()}
+    views = tuple((name, _stacked_shape(w)) for name, (w, _) in pairs.items() if w is not None and w.unflat)
+    views += tuple((f"{name}_bias", w.unflat) for name, (w, b) in pairs.items()
+                   if biases[name] and w.unflat and _ndim(b.param) == 1)
+    return Roles((gate.param,), (up.param,) if up is not None else (), (cluster.down_w.param,), known,
+                 biases["fc1"], biases["fc1_up"], biases["fc2"], unflattened=views), sizes.pop()
+
+
+def _ndim(node) -> int:
+    return node.meta["example_value"].dim()
 
 
 def _stacked_shape(ref) -> tuple | None:
@@ -40,21 +49,22 @@ def _stacked_shape(ref) -> tuple | None:
     return shape if len(shape) == 3 else None
 
 
-def _unflattened(gate, up, down) -> tuple:
-    """Roles' (name, [E, out, in]) for the roles the op reads as ``param.view(E, out, in)``."""
-    refs = (("fc1", gate), ("fc1_up", up), ("fc2", down))
-    return tuple((name, _stacked_shape(ref)) for name, ref in refs if ref is not None and ref.unflat is not None)
-
-
 def _ordered(pairs, swap: bool) -> list:
     pairs = list(pairs)
     return pairs[::-1] if swap else pairs
 
 
-def _bias(ref) -> tuple:
+def _bias(ref, weight) -> tuple:
     """A stacked [E, n] bias role from the parameter added to a GEMM's output (indexed per token or
-    by the sorted ids); the proof rejects anything that does not act as that bias."""
-    return (ref.param,) if ref is not None and ref.param.meta["example_value"].dim() == 2 else ()
+    by the sorted ids), or a Linear's [E*n] bias where its [E*n, in] weight is an unflattened stack
+    (read as ``bias.view(E, n)``); the proof rejects anything that does not act as that bias."""
+    if ref is None:
+        return ()
+    unflat = weight.unflat if weight is not None else None
+    if _ndim(ref.param) == 2 or unflat is not None and tuple(ref.param.meta["example_value"].shape) == (
+            unflat[0] * unflat[1],):
+        return (ref.param,)
+    return ()
 
 
 def find_stacked(family, graph, deps, candidate: Candidate, example_inputs):

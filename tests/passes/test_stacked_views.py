@@ -24,14 +24,14 @@ class LinearExperts(nn.Module):
     """``fused``: gate and up as one Linear(H, E*2F) viewed [T, E, 2F] and chunked; else two
     Linear(H, E*F).  ``unflatten``: ``unflatten(-1, (E, F))`` instead of ``view(T, E, F)``."""
 
-    def __init__(self, hidden=32, ffn=16, experts=4, top_k=2, fused=False, unflatten=False):
+    def __init__(self, hidden=32, ffn=16, experts=4, top_k=2, fused=False, unflatten=False, bias=False):
         super().__init__()
         self.E, self.F, self.K, self.fused, self.unflatten = experts, ffn, top_k, fused, unflatten
         self.router = nn.Linear(hidden, experts, bias=False)
         if fused:
-            self.gate_up = nn.Linear(hidden, experts * 2 * ffn, bias=False)
+            self.gate_up = nn.Linear(hidden, experts * 2 * ffn, bias=bias)
         else:
-            self.gate, self.up = nn.Linear(hidden, experts * ffn, bias=False), nn.Linear(hidden, experts * ffn, bias=False)
+            self.gate, self.up = nn.Linear(hidden, experts * ffn, bias=bias), nn.Linear(hidden, experts * ffn, bias=bias)
         self.w_down = nn.Parameter(torch.randn(experts, hidden, ffn) / ffn**0.5)  # [E, H, F]
 
     def _per_expert(self, h, n):  # [T, E*n] -> [T, E, n]
@@ -48,16 +48,19 @@ class LinearExperts(nn.Module):
         return (picked * weights[..., None]).sum(1)
 
 
-@pytest.mark.parametrize("fused, unflatten", [(False, False), (True, False), (False, True)],
-                         ids=["two_linears", "fused_gate_up", "unflatten"])
-def test_linear_over_all_experts_is_rewritten_and_equal_to_eager(fused, unflatten):
-    model = LinearExperts(fused=fused, unflatten=unflatten).eval()
+@pytest.mark.parametrize("fused, unflatten, bias", [(False, False, False), (True, False, False), (False, True, False),
+                                                   (False, False, True), (True, False, True)],
+                         ids=["two_linears", "fused_gate_up", "unflatten", "biases", "fused_bias"])
+def test_linear_over_all_experts_is_rewritten_and_equal_to_eager(fused, unflatten, bias):
+    """With biases, the Linear's [E*F] bias is the stacked bias ``bias.view(E, F)``."""
+    model = LinearExperts(fused=fused, unflatten=unflatten, bias=bias).eval()
     x = torch.randn(7, 32)
     with torch.no_grad():
         want = model(x)
         got, report = run_compiled(model, x)
     assert len(report.rewritten) == 1 and report.rewritten[0].num_experts == 4, report
     assert report.rewritten[0].gate_up == ("concat" if fused else "separate")
+    assert report.rewritten[0].biases == (("fc1",) if fused else ("fc1", "fc1_up")) * bias
     assert rel_err(got, want) <= TOL[torch.float32]
 
 
