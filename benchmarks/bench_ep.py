@@ -27,7 +27,7 @@ Bytes: what the a2a exchange moves between ranks per call and rank (rows to / fr
 ranks; a rank's own rows never cross), dispatch + combine; "model" = those bytes / the measured
 shared-memory copy bandwidth (``shm_bw``, one 64 MiB copy into /dev/shm, one thread), "GB/s" = the
 bytes / comm_a2a.  Ratios: fused_a2a / (compute + comm_a2a), fused_a2a / (compute + model),
-eager_gloo / fused_a2a.
+eager_gloo / fused_a2a.  The a2a table's rows are timed interleaved (one repeat of each in turn).
 Overlap figure: fused_symm / max(comm_symm, compute) (the issue's target: <= 1.15).
 Every run records ``uptime``'s load beside its figures: the CI machine is shared.
 
@@ -82,6 +82,20 @@ def _timeit(fn, repeats, warmup):
         t0 = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t0)
+    return out
+
+
+def _timeit_interleaved(fns: dict, repeats, warmup) -> dict:
+    """``_timeit`` of several rows, one repeat of each in turn (A B C A B C ...): load that comes and
+    goes on a shared machine then hits every row alike, so their ratios hold better than their times."""
+    out = {k: [] for k in fns}
+    for i in range(warmup + repeats):
+        for k, fn in fns.items():
+            _barrier()
+            t0 = time.perf_counter()
+            fn()
+            if i >= warmup:
+                out[k].append(time.perf_counter() - t0)
     return out
 
 
@@ -159,14 +173,13 @@ def _run_shapes(rank, world, cfg):
         def fused(transport, chunks=0):
             return lambda: call_fused_moe_ep(x, ids, gw, w, attrs, g, E, transport=transport, chunks=chunks)
 
-        row["eager_gloo"] = _timeit(lambda: eager_ep_layer(x, ids, gw, w, attrs, g, E), rep, wu)
-        row["fused_a2a"] = _timeit(fused("a2a"), rep, wu)
-        row["fused_a2a_int8"] = _timeit(fused("a2a-int8"), rep, wu)
-        row["comm_a2a"] = _timeit(_a2a_exchange(x, ids, gw, E, g.group_name), rep, wu)
-        row["comm_a2a_int8"] = _timeit(_a2a_exchange(x, ids, gw, E, g.group_name, int8=True), rep, wu)
+        a2a_rows = {"eager_gloo": lambda: eager_ep_layer(x, ids, gw, w, attrs, g, E), "fused_a2a": fused("a2a"),
+                    "fused_a2a_int8": fused("a2a-int8"), "comm_a2a": _a2a_exchange(x, ids, gw, E, g.group_name),
+                    "comm_a2a_int8": _a2a_exchange(x, ids, gw, E, g.group_name, int8=True),
+                    "compute": _compute_only(rank, world, x, ids, gw, w, attrs, E, gen)}
+        row.update(_timeit_interleaved(a2a_rows, rep, wu))
         row["bytes_a2a"] = _a2a_bytes(ids, E, world, rank, H * 4, H * 4)
         row["bytes_a2a_int8"] = _a2a_bytes(ids, E, world, rank, H + 4, H * 4)
-        row["compute"] = _timeit(_compute_only(rank, world, x, ids, gw, w, attrs, E, gen), rep, wu)
         if cfg.get("a2a_only"):
             results[name] = row
             continue

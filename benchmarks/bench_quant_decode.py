@@ -11,8 +11,8 @@ x [T, H] ~ normal(0, 1), K distinct random experts per token, softmax routing we
                   what the backend emits and users run (its first call packs and registers the
                   layer, later decode calls run qdecode from the op's C++ CPU kernel); the
                   ratios to llama.cpp and the roof are this side's.  Not for w16-fp16 (the op's
-                  w16 is bf16).
-  qdecode <fmt>   ``qdecode.run`` on ``moe_compile.quant.pack(fmt, W)`` (w16: bf16 and fp16;
+                  w16 packs these trained-scale weights as fp16 itself: ``quant/w16.py``).
+  qdecode <fmt>   ``qdecode.run`` on ``moe_compile.quant.pack(fmt, W)`` (w16: bf16, w16-fp16: fp16;
                   a8w4-int is group-wise, group 32; a8w4-int-g64 / -g128 its other groups,
                   a8w4-int-pc its per-channel MSD form, qdecode only),
                   the kernel's Python host call (checks, plan, ctypes); 2 torch threads.
