@@ -29,7 +29,9 @@ shared-memory copy bandwidth (``shm_bw``, one 64 MiB copy into /dev/shm, one thr
 bytes / comm_a2a.  Ratios: fused_a2a / (compute + comm_a2a), fused_a2a / (compute + model),
 eager_gloo / fused_a2a.  The a2a table's rows are timed interleaved (one repeat of each in turn).
 Overlap figure: fused_symm / max(comm_symm, compute) (the issue's target: <= 1.15).
-Every run records ``uptime``'s load beside its figures: the CI machine is shared.
+Every run records ``uptime``'s load beside its figures: the CI machine is shared.  ``--pin`` puts
+rank r on core r: unpinned, gloo's wake-ups can leave both ranks on one core (the 2-core VM: a
+decode exchange 0.49 ms unpinned, 0.23 ms pinned, load ~2).
 
 Usage: python benchmarks/bench_ep.py --out benchmarks/results/ep_cpu [--worlds 2 4] [--tokens 512] [--quick]
        python benchmarks/bench_ep.py --out /dev/null --exchange-only --worlds 2 --tokens 8 --repeats 200
