@@ -49,7 +49,7 @@ _PACKS: dict[tuple, "_Packed"] = {}
 
 
 class _Packed:
-    __slots__ = ("ref", "version", "qweight", "fields")
+    __slots__ = ("ref", "version", "qweight", "fields", "panels")
 
     def __init__(self, weight: torch.Tensor, fmt: str, group: int | None):
         from moe_compile import quant
@@ -61,6 +61,7 @@ class _Packed:
             self.qweight = quant.pack(fmt, weight.detach().float().unsqueeze(0), group)
         N, K = weight.shape
         self.fields = qdecode.role_fields(self.qweight, N, K)
+        self.panels = None  # qgemm's panels of the weight, made by the first prefill call
         if _op_state.get("installed"):  # later decode calls on this weight: from C++ (dense_op.cpp)
             torch.ops.moe_compile.dense_register(weight, fmt, self.qweight.data, self.qweight.scale, self.fields)
 
@@ -182,11 +183,59 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if bias is not None:
             y += bias
     else:
-        from moe_compile import quant
-
-        w = quant.dequantize(packed(weight, fmt, group).qweight)[0]  # [N, K] fp32, this call only
-        y = F.linear(x2.float(), w, None if bias is None else bias.float()).to(x.dtype)
+        y = _prefill(x2, packed(weight, fmt, group), bias).to(x.dtype)
     return y.reshape(*lead, N)
+
+
+def _prefill(x2: torch.Tensor, pack: "_Packed", bias: torch.Tensor | None) -> torch.Tensor:
+    """y [T, N] fp32 of a prefill-size call: the packed weight dequantized for this call only (in
+    C from qgemm's panels where they serve it, else by the format's reference), then torch's GEMM —
+    in bf16 where the CPU multiplies bf16 natively (``prefill_dtype``), else fp32."""
+    from moe_compile import quant
+    from moe_compile.kernels.cpu import qgemm
+
+    dtype = prefill_dtype(pack.qweight.fmt)
+    if pack.panels is None:
+        pack.panels = _float_panels(pack.qweight)
+    if pack.panels is not False:
+        w = qgemm.dequantized_weight(pack.panels, 0, dtype)
+    else:
+        w = quant.dequantize(pack.qweight)[0].to(dtype)  # [N, K], this call only
+    y = F.linear(x2.to(dtype), w).float()
+    return y if bias is None else y + bias.float()
+
+
+def _float_panels(qweight):
+    """qgemm's float panels of the weight (the same bytes, another order), or False where qgemm
+    does not serve it (no kernel, N not a multiple of 16, an integer-tile format)."""
+    from moe_compile.kernels.cpu import qgemm
+
+    N, K = qweight.shape[1:]
+    if qgemm.unavailable_reason(qweight.fmt) is not None or N % qgemm.PANEL or K % 8:
+        return False
+    panels = qgemm.pack(qweight)
+    return panels if qgemm.float_panels(panels) else False
+
+
+PREFILL_BF16_ENV = "MOE_COMPILE_PREFILL_BF16"
+
+
+def prefill_dtype(fmt: str) -> torch.dtype:
+    """A quantized dense linear's prefill GEMM dtype: bf16 where the CPU has AMX-BF16 or AVX-512 BF16
+    (oneDNN's bf16 GEMM there is 3-6x its fp32 one; rounding the activations to bf16, 2^-9 relative,
+    is far below the weights' own 4- or 8-bit error), fp32 for w16 (its fp16 weights hold ~70 dB,
+    which bf16 activations would cap near 50) and on other CPUs.  ``MOE_COMPILE_PREFILL_BF16=0``:
+    fp32 always."""
+    if fmt == "w16" or os.environ.get(PREFILL_BF16_ENV) == "0":
+        return torch.float32
+    return torch.bfloat16 if _native_bf16() else torch.float32
+
+
+@functools.cache
+def _native_bf16() -> bool:
+    from moe_compile.devices import cpu_flags
+
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
 
 
 def _linear_native(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -872,3 +872,43 @@ void moe_qgemm_quantize(const float *x, int64_t n, int64_t K, int8_t *q, float *
 #pragma omp parallel num_threads(1)
     quantize_rows(x, n, K, q, s, sum, 0);
 }
+
+/* A float-format weight [N, K] (panel layout, N a multiple of 16) dequantized into rows: out [N][K],
+ * fp32 (bf16 = 0) or bf16 rounded to nearest even (bf16 = 1).  A dense linear's prefill GEMM operand
+ * (kernels/cpu/dense.py): one pass over the codes in C instead of the reference's torch ops, the
+ * panels split over the threads.  0, or -1 when the ISA is not on this CPU, -2 out of memory. */
+int64_t moe_qgemm_dequant_rows(int64_t isa, int64_t fmt, const uint8_t *w, const void *scales, int64_t N, int64_t K,
+                               int64_t G, void *out, int64_t bf16, int64_t threads) {
+    Shape s = shape_of((int)isa, (int)fmt);
+    if (!isa_ok(s.isa, s.fmt)) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *buf = malloc(sizeof(float) * K * PANEL);
+        if (buf == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < N / PANEL; p++) {
+                dequant(s, w, scales, p, K, G, buf);  /* buf [K][16] */
+                for (int64_t r = 0; r < PANEL; r++) {
+                    const int64_t n = p * PANEL + r;
+                    if (bf16) {
+                        uint16_t *o = (uint16_t *)out + n * K;
+                        for (int64_t k = 0; k < K; k++) {
+                            uint32_t bits;
+                            memcpy(&bits, &buf[k * PANEL + r], 4);
+                            o[k] = (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+                        }
+                    } else {
+                        float *o = (float *)out + n * K;
+                        for (int64_t k = 0; k < K; k++) o[k] = buf[k * PANEL + r];
+                    }
+                }
+            }
+            free(buf);
+        }
+    }
+    return failed ? -2 : 0;
+}

@@ -46,6 +46,7 @@ _KERNEL = cpu_cc.Kernel(
      "moe_qgemm_run_quantized": ([_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, _I64], _I64),
      "moe_qgemm_int_matmul": ([_I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR], _I64),
      "moe_qgemm_dequant_panel": ([_I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR], _I64),
+     "moe_qgemm_dequant_rows": ([_I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64], _I64),
      "moe_qgemm_quantize": [_PTR, _I64, _I64, _PTR, _PTR, _PTR],
      "moe_qgemm_cpu_features": ([], _I64)},
     "quantized prefill is unavailable")
@@ -327,6 +328,28 @@ def dequantized_rows(p: QGemmPack, e: int, isa: int) -> torch.Tensor:
                                                  out[panel].data_ptr()) != 0:
             raise RuntimeError(f"qgemm.dequantized_rows: isa {isa} is not on this CPU")
     return out.transpose(1, 2).reshape(N, K)
+
+
+def float_panels(p: QGemmPack) -> bool:
+    """Whether p's panels are float-format ones (w16, w8-int, w4-int, mxfp4, mxfp8, a8w4-int
+    group-wise): those ``dequantized_weight`` reads."""
+    return p.code not in (FORMAT_CODES["a8w8-int"], FORMAT_CODES["a8w4-int"])
+
+
+def dequantized_weight(p: QGemmPack, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Expert e's weight [N, K] in fp32 or bf16 (rounded to nearest even), dequantized from its
+    float panels in one threaded C pass: a dense prefill GEMM's operand (kernels/cpu/dense.py)."""
+    if not float_panels(p) or dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"qgemm.dequantized_weight: {p.fmt} panels as {dtype} are not served")
+    E, N, K = p.shape
+    out = torch.empty(N, K, dtype=dtype)
+    scales = p.scale[e].data_ptr() if p.scale.numel() else None
+    status = _KERNEL.lib().moe_qgemm_dequant_rows(best_isa(p.fmt), p.code, p.data[e].data_ptr(), scales, N, K, p.group,
+                                                  out.data_ptr(), int(dtype == torch.bfloat16),
+                                                  torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"qgemm.dequantized_weight: {p.fmt} refused (status {status})")
+    return out
 
 
 def quantize_rows(x: torch.Tensor):
