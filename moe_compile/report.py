@@ -39,6 +39,8 @@ class Rewritten:
     limit: float = 0.0  # clamp of gate/up (0: none)
     alpha: float = FFNAttrs.alpha  # sigmoid slope of activation "gptoss"
     biases: tuple[str, ...] = ()  # the roles with a bias: "fc1", "fc1_up", "fc2"
+    flipped: tuple[str, ...] = ()  # weight roles read as transpose views (held in the other orientation)
+    unflattened: tuple[str, ...] = ()  # roles read as [E, out, in] views of one [E*out, in] weight
     quant_tag: str = ""  # the layer's name in quant.selection (quantized layers)
     quant_note: str = ""  # why a quant= setting left this layer unquantized
     quant_sqnr_db: float | None = None  # explicit quant variant: SQNR of this layer's output against the
@@ -51,6 +53,8 @@ class Rewritten:
         if self.limit > 0:
             act += f"(limit={self.limit:g}" + (f", alpha={self.alpha:g}" if self.activation == "gptoss" else "") + ")"
         extra = (" transposed" if self.transposed else "") + (f" biases={'+'.join(self.biases)}" if self.biases else "")
+        extra += (f" flipped={'+'.join(self.flipped)}" if self.flipped else "") + (
+            f" unflattened={'+'.join(self.unflattened)}" if self.unflattened else "")
         return (
             f"  [graph {self.graph}] {where}: family={self.family}{ep} E={self.num_experts} K={self.top_k} "
             f"H={self.hidden} F={self.ffn} {self.gate_up}/{act}{extra} weight_on={self.weight_on} "

@@ -242,7 +242,8 @@ def _rewritten_entry(match, plan) -> Rewritten:
     biases = tuple(role for role in ("fc1", "fc1_up", "fc2") if getattr(s, f"{role}_bias"))
     return Rewritten(s.family, s.num_experts, s.top_k, s.hidden, s.ffn, plan.policy or s.variant, s.source, a.gate_up,
                      a.activation, a.weight_on, match.error, transposed=a.transposed, limit=a.limit, alpha=a.alpha,
-                     biases=biases, quant_tag=plan.tag, quant_note=plan.note, **getattr(match, "report_extra", {}))
+                     biases=biases, flipped=tuple(s.flipped), unflattened=tuple(role for role, _ in s.unflattened),
+                     quant_tag=plan.tag, quant_note=plan.note, **getattr(match, "report_extra", {}))
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:

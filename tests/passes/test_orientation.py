@@ -80,6 +80,8 @@ def test_every_role_orientation_is_rewritten_and_equal_to_eager(flips):
         got, report = run_compiled(model, x)
     assert len(report.rewritten) == 1, report
     assert rel_err(got, want) <= TOL[torch.float32]
+    r = report.rewritten[0]  # the report names the roles read as transposed views, and only those
+    assert bool(r.flipped) == (len(set(flips)) > 1) and ("flipped=" in r.line()) == bool(r.flipped)
 
 
 def test_square_weights_try_mixed_orientations_after_uniform_ones():

@@ -61,6 +61,7 @@ def test_linear_over_all_experts_is_rewritten_and_equal_to_eager(fused, unflatte
     assert len(report.rewritten) == 1 and report.rewritten[0].num_experts == 4, report
     assert report.rewritten[0].gate_up == ("concat" if fused else "separate")
     assert report.rewritten[0].biases == (("fc1",) if fused else ("fc1", "fc1_up")) * bias
+    assert report.rewritten[0].unflattened and "unflattened=" in report.rewritten[0].line()  # said in explain()
     assert rel_err(got, want) <= TOL[torch.float32]
 
 
