@@ -1,23 +1,22 @@
-"""Decode steps compile with Inductor's C++ wrapper.
+"""Decode steps with Inductor's C++ wrapper: opt-in (``MOE_COMPILE_CPP_WRAPPER=1``), off by default.
 
 A generative model's decode step runs a few hundred small kernels on one token (norms, rotary,
-the cache write, top-k glue) between the weight-reading matmuls.  Inductor's default wrapper calls
-each of them from Python: on a 2-core CPU that costs more per step than the kernels themselves
-(~10-20 us a call, a few ms a step for a 4-layer model), which is what holds a quantized decode
-step away from its memory roof.  Inductor's C++ wrapper (``torch._inductor.config.cpp_wrapper``)
-calls the same kernels, and moe_compile's ops, from C++.
+the cache write, top-k glue) between the weight-reading matmuls, each called from Python by
+Inductor's default wrapper.  Inductor's C++ wrapper (``torch._inductor.config.cpp_wrapper``)
+calls them, and moe_compile's ops, from C++.  With ``MOE_COMPILE_CPP_WRAPPER=1`` it is turned on
+for a CPU inference graph that writes a tensor it was given in place through an index
+(``index_copy_``, ``index_put_``, ``x[..., pos] = ...``, ``narrow(...).copy_``): a static KV cache's
+update, which is what a decode step looks like (HF ``cache_implementation="static"``, gpt-fast-style
+caches).  Training graphs and graphs without such a write never get it.
 
-It costs a C++ compile of the wrapper (seconds per graph), so it is turned on only where it pays:
-a CPU inference graph that writes a tensor it was given in place through an index (``index_copy_``,
-``index_put_``, ``x[..., pos] = ...``, ``narrow(...).copy_``) — a static KV cache's update, which
-is what a decode step with a static cache looks like (HF ``cache_implementation="static"``,
-gpt-fast-style caches).  A prefill graph with the same cache compiles with it too (same graph
-kind); training graphs and graphs without such a write never do.
+Why not by default: measured on a 4-layer Qwen3-MoE LM (2-core Xeon, 2026-12-02), the C++ wrapper
+made a 4-bit decode step 3x slower (26.5 vs 79 tok/s: the fused MoE op's calls left its fast
+path), and under CPU contention a toy model's step 10x slower; on a quiet machine the toy model
+gained 4%.  Until the op's fast path holds under it, the Python wrapper stays the default.
 
-``options={"cpp_wrapper": False}`` (an Inductor option, passed through) or
-``MOE_COMPILE_CPP_WRAPPER=0`` turns it off; ``options={"cpp_wrapper": True}`` turns it on for any
-graph.  Where the C++ wrapper fails to build a graph, that graph compiles with the Python wrapper
-(``compiler.inner_compile``) and the report says so.
+``options={"cpp_wrapper": True}`` (an Inductor option, passed through) turns it on for any graph;
+where the C++ wrapper fails to build a graph, that graph compiles with the Python wrapper
+(``compiler._compile_rewritten``) and the report says so.
 """
 
 from __future__ import annotations
@@ -75,10 +74,11 @@ def _root_is_input(node) -> bool:
 
 
 def inductor_patches(gm: fx.GraphModule, example_inputs, patches: dict | None) -> tuple[dict | None, str | None]:
-    """(Inductor config patches for gm, the report's line or None): ``cpp_wrapper=True`` added for
-    a CPU inference graph that writes a cache in place, unless the user set it or turned it off."""
+    """(Inductor config patches for gm, the report's line or None): with ``MOE_COMPILE_CPP_WRAPPER=1``,
+    ``cpp_wrapper=True`` added for a CPU inference graph that writes a cache in place, unless the
+    user set ``cpp_wrapper`` themselves."""
     patches = dict(patches or {})
-    if "cpp_wrapper" in patches or os.environ.get(ENV) == "0" or torch.is_grad_enabled():
+    if "cpp_wrapper" in patches or os.environ.get(ENV) != "1" or torch.is_grad_enabled():
         return patches or None, None
     if not _on_cpu(example_inputs):
         return patches or None, None
@@ -88,8 +88,7 @@ def inductor_patches(gm: fx.GraphModule, example_inputs, patches: dict | None) -
     patches["cpp_wrapper"] = True
     how = write.target if write.op == "call_method" else "x[index] = ..."
     return patches, (f"decode step (writes an input tensor in place with {how}: a static KV cache): compiled "
-                     f"with Inductor's C++ wrapper, no Python between kernels (options={{'cpp_wrapper': False}} "
-                     f"or {ENV}=0 turns it off)")
+                     f"with Inductor's C++ wrapper, no Python between kernels ({ENV}=1)")
 
 
 def _on_cpu(example_inputs) -> bool:
