@@ -61,3 +61,23 @@ def routing_ids(mode: str, T: int, K: int, E: int, gen: torch.Generator) -> torc
     if mode == "sparse":
         return torch.randint(0, 2, (T, K), generator=gen) * (E - 1)
     return torch.randint(-1, E + 1, (T, K), generator=gen)
+
+
+def compiled_with_fused_call(model, x):
+    """(compiled output, eager output, the fused op's node in the rewritten graph): model(x) through
+    backend="moe" (inner eager) under the capture flags, the rewritten graph kept for inspection."""
+    import moe_compile
+    from moe_compile.api import capture_flags
+
+    moe, graphs = moe_compile.backend(inner="eager"), []
+
+    def grab(gm, inputs):
+        graphs.append(gm)
+        return moe(gm, inputs)  # rewrites gm in place
+
+    torch._dynamo.reset()
+    with torch.no_grad(), capture_flags():
+        want = model(x)
+        got = torch.compile(model, backend=grab)(x)
+    call = next(n for g in graphs for n in g.graph.nodes if "fused_moe" in str(n.target))
+    return got, want, call

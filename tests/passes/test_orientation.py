@@ -19,9 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import moe_compile
 from moe_compile.api import capture_flags
-from tests.conftest import TOL, rel_err, run_compiled
+from tests.conftest import TOL, compiled_with_fused_call, rel_err, run_compiled
 
 BF16_TOL = 3e-2
 
@@ -107,20 +106,7 @@ def test_mixed_orientation_bf16(gathered):
     assert rel_err(got, want) <= BF16_TOL
 
 
-def _compiled_with_call(model, x):
-    """(compiled output, eager output, the fused op's node in the rewritten graph)."""
-    moe, graphs = moe_compile.backend(inner="eager"), []
-
-    def grab(gm, inputs):
-        graphs.append(gm)
-        return moe(gm, inputs)  # rewrites gm in place
-
-    torch._dynamo.reset()
-    with torch.no_grad(), capture_flags():
-        want = model(x)
-        got = torch.compile(model, backend=grab)(x)
-    call = next(n for g in graphs for n in g.graph.nodes if "fused_moe" in str(n.target))
-    return got, want, call
+_compiled_with_call = compiled_with_fused_call
 
 
 def test_mixed_orientation_with_gemms_cast_to_bf16():

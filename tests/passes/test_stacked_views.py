@@ -15,9 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import moe_compile
-from moe_compile.api import capture_flags
-from tests.conftest import TOL, rel_err, run_compiled
+from tests.conftest import TOL, compiled_with_fused_call, rel_err, run_compiled
 
 
 class LinearExperts(nn.Module):
@@ -69,18 +67,8 @@ def test_the_op_reads_the_linear_weight_as_a_view():
     """The op's gate role is ``weight.view(E, F, H)`` of the Linear's own parameter (no copy)."""
     model = LinearExperts().eval()
     x = torch.randn(5, 32)
-    moe, graphs = moe_compile.backend(inner="eager"), []
-
-    def grab(gm, inputs):
-        graphs.append(gm)
-        return moe(gm, inputs)  # rewrites gm in place
-
-    torch._dynamo.reset()
-    with torch.no_grad(), capture_flags():
-        want = model(x)
-        got = torch.compile(model, backend=grab)(x)
+    got, want, call = compiled_with_fused_call(model, x)
     assert rel_err(got, want) <= TOL[torch.float32]
-    call = next(n for n in graphs[0].graph.nodes if "fused_moe" in str(n.target))
     (gate,) = call.args[3]
     assert gate.target == "view" and tuple(gate.args[1:]) == (4, 16, 32) and gate.args[0].op == "placeholder"
 
