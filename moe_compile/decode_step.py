@@ -10,9 +10,11 @@ update, which is what a decode step looks like (HF ``cache_implementation="stati
 caches).  Training graphs and graphs without such a write never get it.
 
 Why not by default: measured on a 4-layer Qwen3-MoE LM (2-core Xeon, 2026-12-02), the C++ wrapper
-made a 4-bit decode step 3x slower (26.5 vs 79 tok/s: the fused MoE op's calls left its fast
-path), and under CPU contention a toy model's step 10x slower; on a quiet machine the toy model
-gained 4%.  Until the op's fast path holds under it, the Python wrapper stays the default.
+made a 4-bit decode step 3x slower (26.5 vs 79 tok/s; its profile shows no fused-op time and 28 ms
+a step in aten ops, while a 1-layer model under the same setting runs the fused op at its usual
+~1 ms a call: cause not found yet), and under CPU contention a toy model's step 10x slower; on a
+quiet machine the toy model gained 4%.  Until that is understood, the Python wrapper stays the
+default.
 
 ``options={"cpp_wrapper": True}`` (an Inductor option, passed through) turns it on for any graph;
 where the C++ wrapper fails to build a graph, that graph compiles with the Python wrapper
