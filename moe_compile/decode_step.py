@@ -32,7 +32,9 @@ import torch.fx as fx
 ENV = "MOE_COMPILE_CPP_WRAPPER"
 # in-place writes through an index: how static KV caches are updated
 _INDEXED_WRITES = frozenset({"index_copy_", "index_put_", "index_fill_", "scatter_", "copy_"})
-# what a cache slot is cut with before an in-place copy_ (k_cache[:, :, a:b].copy_(k))
+# what a cache slot is cut with before an in-place copy_ (k_cache[:, :, a:b].copy_(k)): views only,
+# not passes/graph.is_view_like's set, which also passes casts and reshapes that may copy (a write
+# into a copy is not a write into the input)
 _VIEWS = frozenset({"narrow", "select", "view", "__getitem__", "slice", "transpose", "unsqueeze"})
 
 

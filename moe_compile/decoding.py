@@ -36,7 +36,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_i
                          f"{input_ids.dtype}")
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
-    eos = _eos_ids(model, eos_token_id) if stop_at_eos else None
+    eos = _eos_ids(model, eos_token_id, input_ids.device) if stop_at_eos else None
     pad = _pad_id(model, pad_token_id, eos)
     kwargs = _call_kwargs(model, _static_cache(model, input_ids, input_ids.shape[1] + max_new_tokens))
     tokens, ids = [input_ids], input_ids
@@ -90,20 +90,24 @@ def _call_kwargs(model, cache) -> dict:
     return kwargs
 
 
-def _eos_ids(model, eos_token_id) -> torch.Tensor | None:
+def _eos_ids(model, eos_token_id, device) -> torch.Tensor | None:
     if eos_token_id is None:
-        config = getattr(model, "generation_config", None) or model.config
-        eos_token_id = getattr(config, "eos_token_id", None)
+        eos_token_id = _generation_setting(model, "eos_token_id")
     if eos_token_id is None:
         return None
     ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    return torch.tensor(ids, dtype=torch.int64)
+    return torch.tensor(ids, dtype=torch.int64, device=device)
 
 
 def _pad_id(model, pad_token_id, eos) -> int:
     if pad_token_id is None:
-        config = getattr(model, "generation_config", None) or model.config
-        pad_token_id = getattr(config, "pad_token_id", None)
+        pad_token_id = _generation_setting(model, "pad_token_id")
     if pad_token_id is None:  # HF pads finished rows with the (first) EOS token then
         pad_token_id = int(eos[0]) if eos is not None else 0
     return int(pad_token_id)
+
+
+def _generation_setting(model, name: str):
+    """The model's generation config's ``name`` (its model config's where it has no generation config)."""
+    config = getattr(model, "generation_config", None) or model.config
+    return getattr(config, name, None)

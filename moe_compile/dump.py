@@ -34,11 +34,11 @@ import warnings
 import torch
 import torch.fx as fx
 
+from moe_compile.ir import ROLES
 from moe_compile.passes.graph import module_path
 
 _counter = itertools.count()
 RENDER_FORMATS = ("svg", "png")
-_ROLES = ("fc1", "fc1_up", "fc2", "fc1_bias", "fc1_up_bias", "fc2_bias")  # the op's arguments 3..8
 # Ops that only look at a weight (slicing an expert, transposing, casting): still "the weight".
 _WEIGHT_VIEWS = {"getitem", "transpose", "t", "permute", "view", "reshape", "to", "contiguous", "expand",
                  "unsqueeze", "squeeze", "float", "type_as", "index_select", "select", "__getitem__"}
@@ -205,7 +205,7 @@ def region_stages(before: fx.GraphModule, after: fx.GraphModule, fused: fx.Node)
     kept = {n.name for n in after.graph.nodes}
     x, ids, weights = (_in_before(a, by_name) for a in fused.args[:3])
     roles = {role: tuple(by_name[n.name] for n in nodes if n.name in by_name)
-             for role, nodes in zip(_ROLES, fused.args[3:9]) if nodes}
+             for role, nodes in zip(ROLES, fused.args[3:9]) if nodes}
     params = {n for nodes in roles.values() for n in nodes}
     region = _erased_component({x, ids, weights, *params}, lambda n: n.name not in kept)
     router = _between(x, (ids, weights), lambda n: n.name in kept)

@@ -25,6 +25,7 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "gptoss")
 WEIGHT_PLACEMENTS = ("output", "between", "input")
 FAMILIES = ("loop", "sorted", "gathered", "dense", "expert_parallel")
 WEIGHT_ROLES = ("fc1", "fc1_up", "fc2")
+ROLES = (*WEIGHT_ROLES, "fc1_bias", "fc1_up_bias", "fc2_bias")  # ExpertWeights' tensors, the op's args 3..8
 
 
 @dataclasses.dataclass(frozen=True)

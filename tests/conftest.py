@@ -81,3 +81,17 @@ def compiled_with_fused_call(model, x):
         got = torch.compile(model, backend=grab)(x)
     call = next(n for g in graphs for n in g.graph.nodes if "fused_moe" in str(n.target))
     return got, want, call
+
+
+def tiny_qwen3_moe_lm(**config):
+    """A 2-layer HF Qwen3-MoE causal LM (hidden 64, 4 experts, top-2, 4/2 heads of 16, vocab 128) with
+    random weights from seed 0, in eval mode; ``config`` overrides or adds config fields.  The caller
+    has checked that transformers imports (``pytest.importorskip``)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.for_model(
+        "qwen3_moe", **{**dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
+                               num_experts=4, num_experts_per_tok=2, max_position_embeddings=64), **config})
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()

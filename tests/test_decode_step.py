@@ -6,6 +6,7 @@ import torch
 import torch.fx as fx
 
 from moe_compile import decode_step
+from tests.conftest import tiny_qwen3_moe_lm
 
 
 class _IndexCopyCache(torch.nn.Module):  # HF StaticLayer.update
@@ -93,16 +94,11 @@ def test_cpp_wrapper_only_for_inference_cache_writes(monkeypatch):
 def test_hf_static_cache_decode_with_cpp_wrapper_equal_to_eager(monkeypatch):
     """HF generate with a static cache, backend="moe" with Inductor and MOE_COMPILE_CPP_WRAPPER=1:
     the decode graph gets the C++ wrapper and greedy tokens equal eager's."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     monkeypatch.setenv(decode_step.ENV, "1")
     import moe_compile
 
-    torch.manual_seed(0)
-    cfg = transformers.AutoConfig.for_model(
-        "qwen3_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128, num_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=64)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model = tiny_qwen3_moe_lm()
     ids = torch.randint(1, 128, (1, 5))
     kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, cache_implementation="static", pad_token_id=0)
     with torch.no_grad():

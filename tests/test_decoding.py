@@ -4,17 +4,13 @@ import pytest
 import torch
 
 import moe_compile
+from tests.conftest import tiny_qwen3_moe_lm
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 
 def _model(eos: int | None = None):
-    torch.manual_seed(0)
-    cfg = transformers.AutoConfig.for_model(
-        "qwen3_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128, num_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=64, eos_token_id=eos, pad_token_id=0)
-    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    return tiny_qwen3_moe_lm(eos_token_id=eos, pad_token_id=0)
 
 
 def _hf(model, ids, n, **kw):

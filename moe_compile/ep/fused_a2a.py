@@ -119,11 +119,27 @@ def _experts_fast(rows, tiles, w: ExpertWeights, attrs: FFNAttrs, dtype):
     packed = cpu_prepack.lookup(rows, w, attrs) if rows.dtype == torch.float32 and rows.shape[0] else None
     if packed is None or not packed.fused:
         return _experts_loop(rows, tiles, w, attrs, dtype)
-    spans = [np.arange(lo, hi, dtype=np.int64) for lo, hi in tiles]
-    tokens = torch.from_numpy(np.concatenate(spans) if spans else np.zeros(0, dtype=np.int64))
-    bounds = [0] + np.cumsum([hi - lo for lo, hi in tiles]).tolist()  # numpy ints, not a tensor read
+    tokens, bounds = tile_rows(tiles)
     scale = torch.ones(tokens.shape[0], dtype=torch.float32)
     return cpu_experts.run(rows, tokens, scale, packed, w, attrs, bounds, torch.get_num_threads())
+
+
+def tile_rows(tiles) -> tuple[torch.Tensor, list]:
+    """(rows int64 [S'], bounds: E + 1 host ints) of the receive window's expert tiles [(lo, hi)],
+    in the experts kernels' (tokens, segment bounds) form, from host numbers: no tensor read."""
+    spans = [np.arange(lo, hi, dtype=np.int64) for lo, hi in tiles]
+    rows = torch.from_numpy(np.concatenate(spans) if spans else np.zeros(0, dtype=np.int64))
+    return rows, [0] + np.cumsum([hi - lo for lo, hi in tiles]).tolist()
+
+
+def combine_to_tokens(out: torch.Tensor, route, oso, handle, group_name: str, T: int, cdt: torch.dtype,
+                      timeout_s: float) -> torch.Tensor:
+    """y [T, H] (cdt) = each token's K expert rows, sent back by the combine right after the window
+    dispatch ``handle`` (no counts phase: the dispatch's layout), weighted by their gates."""
+    back = a2a_cpu.exchange("combine", out.to(cdt), oso, group_name, route.order.shape[0], None, timeout_s,
+                            after=handle)[0]  # [S, H]
+    y = torch.zeros(T, out.shape[1], dtype=cdt)
+    return y.index_add_(0, route.tokens, back * route.gates[:, None])  # the K rows of each token
 
 
 def _dispatch(route, x, group_name: str, timeout_s: float):
@@ -143,16 +159,12 @@ def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_
             timeout_s: float = TIMEOUT_S) -> torch.Tensor:
     """y [T, H] = sum_k g_{t,k} FFN_{e_{t,k}}(x_t) over the experts of every rank."""
     R, ne = ranks_and_local_experts(group_name, w, num_experts)
-    T, H = x.shape
+    T = x.shape[0]
     cdt = compute_dtype(x.dtype)
     route = _route(topk_ids, topk_weights, num_experts, cdt)
     window, oso, oso_np, handle = _dispatch(route, x, group_name, timeout_s)
     out = _experts_fast(window, _tiles(oso_np, R, ne), w, attrs, cdt)  # [N, H]
-    back = a2a_cpu.exchange("combine", out.to(cdt), oso, group_name, route.order.shape[0], None, timeout_s,
-                            after=handle)[0]  # [S, H], no counts phase: the dispatch's layout
-    y = torch.zeros(T, H, dtype=cdt)
-    y.index_add_(0, route.tokens, back * route.gates[:, None])  # [T, H]: the K rows of each token
-    return y.to(x.dtype)
+    return combine_to_tokens(out, route, oso, handle, group_name, T, cdt, timeout_s).to(x.dtype)
 
 
 def _autograd_here():

@@ -22,11 +22,11 @@ quantized forward, as for the "symm-int8" transport).
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from moe_compile.ep import a2a_cpu
-from moe_compile.ep.fused_a2a import TIMEOUT_S, _route, _tiles, backward, ranks_and_local_experts
+from moe_compile.ep.fused_a2a import (TIMEOUT_S, _route, _tiles, backward, combine_to_tokens,
+                                      ranks_and_local_experts, tile_rows)
 from moe_compile.ir import ExpertWeights, FFNAttrs
 from moe_compile.kernels.reference import compute_dtype
 
@@ -77,9 +77,7 @@ def _experts(window: torch.Tensor, tiles: list, w: ExpertWeights, attrs: FFNAttr
     N, H = window.shape[0], window.shape[1] - SCALE_BYTES
     q = window[:, :H].contiguous().view(torch.int8)  # [N, H] (a copy: the kernel rewrites it in place)
     s = window[:, H:].contiguous().view(torch.float32).reshape(N)  # [N]
-    spans = [np.arange(lo, hi, dtype=np.int64) for lo, hi in tiles]
-    tokens = torch.from_numpy(np.concatenate(spans) if spans else np.zeros(0, dtype=np.int64))
-    bounds = [0] + np.cumsum([hi - lo for lo, hi in tiles]).tolist()  # numpy ints, not a tensor read
+    tokens, bounds = tile_rows(tiles)
     p = cpu_quant.layer_pack(w, attrs, FORMAT)
     return qgemm.run_quantized_rows(q, s, tokens, torch.ones(tokens.shape[0]), bounds, p.w1, p.w2, attrs,
                                     p.kernel_cache)
@@ -89,18 +87,14 @@ def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_
             timeout_s: float = TIMEOUT_S) -> torch.Tensor:
     """y [T, H] = sum_k g_{t,k} FFN^{a8w8}_{e_{t,k}}(x_t) over the experts of every rank."""
     R, ne = ranks_and_local_experts(group_name, w, num_experts)
-    T, H = x.shape
+    T = x.shape[0]
     cdt = compute_dtype(x.dtype)
     route = _route(topk_ids, topk_weights, num_experts, cdt)
     send = _rows(x.float()).index_select(0, route.tokens)  # [S, B]: a token quantized once, sent K times
     window, oso, oso_np, handle = a2a_cpu.exchange("dispatch", send, route.in_splits, group_name, 0, None,
                                                    timeout_s, window=True)
     out = _experts(window, _tiles(oso_np, R, ne), w, attrs)  # [N, H] fp32
-    back = a2a_cpu.exchange("combine", out, oso, group_name, route.order.shape[0], None, timeout_s,
-                            after=handle)[0]  # [S, H]
-    y = torch.zeros(T, H, dtype=cdt)
-    y.index_add_(0, route.tokens, back.to(cdt) * route.gates[:, None])
-    return y.to(x.dtype)
+    return combine_to_tokens(out, route, oso, handle, group_name, T, cdt, timeout_s).to(x.dtype)
 
 
 __all__ = ["FORMAT", "backward", "forward", "supports"]

@@ -15,7 +15,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from moe_compile.ir import ExpertWeights, FFNAttrs, MoESpec
+from moe_compile.ir import ROLES, ExpertWeights, FFNAttrs, MoESpec
 from moe_compile.passes import prove, region as region_mod
 from moe_compile.passes.clusters import Cluster
 from moe_compile.passes.graph import Deps, dtype_of, meta, module_path, shape_of, target_name
@@ -251,14 +251,13 @@ def hypotheses(deps, region, clusters, roles: Roles, values, op_dtype=None) -> l
         nodes = (fc1, up, roles.fc2, b1, b1u, roles.fc2_bias)
         weights = ExpertWeights(*(tuple(_oriented(_viewed(_as(values[n], op_dtype), views, name), name in flips)
                                         for n in role)
-                                  for name, role in zip(_ROLE_NAMES, nodes)),
+                                  for name, role in zip(ROLES, nodes)),
                                 transposed=transposed)
         attrs = FFNAttrs(layout, transposed, act, limit, alpha, place)
         out.append(prove.Hypothesis(weights, attrs, nodes, flips, views))
     return out
 
 
-_ROLE_NAMES = ("fc1", "fc1_up", "fc2", "fc1_bias", "fc1_up_bias", "fc2_bias")  # the six roles in op order
 
 
 def _name_of(roles: Roles, role) -> str:
@@ -291,7 +290,7 @@ def op_views(g: fx.Graph, spec: MoESpec, roles) -> list[list[fx.Node]]:
             node = g.call_method("view", (node, *views[name]))
         return g.call_method("transpose", (node, -2, -1)) if name in flipped else node
 
-    return [[emit(n, name) for n in role] for name, role in zip(_ROLE_NAMES, roles)]
+    return [[emit(n, name) for n in role] for name, role in zip(ROLES, roles)]
 
 
 def _as(t: torch.Tensor, dtype) -> torch.Tensor:

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import run_compiled
+from tests.conftest import run_compiled, tiny_qwen3_moe_lm
 
 B, G, R, S, D = 1, 2, 3, 7, 16
 
@@ -66,14 +66,10 @@ def test_training_graphs_keep_their_repeats():
 def test_hf_static_cache_generate_equal_to_eager():
     """A whole HF model with a static KV cache (its mask is never None, so HF repeats K/V): the
     cache's in-place writes survive the rewrite and greedy tokens equal eager's."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     import moe_compile
 
-    cfg = transformers.AutoConfig.for_model(
-        "qwen3_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128, num_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=64)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model = tiny_qwen3_moe_lm()
     ids = torch.randint(1, 128, (1, 5))
     kw = dict(max_new_tokens=6, do_sample=False, cache_implementation="static", pad_token_id=0)
     with torch.no_grad():

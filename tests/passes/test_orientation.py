@@ -70,15 +70,22 @@ class MixedOrientation(nn.Module):
         return (out * weights[..., None]).sum(1)
 
 
-@pytest.mark.parametrize("flips", list(itertools.product((False, True), repeat=3)), ids=str)
-def test_every_role_orientation_is_rewritten_and_equal_to_eager(flips):
-    model = MixedOrientation(flips).eval()
-    x = torch.randn(9, 32)
+def _rewritten_and_equal_fp32(model, x):
+    """model(x) through backend="moe": one layer rewritten and equal to eager at fp32's tolerance;
+    the report."""
     with torch.no_grad():
         want = model(x)
         got, report = run_compiled(model, x)
     assert len(report.rewritten) == 1, report
     assert rel_err(got, want) <= TOL[torch.float32]
+    return report
+
+
+@pytest.mark.parametrize("flips", list(itertools.product((False, True), repeat=3)), ids=str)
+def test_every_role_orientation_is_rewritten_and_equal_to_eager(flips):
+    model = MixedOrientation(flips).eval()
+    x = torch.randn(9, 32)
+    report = _rewritten_and_equal_fp32(model, x)
     r = report.rewritten[0]  # the report names the roles read as transposed views, and only those
     assert bool(r.flipped) == (len(set(flips)) > 1) and ("flipped=" in r.line()) == bool(r.flipped)
 
@@ -87,12 +94,7 @@ def test_square_weights_try_mixed_orientations_after_uniform_ones():
     """H == F: every role fits both orientations by shape; uniform hypotheses fail the proof and a
     mixed one proves (the down weight flipped relative to gate and up)."""
     model = MixedOrientation((False, False, True), hidden=32, ffn=32).eval()
-    x = torch.randn(7, 32)
-    with torch.no_grad():
-        want = model(x)
-        got, report = run_compiled(model, x)
-    assert len(report.rewritten) == 1, report
-    assert rel_err(got, want) <= TOL[torch.float32]
+    _rewritten_and_equal_fp32(model, torch.randn(7, 32))
 
 
 @pytest.mark.parametrize("gathered", [False, True], ids=["loop", "gathered"])

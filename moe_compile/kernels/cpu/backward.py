@@ -31,14 +31,12 @@ import dataclasses
 
 import torch
 
-from moe_compile.ir import ExpertWeights, FFNAttrs, is_stacked
+from moe_compile.ir import ROLES, ExpertWeights, FFNAttrs, is_stacked
 from moe_compile.kernels.cpu import grad_cache as cpu_grad_cache, memory as cpu_memory, onednn as cpu_onednn
 from moe_compile.kernels.cpu.forward import (
     activation_into, chunk_workspace, expert_chunks, expert_linear, sort_by_expert,
 )
 from moe_compile.kernels.reference import compute_dtype, gated_activation
-
-ROLES = ("fc1", "fc1_up", "fc2", "fc1_bias", "fc1_up_bias", "fc2_bias")
 
 
 @dataclasses.dataclass

@@ -211,10 +211,10 @@ def _float_panels(qweight):
     from moe_compile.kernels.cpu import qgemm
 
     N, K = qweight.shape[1:]
-    if qgemm.unavailable_reason(qweight.fmt) is not None or N % qgemm.PANEL or K % 8:
+    if qgemm.unavailable_reason(qweight.fmt) is not None or N % qgemm.PANEL or K % 8 \
+            or not qgemm.float_panels(qweight):
         return False
-    panels = qgemm.pack(qweight)
-    return panels if qgemm.float_panels(panels) else False
+    return qgemm.pack(qweight)
 
 
 PREFILL_BF16_ENV = "MOE_COMPILE_PREFILL_BF16"

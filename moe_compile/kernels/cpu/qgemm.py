@@ -330,10 +330,10 @@ def dequantized_rows(p: QGemmPack, e: int, isa: int) -> torch.Tensor:
     return out.transpose(1, 2).reshape(N, K)
 
 
-def float_panels(p: QGemmPack) -> bool:
-    """Whether p's panels are float-format ones (w16, w8-int, w4-int, mxfp4, mxfp8, a8w4-int
-    group-wise): those ``dequantized_weight`` reads."""
-    return p.code not in (FORMAT_CODES["a8w8-int"], FORMAT_CODES["a8w4-int"])
+def float_panels(w) -> bool:
+    """Whether w (a canonical QuantWeight or its QGemmPack) packs into float-format panels (w16,
+    w8-int, w4-int, mxfp4, mxfp8, a8w4-int group-wise): those ``dequantized_weight`` reads."""
+    return w.fmt not in INTEGER or _grouped(w)
 
 
 def dequantized_weight(p: QGemmPack, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -47,13 +47,11 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_compile.ir import ExpertWeights, FFNAttrs
+from moe_compile.ir import ROLES, ExpertWeights, FFNAttrs
 from moe_compile.kernels.triton import autotune
 from moe_compile.kernels.triton.align import align_by_expert
 from moe_compile.kernels.triton.fused_moe import _launch_gemm, _weight_operand, combine, unsupported_reason as _fwd_reason
 from moe_compile.kernels.triton.grouped_gemm import ACT_NONE, SCALE_NONE, _expert_base, _sigmoid, tile_of_program
-
-ROLES = ("fc1", "fc1_up", "fc2", "fc1_bias", "fc1_up_bias", "fc2_bias")
 
 
 # -- kernels -------------------------------------------------------------------------------------
