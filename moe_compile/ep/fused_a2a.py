@@ -143,7 +143,9 @@ def combine_to_tokens(out: torch.Tensor, route, oso, handle, group_name: str, T:
 
 
 def _dispatch(route, x, group_name: str, timeout_s: float):
-    send = x.index_select(0, route.tokens)  # [S, H] rank-major (sorted by global id)
+    """Each token's row of x (x [T, H], or any [T, B] row form) to the ranks of its K experts, into
+    their receive windows: (window, out_splits_offsets, its host copy, the handle a combine follows)."""
+    send = x.index_select(0, route.tokens)  # [S, .] rank-major (sorted by global id)
     return a2a_cpu.exchange("dispatch", send, route.in_splits, group_name, 0, None, timeout_s, window=True)
 
 

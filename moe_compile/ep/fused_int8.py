@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_compile.ep import a2a_cpu
-from moe_compile.ep.fused_a2a import (TIMEOUT_S, _route, _tiles, backward, combine_to_tokens,
+from moe_compile.ep.fused_a2a import (TIMEOUT_S, _dispatch, _route, _tiles, backward, combine_to_tokens,
                                       ranks_and_local_experts, tile_rows)
 from moe_compile.ir import ExpertWeights, FFNAttrs
 from moe_compile.kernels.reference import compute_dtype
@@ -90,9 +89,8 @@ def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_
     T = x.shape[0]
     cdt = compute_dtype(x.dtype)
     route = _route(topk_ids, topk_weights, num_experts, cdt)
-    send = _rows(x.float()).index_select(0, route.tokens)  # [S, B]: a token quantized once, sent K times
-    window, oso, oso_np, handle = a2a_cpu.exchange("dispatch", send, route.in_splits, group_name, 0, None,
-                                                   timeout_s, window=True)
+    # [T, B] byte rows: a token quantized once, sent K times
+    window, oso, oso_np, handle = _dispatch(route, _rows(x.float()), group_name, timeout_s)
     out = _experts(window, _tiles(oso_np, R, ne), w, attrs)  # [N, H] fp32
     return combine_to_tokens(out, route, oso, handle, group_name, T, cdt, timeout_s).to(x.dtype)
 
