@@ -15,7 +15,8 @@ Per world size (ranks = processes on this host, gloo, 1 torch thread each) and s
                   contract, fixed per-source slabs: one wait each way), the local experts on the
                   receive window, no torch scalar read
   fused_a2a_int8  transport="a2a-int8": int8 rows + scales dispatched into a8w8-int experts
-  comm_a2a        that exchange alone: the dispatch into the window and the combine of its rows back
+  comm_a2a        that exchange alone: the dispatch by token index into the windows and the combine of
+                  its rows back, summed into the tokens (the fused op's ``dispatch_rows`` / ``combine_sum``)
   comm_a2a_int8   the same with the int8 rows (H + 4 bytes) out, fp32 rows back
   comm_symm       the heap exchange with no expert work (rows out, rows back)
   comm_gloo       the gloo all_to_all_single exchange of the same rows, both ways (+ counts)
@@ -253,18 +254,20 @@ def _run_exchange(rank, world, cfg):
 
 
 def _a2a_exchange(x, ids, gw, E, group_name, int8=False):
-    """The a2a transport's exchange with no expert work: rows into the receive window and back
-    (``int8``: the a2a-int8 rows out — quantized here, as the transport does — fp32 rows back)."""
+    """The a2a transport's exchange with no expert work, as the fused op runs it: rows sent by token
+    index into the receive windows, fp32 rows back and summed into the tokens (``int8``: the
+    a2a-int8 rows out — quantized here, as the transport does — fp32 rows back)."""
     from moe_compile.ep import a2a_cpu, fused_a2a, fused_int8
 
     route = fused_a2a._route(ids, gw, E, torch.float32)
+    T, H = x.shape
 
     def run():
         rows = fused_int8._rows(x) if int8 else x
-        win, oso, _, handle = a2a_cpu.exchange("dispatch", rows.index_select(0, route.tokens), route.in_splits,
-                                               group_name, 0, window=True)
-        back = torch.empty(win.shape[0], x.shape[1]) if int8 else win
-        a2a_cpu.exchange("combine", back, oso, group_name, route.order.shape[0], after=handle)
+        rcv = a2a_cpu.dispatch_rows(rows, route.tokens, route.in_splits, group_name, 60.0, packed=int8)
+        used = rcv.handle[5]
+        back = torch.empty(used, H) if int8 else rcv.window[:used].view(torch.float32)  # the rows themselves
+        a2a_cpu.combine_sum(back, rcv, route.tokens, route.gates, T, group_name, 60.0)
 
     return run
 

@@ -27,6 +27,13 @@ reading call e's rows (its input may be its call-e window) — so two copies suf
 reset.  Every wait has a deadline: the ranks whose flags never came are named in a
 ``TimeoutError``.
 
+The fused op's own pair (``dispatch_rows`` / ``combine_sum``) keeps this protocol and its checks
+but copies each row once: slot i's row is read at ``x[tokens[i]]`` (no sorted copy) and lands in
+slab ``me`` of its expert's rank's window — this rank's own rows in its own window, so that one
+base addresses every received row — where the experts read it in place (``Received.idx``: their
+row list, from the headers in C); the combine returns only the peers' rows and one C pass adds
+the weighted rows into the tokens (``kernels/cpu/ep_copy.c``'s ``*_idx`` / ``*_index`` / ``*_sum``).
+
 Kinds: ``dispatch`` (header: in_splits [R*ne]), ``combine`` (in_splits_offsets [2, ne*R]) and
 ``combine_t`` (the transpose of a combine, its backward: the same header as the forward combine,
 the rows going back from the combine's outputs to the positions of its inputs).
@@ -34,6 +41,7 @@ the rows going back from the combine's outputs to the positions of its inputs).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -88,6 +96,8 @@ class _State:
         self.local = [torch.empty(0, dtype=torch.uint8) for _ in (0, 1)]  # compact receive windows (plain memory)
         self.row = np.zeros(self.W, dtype=np.int64)
         self.row_at = self.row.ctypes.data
+        # ``dispatch_rows``: the received rows' layout rows (grown on demand) and the experts' bounds
+        self.idx, self.bounds = np.zeros(0, np.int64), np.zeros(ne + 1, np.int64)
 
     def ensure(self, ctx, slab_bytes: int, timeout_s: float) -> None:
         """Every rank calls it with the same ``slab_bytes`` (computed from the same headers): in step."""
@@ -339,9 +349,113 @@ def _combine_after_c(ctx, st: _State, lib, x: torch.Tensor, row_bytes: int, hand
     st.ensure(ctx, -(-int(sent.max(initial=0)) * row_bytes // st.R), timeout_s)  # same on every rank
     ep, par = _next(st)
     lib.moe_ep_combine_after(drows.ctypes.data, st.W, st.R, st.me, oso.ctypes.data, x.data_ptr(), row_bytes,
-                             st.win_dst_at[par], st.sends[par]._at[6], ep, st.sleep_off)
+                             st.win_dst_at[par], st.sends[par]._at[6], ep, st.sleep_off, 0)
     _wait(st, ep, timeout_s, "the combine's rows")
     return st.data.tensor(st.me, par * st.half, (int(sent[st.me]), *x.shape[1:]), x.dtype), None
+
+
+@dataclasses.dataclass(frozen=True)
+class Received:
+    """Where the rows of a ``dispatch_rows`` lie in this rank's receive window (nothing copied).
+
+    ``window`` [L, B] uint8: the window's rows, source s's at rows [s * slab_rows, ...) (this
+    rank's own among them), valid until this rank's second exchange after this one; ``idx`` [N]
+    int64: the layout row of every received row, expert-major (expert e owns ``idx[bounds[e] :
+    bounds[e + 1]]``, its rows from source 0, then 1, ...).  ``packed``: the layout is the window's
+    rows packed source after source (``sent_to_me[s]`` rows each) — the caller's compact copy of
+    them — and ``idx`` / ``oso`` / ``own_row`` are rows of that copy."""
+
+    window: torch.Tensor
+    idx: torch.Tensor
+    bounds: list  # ne + 1 host ints
+    oso: np.ndarray  # [2, ne*R]: splits and layout row of block (e, s) at e*R + s
+    sent_to_me: np.ndarray  # [R] rows from each source
+    slab_rows: int
+    own_row: int  # layout row of this rank's first own row (its own rows are contiguous there)
+    handle: tuple  # for ``combine_sum``
+
+    def source_rows(self, s: int) -> torch.Tensor:
+        """[sent_to_me[s], B] the rows source s sent this rank (a view of the window)."""
+        a = s * self.slab_rows
+        return self.window[a : a + int(self.sent_to_me[s])]
+
+
+def dispatch_rows(x: torch.Tensor, tokens: torch.Tensor, in_splits: torch.Tensor, group_name: str,
+                  timeout_s: float, extra: torch.Tensor | None = None, packed: bool = False) -> Received:
+    """The fused op's dispatch by token index, whole in C (``ep_copy.moe_ep_dispatch_send_idx``):
+    slot i's row is ``x[tokens[i]]`` (x [T, ...] read where it lies, no sorted copy) followed by
+    ``extra[i]`` (a per-slot field, [S, m]; the backward's routing weight), slots rank-major
+    (``in_splits`` [R*ne] rows each), every slot into the window of its expert's rank — this
+    rank's own too, so that its experts read every row in place.  One send, one wait, the layout
+    from the headers (no torch scalar read).  Needs ``kernels/cpu/ep.fast_lib()``."""
+    ctx = get_context(group_name)
+    R, me = ctx.world, ctx.rank
+    ne = in_splits.numel() // R
+    x = x.contiguous()
+    x_bytes = math.prod(x.shape[1:]) * x.element_size()
+    extra = None if extra is None else extra.contiguous()
+    extra_bytes = 0 if extra is None else math.prod(extra.shape[1:]) * extra.element_size()
+    row_bytes = max(x_bytes + extra_bytes, 1)
+    st = _state(ctx, ne, timeout_s)
+    if st.data is None:
+        st.ensure(ctx, SLAB_BYTES, timeout_s)
+    lib, W = cpu_ep.fast_lib(), st.W
+    st.row[:NMETA] = _meta("dispatch", ne, tokens.numel(), -1, x_bytes + extra_bytes, None)
+    st.row[NMETA : NMETA + R * ne] = in_splits.reshape(-1).numpy()
+    while True:
+        ep, par = _next(st)
+        slab_rows = st.slab // row_bytes
+        lib.moe_ep_dispatch_send_idx(st.row_at, W, R, me, x.data_ptr(), tokens.data_ptr(), x_bytes,
+                                     0 if extra is None else extra.data_ptr(), extra_bytes, st.win_dst_at[par],
+                                     slab_rows, st.sends[par]._at[5], st.sends[par]._at[6], ep, st.sleep_off)
+        _wait(st, ep, timeout_s, "the dispatch's rows")
+        while (n := lib.moe_ep_dispatch_index(st.views_at[par], W, R, me, slab_rows, int(packed), st.idx.ctypes.data,
+                                              st.idx.size, st.bounds.ctypes.data, *st.out_at)) == -3:
+            st.idx = np.zeros(_grow(int(st.need[0]) * 8) // 8, np.int64)
+        if n == -1:  # a bad split or a disagreement: the numpy checks name it, on every rank alike
+            _agree(st.views[par], me)
+            _layout("dispatch", st.views[par], me, R, ne)
+            raise RuntimeError("ep a2a dispatch: the C checks refused headers the numpy checks accept")
+        if n >= 0:
+            break
+        st.ensure(ctx, int(st.need[0]), timeout_s)  # -2: a slab too small: every rank grows, sends again
+    oso = st.oso.copy()
+    sent_to_me = oso[0].reshape(ne, R).sum(0)
+    window = st.data.tensor(me, par * st.half, (R * slab_rows, row_bytes), torch.uint8)
+    own_row = int(sent_to_me[:me].sum()) if packed else me * slab_rows
+    handle = (ep, st, st.views[par].copy(), oso, st.sent.copy(), int(st.need[0]))
+    return Received(window, torch.from_numpy(st.idx[:n]), st.bounds.tolist(), oso, sent_to_me, slab_rows, own_row,
+                    handle)
+
+
+def combine_sum(out: torch.Tensor, rcv: Received, tokens: torch.Tensor, gates: torch.Tensor, T: int,
+                group_name: str, timeout_s: float) -> torch.Tensor:
+    """y [T, H] fp32 = sum over this rank's slots i of gates[i] * (the expert's output row of slot i),
+    straight after ``rcv``'s dispatch: ``out`` [L, H] fp32 holds the experts' output rows at
+    ``rcv``'s layout rows; the peers' rows go back to their final row of their source's window (one
+    C call, no header: the dispatch's layout), this rank's own stay in ``out``, and one C pass adds
+    every slot's row, weighted, into its token's row of y (``moe_ep_combine_sum``)."""
+    ep0, st, drows, oso, sent, used = rcv.handle
+    if st.epoch != ep0:
+        raise RuntimeError("ep a2a combine_sum: must follow its dispatch_rows with no exchange between")
+    out = out.contiguous()
+    if out.dtype != torch.float32 or out.shape[0] < used:
+        raise ValueError(f"ep a2a combine_sum: out must be fp32 with >= {used} rows, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    ctx, lib = get_context(group_name), cpu_ep.fast_lib()
+    H = out.shape[1]
+    row_bytes = H * 4
+    st.ensure(ctx, -(-int(sent.max(initial=0)) * row_bytes // st.R), timeout_s)  # same on every rank
+    ep, par = _next(st)
+    lib.moe_ep_combine_after(drows.ctypes.data, st.W, st.R, st.me, oso.ctypes.data, out.data_ptr(), row_bytes,
+                             st.win_dst_at[par], st.sends[par]._at[6], ep, st.sleep_off, 1)
+    _wait(st, ep, timeout_s, "the combine's rows")
+    y = torch.zeros(T, H, dtype=torch.float32)
+    tokens, gates = tokens.contiguous(), gates.float().contiguous()
+    lib.moe_ep_combine_sum(drows.ctypes.data + st.me * st.W * 8, st.R, st.me, st.base_me + par * st.half,
+                           out.data_ptr() + rcv.own_row * row_bytes, H, tokens.data_ptr(), gates.data_ptr(),
+                           y.data_ptr())
+    return y
 
 
 def exchange(kind: str, input: torch.Tensor, payload: torch.Tensor, group_name: str, out_rows: int,
@@ -416,4 +530,4 @@ def exchange(kind: str, input: torch.Tensor, payload: torch.Tensor, group_name: 
     return out, (None if oso is None else torch.from_numpy(np.ascontiguousarray(oso)))
 
 
-__all__ = ["exchange", "KINDS"]
+__all__ = ["Received", "combine_sum", "dispatch_rows", "exchange", "KINDS"]

@@ -4,19 +4,24 @@ way in torch's ``all_to_all_vdev_2d`` contract (``ep/a2a_cpu``), with no torch s
 Shapes:  T tokens (this rank), K top-k, S = T*K slots, H hidden, E global experts, R ranks,
          ne = E // R local experts, N rows this rank receives (expert-major, all sources).
 
-Forward:
-  1. slots sorted by global expert id (invalid ids last): rows ``x[order // K]`` [S, H] and
-     ``in_splits`` [E] (a scatter-add, static shape) — the dispatch's input is rank-major already,
-     since expert g = d * ne + e lives on rank d;
-  2. dispatch into this rank's receive window (read in place, not copied);
-  3. the local experts read the window once per expert across all sources: expert e's tile is rows
-     [off_e, off_e + n_e) (``out_splits_offsets``, read from the shared window through numpy — a
-     load of this host's memory, never a ``.tolist()`` / ``.item()`` on a tensor).  Prepacked fp32
-     SwiGLU weights run the packed kernel (``kernels/cpu/experts.run``) over every tile in one C
-     call; other FFNs one GEMM chain per expert;
-  4. combine back: rows return in the order they were sent; y = sum_k g * row (the routing weight
-     applied here, at the source, which is exact for ``weight_on="output"`` and for ``"between"``
-     without an FC2 bias — the two ``supports`` accepts).
+Forward (each row copied once, into its expert's window; ``in_place``):
+  1. slots sorted by global expert id (invalid ids last): ``tokens`` [S] (slot -> token) and
+     ``in_splits`` [E] (a scatter-add, static shape) — rank-major already, since expert
+     g = d * ne + e lives on rank d; no row is moved here;
+  2. ``a2a_cpu.dispatch_rows``: one C call copies x[token] of every slot straight into slab ``me``
+     of its expert's rank's window (this rank's own rows into its own window), one wait;
+  3. the local experts read the window in place, once per expert across all sources: expert e's
+     rows are ``idx[bounds[e] : bounds[e+1]]`` (layout rows computed from the shared headers in C,
+     no ``.tolist()`` / ``.item()`` on a tensor).  Prepacked fp32 SwiGLU weights run the packed
+     kernel (``kernels/cpu/experts.run``) over every expert in one C call, its output rows at the
+     same layout rows; other FFNs gather the rows and run one GEMM chain per expert;
+  4. ``a2a_cpu.combine_sum``: the peers' output rows go back to the row of their source's window
+     they were sent from, the own rows stay where the experts wrote them, and one C pass adds
+     g * row into each token's row of y (the routing weight applied here, at the source, which is
+     exact for ``weight_on="output"`` and for ``"between"`` without an FC2 bias — the two
+     ``supports`` accepts).
+  Without the C copy kernel (or with fp64) the copying path runs instead: a sorted copy of the
+  rows, the compact receive window (``a2a_cpu.exchange(window=True)``), the combine to the source.
 Backward: one dispatch of byte rows [x | dy | g] (the forward's rows are sent again rather than
 kept), the local experts' vjp on the receive window's rows (dg = dy . FFN(x) computed there too),
 and one combine of [dx | dg] rows back (no counts phase: the dispatch's layout) — two exchanges.
@@ -32,6 +37,7 @@ import torch
 from moe_compile.ep import a2a_cpu
 from moe_compile.ep.context import get_context
 from moe_compile.ir import ExpertWeights, FFNAttrs
+from moe_compile.kernels.cpu import ep as cpu_ep
 from moe_compile.kernels.cpu.backward import ROLES
 from moe_compile.kernels.reference import compute_dtype, expert_fc1, gated_activation
 
@@ -157,6 +163,29 @@ def ranks_and_local_experts(group_name: str, w: ExpertWeights, num_experts: int)
     return R, ne
 
 
+def in_place(cdt: torch.dtype) -> bool:
+    """Whether this call takes the in-place path (the C copy kernel; fp32 accumulation)."""
+    return cdt == torch.float32 and cpu_ep.fast_lib() is not None
+
+
+def experts_in_place(rcv: a2a_cpu.Received, dtype, w: ExpertWeights, attrs: FFNAttrs, cdt):
+    """[L, H] (cdt) every received row's expert output at its layout row of ``rcv`` (zero elsewhere):
+    prepacked fp32 panels run the packed kernel once over every expert's rows where they lie in the
+    window (``rcv.idx``: its row list, expert-major); other FFNs gather the rows and run the loop."""
+    from moe_compile.kernels.cpu import experts as cpu_experts, prepack as cpu_prepack
+
+    used = rcv.handle[5]
+    win = rcv.window[:used].view(dtype)  # [L, H] the window's rows, read in place
+    N = rcv.idx.shape[0]
+    packed = cpu_prepack.lookup(win, w, attrs) if dtype == torch.float32 and N else None
+    if packed is not None and packed.fused:
+        ones = torch.ones(N, dtype=torch.float32)  # the routing weight is applied at the source
+        return cpu_experts.run(win, rcv.idx, ones, packed, w, attrs, rcv.bounds, torch.get_num_threads())
+    rows = win.index_select(0, rcv.idx)  # [N, H] expert-major
+    out = _experts_loop(rows, list(zip(rcv.bounds[:-1], rcv.bounds[1:])), w, attrs, cdt)  # [N, H]
+    return out.new_zeros(used, out.shape[1]).index_copy_(0, rcv.idx, out)
+
+
 def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_name: str, num_experts: int,
             timeout_s: float = TIMEOUT_S) -> torch.Tensor:
     """y [T, H] = sum_k g_{t,k} FFN_{e_{t,k}}(x_t) over the experts of every rank."""
@@ -164,9 +193,14 @@ def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_
     T = x.shape[0]
     cdt = compute_dtype(x.dtype)
     route = _route(topk_ids, topk_weights, num_experts, cdt)
-    window, oso, oso_np, handle = _dispatch(route, x, group_name, timeout_s)
-    out = _experts_fast(window, _tiles(oso_np, R, ne), w, attrs, cdt)  # [N, H]
-    return combine_to_tokens(out, route, oso, handle, group_name, T, cdt, timeout_s).to(x.dtype)
+    if not in_place(cdt):  # no C copy kernel: the sorted copy, the compact window, the combine's copies
+        window, oso, oso_np, handle = _dispatch(route, x, group_name, timeout_s)
+        out = _experts_fast(window, _tiles(oso_np, R, ne), w, attrs, cdt)  # [N, H]
+        return combine_to_tokens(out, route, oso, handle, group_name, T, cdt, timeout_s).to(x.dtype)
+    # each row copied once: x[token] into its expert's window; the experts read it there
+    rcv = a2a_cpu.dispatch_rows(x, route.tokens, route.in_splits, group_name, timeout_s)
+    out = experts_in_place(rcv, x.dtype, w, attrs, cdt)  # [L, H] fp32 at rcv's layout rows
+    return a2a_cpu.combine_sum(out, rcv, route.tokens, route.gates, T, group_name, timeout_s).to(x.dtype)
 
 
 def _autograd_here():

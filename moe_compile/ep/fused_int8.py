@@ -7,12 +7,15 @@ The a2a transport (``fused_a2a``) with the seed operator's A8W8 path on the wire
   1. each token quantized once at its source, per token (``quant/common.quantize_per_token_int8``
      by the integer kernel's own quantizer, ``kernels/cpu/qgemm.quantize_rows``): one row
      [q int8 (H bytes) | s fp32 (4 bytes)] = B bytes, a quarter of an fp32 row;
-  2. ``ep_dispatch`` of the K rows of each token into this rank's receive window;
-  3. the local experts run on the received q and s as they are (``qgemm.run_quantized_rows``:
-     int32 accumulation, y = acc * s_x * s_w, SwiGLU in fp32, FC2's input re-quantized per row) —
-     the rows are never dequantized; the weights are this layer's a8w8-int pack
-     (``kernels/cpu/quant.layer_pack``, made once, kept while the weights stay unchanged);
-  4. the fp32 outputs combined back (the a2a combine), y = sum_k g * row at the source.
+  2. each token's row sent to its K experts' ranks by token index (``a2a_cpu.dispatch_rows``: no
+     sorted copy, one copy per slot into the expert's window);
+  3. the codes and scales split out of the window once (the kernel rewrites its codes in place:
+     they cannot be read where they lie), and the local experts run on them as they are
+     (``qgemm.run_quantized_rows``: int32 accumulation, y = acc * s_x * s_w, SwiGLU in fp32, FC2's
+     input re-quantized per row) — the rows are never dequantized; the weights are this layer's
+     a8w8-int pack (``kernels/cpu/quant.layer_pack``, made once, kept while the weights stay unchanged);
+  4. the fp32 outputs combined back (``a2a_cpu.combine_sum``: own rows never sent), y = sum_k g * row
+     at the source.
 So the result is the single-device a8w8-int op's (``quant="a8w8-int"``) up to the order of the
 K-sum; against the fp32 layer it has a8w8's error (>= 30 dB SQNR at the bench shapes).
 
@@ -24,7 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_compile.ep.fused_a2a import (TIMEOUT_S, _dispatch, _route, _tiles, backward, combine_to_tokens,
+from moe_compile.ep import a2a_cpu
+from moe_compile.ep.fused_a2a import (TIMEOUT_S, _dispatch, _route, _tiles, backward, combine_to_tokens, in_place,
                                       ranks_and_local_experts, tile_rows)
 from moe_compile.ir import ExpertWeights, FFNAttrs
 from moe_compile.kernels.reference import compute_dtype
@@ -89,10 +93,30 @@ def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_
     T = x.shape[0]
     cdt = compute_dtype(x.dtype)
     route = _route(topk_ids, topk_weights, num_experts, cdt)
-    # [T, B] byte rows: a token quantized once, sent K times
-    window, oso, oso_np, handle = _dispatch(route, _rows(x.float()), group_name, timeout_s)
-    out = _experts(window, _tiles(oso_np, R, ne), w, attrs)  # [N, H] fp32
-    return combine_to_tokens(out, route, oso, handle, group_name, T, cdt, timeout_s).to(x.dtype)
+    rows = _rows(x.float())  # [T, B] byte rows: a token quantized once, sent K times
+    if not in_place(cdt):  # no C copy kernel: the sorted copy, the compact window, the combine's copies
+        window, oso, oso_np, handle = _dispatch(route, rows, group_name, timeout_s)
+        out = _experts(window, _tiles(oso_np, R, ne), w, attrs)  # [N, H] fp32
+        return combine_to_tokens(out, route, oso, handle, group_name, T, cdt, timeout_s).to(x.dtype)
+    # sent by token index (no sorted copy); the codes and scales split out of the window once
+    rcv = a2a_cpu.dispatch_rows(rows, route.tokens, route.in_splits, group_name, timeout_s, packed=True)
+    out = _experts_received(rcv, w, attrs)  # [N, H] fp32, rows packed source after source
+    return a2a_cpu.combine_sum(out, rcv, route.tokens, route.gates, T, group_name, timeout_s).to(x.dtype)
+
+
+def _experts_received(rcv, w: ExpertWeights, attrs: FFNAttrs) -> torch.Tensor:
+    """[N, H] fp32 outputs of the received int8 rows, in ``rcv``'s packed layout (source after
+    source): the codes and scales copied out of the window's slabs once (the kernel rewrites its
+    codes in place, so they cannot stay in the window), the experts' rows by ``rcv.idx``."""
+    from moe_compile.kernels.cpu import qgemm, quant as cpu_quant
+
+    H = w.hidden()
+    slabs = [rcv.source_rows(s) for s in range(len(rcv.sent_to_me))]  # [n_s, B] views of the window
+    q = torch.cat([r[:, :H] for r in slabs]).view(torch.int8)  # [N, H]
+    s = torch.cat([r[:, H:] for r in slabs]).view(torch.float32).reshape(-1)  # [N]
+    p = cpu_quant.layer_pack(w, attrs, FORMAT)
+    return qgemm.run_quantized_rows(q, s, rcv.idx, torch.ones(rcv.idx.shape[0]), rcv.bounds, p.w1, p.w2, attrs,
+                                    p.kernel_cache)
 
 
 __all__ = ["FORMAT", "backward", "forward", "supports"]

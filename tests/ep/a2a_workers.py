@@ -341,3 +341,30 @@ def int8_scenarios(rank, world, scenarios):
         sqnr = float(10 * torch.log10(fp32.double().pow(2).sum() / err)) if err > 0 else 99.0
         results[name] = {"vs_a8w8": rel(y, want), "sqnr_db": sqnr if Ts[rank] else 99.0, "scalar_reads": fwd.counts}
     return results
+
+
+def packed_forward(rank, world, scenarios):
+    """The in-place forward with prepacked fp32 panels (the packed kernel reading the receive window
+    where the rows lie): for each (name, Ts, routing) the third call on unchanged weights (packed
+    by then) vs the reference, and whether the in-place path and the packed kernel took it."""
+    from moe_compile.ep import fused_a2a
+    from moe_compile.ep.op import call_fused_moe_ep
+    from moe_compile.ir import ExpertWeights, FFNAttrs
+    from moe_compile.kernels.cpu import prepack
+    from moe_compile.kernels.reference import fused_moe_reference
+
+    H, F, E, K = 64, 32, 8, 2  # the packed kernel's multiples: H % 32, F % 16
+    el = E // world
+    results = {}
+    for name, Ts, routing in scenarios:
+        fc1, fc2, xs, ids, gws, _ = _problem(world, Ts, H, F, E, K, routing, seed=len(results) + 51)
+        want = fused_moe_reference(xs[rank], ids[rank], gws[rank], ExpertWeights((fc1,), (), (fc2,)), FFNAttrs())
+        mine = ExpertWeights((fc1[rank * el : (rank + 1) * el].clone(),), (), (fc2[rank * el : (rank + 1) * el].clone(),))
+        for _ in range(3):
+            with _Scalars() as fwd:
+                y = call_fused_moe_ep(xs[rank], ids[rank], gws[rank], mine, FFNAttrs(), dist.group.WORLD, E,
+                                      transport="a2a")
+        p = prepack.lookup(xs[rank], mine, FFNAttrs())
+        results[name] = {"y": rel(y, want), "in_place": fused_a2a.in_place(torch.float32),
+                         "packed": bool(p is not None and p.fused), "scalar_reads": fwd.counts}
+    return results

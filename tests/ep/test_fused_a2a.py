@@ -88,3 +88,22 @@ def test_int8_dispatch_into_a8w8_experts_equals_the_single_device_op():
             assert got["vs_a8w8"] <= 1e-5, f"rank {rank}, {name}: {got['vs_a8w8']:.2e} off the a8w8-int op"
             assert got["sqnr_db"] >= 30.0, f"rank {rank}, {name}: SQNR {got['sqnr_db']:.1f} dB against fp32"
             assert got["scalar_reads"] == {"_local_scalar_dense": 0, "tolist": 0}, got["scalar_reads"]
+
+
+@pytest.mark.dist
+def test_in_place_forward_with_packed_experts_equals_reference():
+    """The experts read the receive window where the rows lie (the packed fp32 kernel, once over
+    every expert's rows of all sources), own rows included; the combine adds the weighted rows into
+    their tokens: equal to the reference (fp32: 1e-5, as above), no scalar read."""
+    T = 9
+    scenarios = [("uniform", [T, T], "uniform"), ("everything_to_rank0", [T, T], "rank0"),
+                 ("unequal_T", [3, 11], "uniform"), ("T0_on_rank1", [T, 0], "uniform")]
+    res = run_world(2, "tests.ep.a2a_workers.packed_forward", scenarios, timeout=300)
+    for rank, (status, out) in res.items():
+        assert status == "ok", out
+        for name, *_ in scenarios:
+            got = out[name]
+            receives = not (rank == 1 and name == "everything_to_rank0")  # else its experts never run
+            assert got["in_place"] and got["packed"] == receives, f"rank {rank}, {name}: not the packed path: {got}"
+            assert got["y"] <= 1e-5, f"rank {rank}, {name}: y off by {got['y']:.2e}"
+            assert got["scalar_reads"] == {"_local_scalar_dense": 0, "tolist": 0}, got["scalar_reads"]

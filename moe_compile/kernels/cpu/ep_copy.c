@@ -245,10 +245,11 @@ int64_t moe_ep_dispatch_send(const int64_t *hdr, int64_t W, int64_t R, int64_t m
  * rows (what a combine of out reads).  Returns N >= 0 rows; -1: the headers
  * disagree or a split is bad (Python raises the verdict); -2: a slab too small, *need = bytes; -3:
  * out holds fewer than *need rows. */
-int64_t moe_ep_dispatch_recv(const int64_t *hdrs, int64_t W, int64_t R, int64_t me, const char *slabs,
-                             int64_t slab_bytes, const char *x, char *out, int64_t out_cap, int64_t *oso,
-                             int64_t *sent, int64_t *need) {
-    int64_t ne = hdrs[1], row_bytes = hdrs[4], align = hdrs[5] < 0 ? 1 : hdrs[5], most = 0;
+/* Every source's dispatch header agrees with source 0's (kind, ne, row bytes, alignment), has no
+ * negative split and fits its input; sent[s] = rows source s sends in all.  Returns the most rows
+ * any source sends one dest, or -1 (Python's numpy checks then name the verdict). */
+static int64_t check_dispatch_headers(const int64_t *hdrs, int64_t W, int64_t R, int64_t *sent) {
+    int64_t ne = hdrs[1], row_bytes = hdrs[4], most = 0;
     for (int64_t s = 0; s < R; s++) {
         const int64_t *h = hdrs + s * W;
         if (h[0] != hdrs[0] || h[1] != ne || h[4] != row_bytes || h[5] != hdrs[5])
@@ -268,6 +269,16 @@ int64_t moe_ep_dispatch_recv(const int64_t *hdrs, int64_t W, int64_t R, int64_t 
             return -1;
         sent[s] = tot;
     }
+    return most;
+}
+
+int64_t moe_ep_dispatch_recv(const int64_t *hdrs, int64_t W, int64_t R, int64_t me, const char *slabs,
+                             int64_t slab_bytes, const char *x, char *out, int64_t out_cap, int64_t *oso,
+                             int64_t *sent, int64_t *need) {
+    int64_t ne = hdrs[1], row_bytes = hdrs[4], align = hdrs[5] < 0 ? 1 : hdrs[5];
+    int64_t most = check_dispatch_headers(hdrs, W, R, sent);
+    if (most < 0)
+        return -1;
     if (most * row_bytes > slab_bytes) {
         *need = most * row_bytes;
         return -2;
@@ -317,11 +328,15 @@ int64_t moe_ep_dispatch_recv(const int64_t *hdrs, int64_t W, int64_t R, int64_t 
 /* The combine of that window's rows straight back: block (e, s) of x (laid out as the dispatch's
  * out: rows oso[1][e*R+s], oso[0][e*R+s] of them) to its final row of source s's window — where
  * source s sent it from (rank-major: after s's blocks for ranks < me and experts < e) — then the
- * flags.  hdrs: the dispatch's headers (a copy). */
+ * flags.  hdrs: the dispatch's headers (a copy).  skip_self: this rank's own blocks stay where
+ * they are (moe_ep_combine_sum reads them in x). */
 void moe_ep_combine_after(const int64_t *hdrs, int64_t W, int64_t R, int64_t me, const int64_t *oso, const char *x,
-                          int64_t row_bytes, char *const *dst, int64_t *const *flag, int64_t value, int64_t sleep_off) {
+                          int64_t row_bytes, char *const *dst, int64_t *const *flag, int64_t value, int64_t sleep_off,
+                          int64_t skip_self) {
     int64_t ne = hdrs[1];
     for (int64_t s = 0; s < R; s++) {
+        if (skip_self && s == me)  /* this rank's own rows: its caller reads them where the experts wrote them */
+            continue;
         const int64_t *sp = hdrs + s * W + NMETA;
         int64_t first = 0;
         for (int64_t i = 0; i < me * ne; i++)
@@ -337,5 +352,132 @@ void moe_ep_combine_after(const int64_t *hdrs, int64_t W, int64_t R, int64_t me,
         __atomic_store_n(flag[s], value, __ATOMIC_SEQ_CST);
         if (sleep_off && __atomic_load_n(flag[s] + sleep_off, __ATOMIC_SEQ_CST))
             flag_wake(flag[s]);
+    }
+}
+
+/* ---- the fused op's exchanges by token index (ep/a2a_cpu.py: dispatch_rows, combine_sum) -------
+ * A row is [x[tok[i]] (x_bytes) | extra[i] (extra_bytes)]: the token's row read where it lies in x
+ * (no sorted copy) and, optionally, a per-slot field (the backward's routing weight).  Source s's
+ * rows for dest d go to rows [s * slab_rows, s * slab_rows + n) of d's window, this rank's own
+ * rows into its own window too: the local experts then read every row in place, from one base.
+ */
+
+/* Send this rank's sorted slots (tok [S]: slot i's token; hdr[2] = S): header into every dest's
+ * slot, dest d's rows (slots [at_d, at_d + n_d), rank-major) into slab `me` of d's window, then the
+ * flags.  Rows only when every split is valid and fits a slab; else headers only (the receive says
+ * why on every rank).  Returns 0 (rows sent) or 1 (headers only). */
+int64_t moe_ep_dispatch_send_idx(const int64_t *hdr, int64_t W, int64_t R, int64_t me, const char *x,
+                                 const int64_t *tok, int64_t x_bytes, const char *extra, int64_t extra_bytes,
+                                 char *const *win_dst, int64_t slab_rows, char *const *hdr_dst, int64_t *const *flag,
+                                 int64_t value, int64_t sleep_off) {
+    int64_t ne = hdr[1], rows_in = hdr[2], row_bytes = hdr[4];
+    const int64_t *sp = hdr + NMETA;
+    int64_t total = 0, ok = row_bytes == x_bytes + extra_bytes;
+    for (int64_t d = 0; d < R; d++) {
+        int64_t n = 0;
+        for (int64_t e = 0; e < ne; e++) {
+            ok &= sp[d * ne + e] >= 0;
+            n += sp[d * ne + e];
+        }
+        ok &= n <= slab_rows;
+        total += n;
+    }
+    ok &= total <= rows_in;
+    int64_t at = 0;
+    for (int64_t d = 0; d < R; d++) {
+        memcpy(hdr_dst[d], hdr, (size_t)(W * 8));
+        int64_t n = 0;
+        for (int64_t e = 0; e < ne; e++)
+            n += sp[d * ne + e];
+        if (ok) {
+            char *dst = win_dst[d] + me * slab_rows * row_bytes;
+            for (int64_t j = 0; j < n; j++, dst += row_bytes) {
+                memcpy(dst, x + tok[at + j] * x_bytes, (size_t)x_bytes);
+                if (extra_bytes)
+                    memcpy(dst + x_bytes, extra + (at + j) * extra_bytes, (size_t)extra_bytes);
+            }
+        }
+        at += n;
+    }
+    for (int64_t d = 0; d < R; d++) {
+        __atomic_store_n(flag[d], value, __ATOMIC_SEQ_CST);
+        if (sleep_off && __atomic_load_n(flag[d] + sleep_off, __ATOMIC_SEQ_CST))
+            flag_wake(flag[d]);
+    }
+    return ok ? 0 : 1;
+}
+
+/* Where the rows that moe_ep_dispatch_send_idx sent this rank lie, copying nothing.  Layout rows:
+ * source s's rows from row s * slab_rows (packed == 0: the window itself), or packed source after
+ * source (packed != 0: a compact copy of the window's rows, source-major).  Writes idx [N] (the
+ * layout row of every received row, expert-major: expert e's rows from source 0, then 1, ...),
+ * bounds [ne + 1] (expert e owns idx[bounds[e], bounds[e+1])), oso [2, ne*R] (splits, and the
+ * layout row of block (e, s) at e*R + s), sent [R] and *need = the end of the last block with rows.
+ * Returns N; -1: bad headers (Python names why); -2: a slab too small (*need = bytes); -3: idx
+ * holds fewer than N (*need = N). */
+int64_t moe_ep_dispatch_index(const int64_t *hdrs, int64_t W, int64_t R, int64_t me, int64_t slab_rows,
+                              int64_t packed, int64_t *idx, int64_t cap, int64_t *bounds, int64_t *oso,
+                              int64_t *sent, int64_t *need) {
+    int64_t ne = hdrs[1], row_bytes = hdrs[4];
+    int64_t most = check_dispatch_headers(hdrs, W, R, sent);
+    if (most < 0)
+        return -1;
+    if (most > slab_rows) {
+        *need = most * row_bytes;
+        return -2;
+    }
+    int64_t N = 0;
+    for (int64_t s = 0; s < R; s++)
+        for (int64_t e = 0; e < ne; e++)
+            N += hdrs[s * W + NMETA + me * ne + e];
+    if (N > cap) {
+        *need = N;
+        return -3;
+    }
+    int64_t k = 0, used = 0;
+    bounds[0] = 0;
+    for (int64_t e = 0; e < ne; e++) {
+        int64_t base = 0;  /* packed: rows of the sources before s */
+        for (int64_t s = 0; s < R; s++) {
+            const int64_t *sp = hdrs + s * W + NMETA + me * ne;  /* s's splits for my experts */
+            int64_t first = packed ? base : s * slab_rows, n = sp[e];
+            for (int64_t i = 0; i < e; i++)
+                first += sp[i];
+            oso[e * R + s] = n;
+            oso[ne * R + e * R + s] = first;
+            for (int64_t j = 0; j < n; j++)
+                idx[k++] = first + j;
+            if (n > 0 && first + n > used)
+                used = first + n;
+            for (int64_t i = 0; i < ne; i++)
+                base += sp[i];
+        }
+        bounds[e + 1] = k;
+    }
+    *need = used;
+    return N;
+}
+
+/* y [T, h] fp32 (zeroed by the caller) += gate[i] * row i, for every slot i this rank sent (hdr:
+ * its dispatch header; slots rank-major, dest d's at [at_d, at_d + n_d)): peer d's rows came back
+ * by the combine to row i of `back` (where the slot was sent from), this rank's own are rows
+ * [0, n_me) of `own` (the experts' output, never sent).  Slots past the valid ones (invalid ids)
+ * are not read.  The K rows of a token are added in slot order. */
+void moe_ep_combine_sum(const int64_t *hdr, int64_t R, int64_t me, const float *back, const float *own, int64_t h,
+                        const int64_t *tok, const float *gate, float *y) {
+    int64_t ne = hdr[1], at = 0;
+    const int64_t *sp = hdr + NMETA;
+    for (int64_t d = 0; d < R; d++) {
+        int64_t n = 0;
+        for (int64_t e = 0; e < ne; e++)
+            n += sp[d * ne + e];
+        for (int64_t j = 0; j < n; j++) {
+            int64_t i = at + j;
+            const float *src = d == me ? own + j * h : back + i * h;
+            float g = gate[i], *dst = y + tok[i] * h;
+            for (int64_t c = 0; c < h; c++)
+                dst[c] += g * src[c];
+        }
+        at += n;
     }
 }
