@@ -35,6 +35,7 @@ class Rewritten:
     graph: int = 0
     world_size: int = 1  # expert parallel: ranks of the process group
     local_experts: int = 0  # expert parallel: experts held by this rank (0: not expert parallel)
+    ep_style: str = ""  # expert parallel: all_to_all (the EP op), all_gather / all_reduce / reduce_scatter (kept)
     transposed: bool = False  # weights stored [E, in, out] (x @ W)
     limit: float = 0.0  # clamp of gate/up (0: none)
     alpha: float = FFNAttrs.alpha  # sigmoid slope of activation "gptoss"
@@ -49,6 +50,7 @@ class Rewritten:
     def line(self) -> str:
         where = self.source or "<unknown module>"
         ep = f" world_size={self.world_size} local_experts={self.local_experts}" if self.local_experts else ""
+        ep += f" ep_style={self.ep_style}" if self.local_experts and self.ep_style else ""
         act = self.activation
         if self.limit > 0:
             act += f"(limit={self.limit:g}" + (f", alpha={self.alpha:g}" if self.activation == "gptoss" else "") + ")"

@@ -19,6 +19,21 @@ Shapes:  B batch, S sequence, T = B*S tokens per rank, H hidden, F expert FFN wi
 * ``AllReduceEPMoE``  DeepSeek official inference style: every rank runs its local slice of experts
   on all its tokens (``ids == i`` for i in its range; other ids are skipped) and ``all_reduce``s the
   partial result, then adds the shared expert.
+* ``AllGatherEPMoE``  Megatron's all-gather token dispatcher: route the rank's own tokens; all-gather
+  tokens, top-k ids and weights over the group; each rank runs its local experts on the gathered
+  rows routed to them (``torch.where(ids == e)``); ``reduce_scatter_tensor`` (sum) hands every rank
+  its own tokens' sums back.  ``tp > 1``: expert tensor parallel inside the group (Megatron's
+  tp_ep group, expert-TP ranks adjacent): rank r holds experts of EP rank r // tp and the F-shard
+  r % tp of their FC1 / FC1-up / FC2, so the reduce-scatter also sums the F-shards.
+* ``ETPMoE``  expert tensor parallel with tokens already replicated over the ETP group (after a
+  TP attention without sequence parallel): every expert on every rank, F-sharded; the partial
+  outputs are summed by ``all_reduce`` over the ETP group.
+* ``AllToAllEPMoE(etp_group=...)``  EP x ETP: the all-to-all dispatch over the EP group with
+  F-sharded local experts (tokens replicated over the ETP group) and an ``all_reduce`` of the
+  partial outputs over the ETP group.
+
+Expert tensor parallel is exact: SwiGLU is elementwise in F, so FC2 over an F-shard of the
+activations is a partial sum of the full FC2, and the F-shards' partial outputs add up to it.
 """
 
 from __future__ import annotations
@@ -80,11 +95,34 @@ def _swiglu_from(w1, w3, w2) -> SwiGLU:
     return mlp
 
 
+def _f_shard(w1, w3, w2, tp_rank, tp):
+    """Expert tensor parallel: F-shard tp_rank of w1, w3 [E, F, H] and w2 [E, H, F]."""
+    if w1.shape[1] % tp:
+        raise ValueError(f"the FFN width {w1.shape[1]} does not divide over {tp} expert-TP ranks")
+    f = w1.shape[1] // tp
+    cols = slice(tp_rank * f, (tp_rank + 1) * f)
+    return w1[:, cols].contiguous(), w3[:, cols].contiguous(), w2[:, :, cols].contiguous()
+
+
+def _funcol(name: str, differentiable: bool):
+    """funcol's ``<name>_single`` (torch 2.13; ``<name>_tensor`` before), or its autograd form."""
+    suffix = "_autograd" if differentiable else ""
+    found = getattr(funcol, f"{name}_single{suffix}", None)
+    return found if found is not None else getattr(funcol, f"{name}_tensor{suffix}")
+
+
+def _all_reduce(y, group, collectives):
+    if collectives == "functional":
+        return funcol.all_reduce(y, "sum", group)
+    dist.all_reduce(y, group=group)
+    return y
+
+
 class AllToAllEPMoE(nn.Module):
     """torchtitan / Megatron expert parallelism: all-to-all dispatch and combine around local experts."""
 
     def __init__(self, hidden=64, ffn=96, experts=8, top_k=2, group=None, collectives="functional",
-                 local_experts="stacked", seed=0, route_bias=None):
+                 local_experts="stacked", seed=0, route_bias=None, etp_group=None):
         super().__init__()
         if collectives not in COLLECTIVES or local_experts not in LOCAL_EXPERTS:
             raise ValueError(f"collectives in {COLLECTIVES}, local_experts in {LOCAL_EXPERTS}")
@@ -94,9 +132,12 @@ class AllToAllEPMoE(nn.Module):
             raise ValueError(f"{experts} experts do not divide over {self.world} ranks")
         self.num_experts, self.top_k, self.local = experts, top_k, experts // self.world
         self.collectives, self.local_style = collectives, local_experts
+        self.etp_group = etp_group  # EP x ETP: F-sharded local experts, partial outputs summed over it
         self.gate = _router(hidden, experts, top_k, seed, route_bias)
         w1, w3, w2 = (w[self.rank * self.local:(self.rank + 1) * self.local] for w in
                       _global_experts(hidden, ffn, experts, seed))
+        if etp_group is not None:
+            w1, w3, w2 = _f_shard(w1, w3, w2, *_group_info(etp_group))
         if local_experts == "stacked":
             self.w1, self.w3, self.w2 = (nn.Parameter(w.clone()) for w in (w1, w3, w2))
         else:
@@ -147,6 +188,8 @@ class AllToAllEPMoE(nn.Module):
         back = self._all_to_all(unperm, send_splits, recv_splits)  # [S_k, H] in `order`
         back = back * weights.reshape(-1)[order, None]
         y = torch.zeros_like(x).index_add_(0, order // self.top_k, back.to(x.dtype))
+        if self.etp_group is not None:  # this rank's F-shard of every token's output: sum the shards
+            y = _all_reduce(y, self.etp_group, self.collectives)
         return y.view(shape)
 
 
@@ -191,6 +234,95 @@ class AllReduceEPMoE(nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y.view(shape)
+
+
+class AllGatherEPMoE(nn.Module):
+    """Megatron's all-gather token dispatcher: gather tokens and routing, local experts, reduce-scatter.
+
+    ``tp``: expert-TP ranks inside ``group`` (rank r: EP rank r // tp, F-shard r % tp).
+    ``differentiable``: the autograd forms of funcol's gather / reduce-scatter (a training step)."""
+
+    def __init__(self, hidden=64, ffn=96, experts=8, top_k=2, group=None, tp=1, collectives="functional",
+                 local_experts="modulelist", seed=0, route_bias=None, differentiable=False):
+        super().__init__()
+        if collectives not in COLLECTIVES or local_experts not in LOCAL_EXPERTS:
+            raise ValueError(f"collectives in {COLLECTIVES}, local_experts in {LOCAL_EXPERTS}")
+        if differentiable and collectives != "functional":
+            raise ValueError("only funcol's autograd collectives are differentiable")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank, self.world = _group_info(self.group)
+        if self.world % tp or experts % (self.world // tp):
+            raise ValueError(f"{experts} experts, {self.world} ranks and tp={tp} do not tile")
+        self.num_experts, self.top_k, self.local = experts, top_k, experts // (self.world // tp)
+        self.start = (self.rank // tp) * self.local  # this EP rank's first global expert
+        self.collectives, self.local_style, self.differentiable = collectives, local_experts, differentiable
+        self.gate = _router(hidden, experts, top_k, seed, route_bias)
+        w1, w3, w2 = _f_shard(*(w[self.start:self.start + self.local] for w in
+                                _global_experts(hidden, ffn, experts, seed)), self.rank % tp, tp)
+        if local_experts == "stacked":
+            self.w1, self.w3, self.w2 = (nn.Parameter(w.clone()) for w in (w1, w3, w2))
+        else:
+            self.experts = nn.ModuleList([_swiglu_from(w1[e], w3[e], w2[e]) for e in range(self.local)])
+
+    def _gather(self, t, grad=True):  # [T, ...] -> [R*T, ...], rank-major
+        if self.collectives == "functional":
+            return _funcol("all_gather", grad and self.differentiable)(t, 0, self.group)
+        out = t.new_empty((self.world * t.shape[0], *t.shape[1:]))
+        dist.all_gather_into_tensor(out, t, group=self.group)
+        return out
+
+    def _reduce_scatter(self, y):  # [R*T, H] -> [T, H], summed over the group
+        if self.collectives == "functional":
+            return _funcol("reduce_scatter", self.differentiable)(y, "sum", 0, self.group)
+        out = y.new_empty((y.shape[0] // self.world, *y.shape[1:]))
+        dist.reduce_scatter_tensor(out, y, group=self.group)
+        return out
+
+    def _expert(self, e, rows):  # rows [N_e, H] -> [N_e, H]
+        if self.local_style == "modulelist":
+            return self.experts[e](rows)
+        act = F.silu(rows @ self.w1[e].t()) * (rows @ self.w3[e].t())
+        return act @ self.w2[e].t()
+
+    def forward(self, hidden_states):  # [B, S, H]
+        shape = hidden_states.shape
+        x = hidden_states.view(-1, shape[-1])  # [T, H]
+        weights, ids = self.gate(x)  # [T, K], [T, K]
+        x_all = self._gather(x)  # [R*T, H]
+        ids_all = self._gather(ids, grad=False)  # [R*T, K]
+        w_all = self._gather(weights)  # [R*T, K]
+        y = torch.zeros_like(x_all)
+        for e in range(self.local):
+            rows, slot = torch.where(ids_all == self.start + e)  # gathered rows routed to local expert e
+            out = self._expert(e, x_all[rows]) * w_all[rows, slot, None]
+            y = y.index_add(0, rows, out)
+        return self._reduce_scatter(y).view(shape)  # [T, H]: every rank's part of this rank's tokens
+
+
+class ETPMoE(nn.Module):
+    """Expert tensor parallel on replicated tokens: every expert F-sharded over ``group``, all_reduce."""
+
+    def __init__(self, hidden=64, ffn=96, experts=8, top_k=2, group=None, collectives="functional", seed=0,
+                 route_bias=None):
+        super().__init__()
+        if collectives not in COLLECTIVES:
+            raise ValueError(f"collectives must be one of {COLLECTIVES}")
+        self.group = group if group is not None else dist.group.WORLD
+        tp_rank, tp = _group_info(self.group)
+        self.num_experts, self.top_k, self.collectives = experts, top_k, collectives
+        self.gate = _router(hidden, experts, top_k, seed, route_bias)
+        w1, w3, w2 = _f_shard(*_global_experts(hidden, ffn, experts, seed), tp_rank, tp)
+        self.experts = nn.ModuleList([_swiglu_from(w1[e], w3[e], w2[e]) for e in range(experts)])
+
+    def forward(self, x):  # [B, S, H], the same on every rank of the group
+        shape = x.shape
+        x = x.view(-1, shape[-1])  # [T, H]
+        weights, ids = self.gate(x)
+        y = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            idx, top = torch.where(ids == e)
+            y[idx] += self.experts[e](x[idx]) * weights[idx, top, None]  # this rank's F-shard only
+        return _all_reduce(y, self.group, self.collectives).view(shape)
 
 
 class GlobalReference(nn.Module):

@@ -62,7 +62,7 @@ import torch
 import torch.fx as fx
 
 from moe_compile.ir import ExpertWeights, MoESpec
-from moe_compile.passes import lift as lift_mod, prove, region as region_mod
+from moe_compile.passes import expert_parallel_gathered as gathered, lift as lift_mod, prove, region as region_mod
 from moe_compile.passes.clusters import Candidate, Cluster, gemm_operands
 from moe_compile.passes.graph import Deps, dtype_of, is_view_like, meta, module_path, shape_of
 from moe_compile.passes.lift import Match, Roles
@@ -73,6 +73,9 @@ from moe_compile.passes.stacked import stacked_roles
 FAMILY = "expert_parallel"
 EP_TIMEOUT_S = 120.0  # a peer that never arrives raises after this (the op's timeout_s)
 A2A, ALL_REDUCE, WAIT = "all_to_all_single", "all_reduce", "wait_tensor"
+ALL_GATHER, REDUCE_SCATTER = gathered.AG, gathered.RS
+REDUCING = (ALL_REDUCE, REDUCE_SCATTER)
+_GROUP_ARG = {A2A: 3, REDUCE_SCATTER: 3, ALL_REDUCE: 2, ALL_GATHER: 2}  # group_name's position
 
 _deps_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -81,7 +84,8 @@ _deps_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def collective(node: fx.Node) -> str | None:
-    """``all_to_all_single`` / ``all_reduce`` / ``wait_tensor`` for c10d functional ops, else None."""
+    """``all_to_all_single`` / ``all_reduce`` / ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` /
+    ``wait_tensor`` for c10d functional ops (their ``_autograd`` forms alike), else None."""
     if node.op != "call_function":
         return None
     text = str(node.target)
@@ -94,7 +98,7 @@ def collective(node: fx.Node) -> str | None:
 def group_name_of(node: fx.Node) -> str:
     if "group_name" in node.kwargs:
         return node.kwargs["group_name"]
-    return node.args[3] if collective(node) == A2A else node.args[2]
+    return node.args[_GROUP_ARG.get(collective(node), 2)]
 
 
 def resolve_group(name: str, at: fx.Node):
@@ -124,16 +128,23 @@ def router_width(topk: fx.Node) -> int | None:
 
 
 def style(candidate: Candidate) -> str | None:
-    """"all_to_all", "all_reduce" or None: is this candidate an expert-parallel MoE?"""
-    if not any(collective(n) in (A2A, ALL_REDUCE) for n in candidate.topk.graph.nodes):
+    """"all_to_all", "all_gather", "all_reduce", "reduce_scatter" or None: is this candidate an
+    expert-parallel MoE, and how are its tokens dispatched and its outputs reduced?"""
+    if not any(collective(n) in (A2A, *REDUCING, ALL_GATHER) for n in candidate.topk.graph.nodes):
         return None
     deps = _deps(candidate.topk.graph)
     downs = [c.down for c in candidate.clusters]
     between = deps.ancestors(downs) & deps.descendants([candidate.topk])
     if any(collective(n) == A2A for n in between):
         return "all_to_all"
+    if any(collective(n) == ALL_GATHER for n in between):
+        return "all_gather"  # Megatron's all-gather dispatcher, ETP on sequence-parallel tokens
+    after = deps.descendants(downs)
+    direct = [n for n in after if gathered.reduced_directly(deps, downs, n)]
+    if direct:  # a local slice (or, with ETP, every expert F-sharded) whose sum a collective reduces
+        return collective(direct[0])
     if len(candidate.clusters) < (router_width(candidate.topk) or 0) and any(
-        collective(n) == ALL_REDUCE for n in deps.descendants(downs)
+        collective(n) == ALL_REDUCE for n in after
     ):
         return "all_reduce"
     return None
@@ -153,11 +164,12 @@ class EPMatch(Match):
     world_size: int = 1
     local_experts: int = 0
     group_name: str = ""
-    id_offset: int | None = None  # style (b): fused_moe on ids - offset; None: style (a), the EP op
+    id_offset: int | None = None  # styles (b), (c): fused_moe on ids - offset; None: style (a), the EP op
+    ep_style: str = "all_to_all"  # ``style``: how the tokens are dispatched / the outputs reduced
 
     @property
     def report_extra(self) -> dict:
-        return {"world_size": self.world_size, "local_experts": self.local_experts}
+        return {"world_size": self.world_size, "local_experts": self.local_experts, "ep_style": self.ep_style}
 
     def replace_with_fused_op(self, graph: fx.Graph, deps: Deps, save_fc1: bool = True) -> fx.Node:
         spec, region = self.spec, self.region
@@ -191,7 +203,9 @@ def find_expert_parallel(graph: fx.Graph, deps: Deps, candidate: Candidate, valu
     kind = style(candidate)
     if kind == "all_to_all":
         return _find_all_to_all(graph, deps, candidate, values)
-    if kind == "all_reduce":
+    if kind == "all_gather":
+        return _find_all_gather(graph, deps, candidate, values)
+    if kind in REDUCING:
         return _find_all_reduce(graph, deps, candidate, values)
     raise Refusal("no expert-parallel collective around these experts", candidate.topk)
 
@@ -238,21 +252,23 @@ def _not_proven(err: float, tol: float, at: fx.Node) -> Refusal:
 # ----------------------------------------------------------------------------- style (b): all_reduce
 
 
-def _find_all_reduce(graph, deps: Deps, candidate: Candidate, values) -> EPMatch:
-    ids = topk_indices(candidate.topk)
-    E = router_width(candidate.topk)
+def _keyed_slice(deps: Deps, candidate: Candidate, ids: fx.Node, E: int):
+    """(lo, the clusters in global-id order) of a local slice selected by ``ids == i`` masks."""
     from_ids = deps.descendants([ids])
     keyed = [(lift_mod.expert_constant(deps, c, ids, from_ids), c) for c in candidate.clusters]
     if any(k is None for k, _ in keyed):
         raise Refusal("could not tell which global expert each local expert serves (no `ids == i` mask)",
                       candidate.topk)
     keyed.sort(key=lambda kc: kc[0])
-    lo, n = keyed[0][0], len(keyed)
-    if [k for k, _ in keyed] != list(range(lo, lo + n)) or lo + n > E:
-        raise Refusal(f"the local experts {[k for k, _ in keyed]} are not one contiguous slice of the router's "
-                      f"{E} experts", candidate.topk)
-    ordered = [c for _, c in keyed]
-    roles, _ = _local_roles(deps, candidate, ordered)
+    lo, _ = gathered.local_slice(deps, [k for k, _ in keyed], E, candidate.topk)
+    return lo, [c for _, c in keyed]
+
+
+def _find_all_reduce(graph, deps: Deps, candidate: Candidate, values) -> EPMatch:
+    ids = topk_indices(candidate.topk)
+    E = router_width(candidate.topk)
+    lo, ordered = _keyed_slice(deps, candidate, ids, E)
+    roles, n = _local_roles(deps, candidate, ordered)
     params = _params(roles)
     hidden_sizes = tuple(values[roles.fc2[0]].shape[-2:])
     K = candidate_top_k(candidate)
@@ -264,22 +280,45 @@ def _find_all_reduce(graph, deps: Deps, candidate: Candidate, values) -> EPMatch
         raise Refusal("expert-parallel loops must be routed by [T, K] weights, not a dense score matrix", ids)
     _drop_absorbed_collectives(deps, region)
     reduce = _reducing_collective(deps, region)
-    world = resolve_group(group_name_of(reduce), reduce).size()
-    values.compute([region.x, region.ids, region.weights, *region.extra_inputs])
+    return _prove_local(deps, region, candidate, ordered, roles, values, K, E, lo, n, reduce, collective(reduce))
+
+
+def _find_all_gather(graph, deps: Deps, candidate: Candidate, values) -> EPMatch:
+    """Style (c): local experts on gathered tokens and routing (expert_parallel_gathered.py)."""
+    E = router_width(candidate.topk)
+    if E is None:
+        raise Refusal("the router's expert count is not static", candidate.topk)
+    probe = values[candidate.clusters[0].down_w.param]  # [.., H, F] or [.., F, H]: the widths tokens may have
+    hidden_sizes = tuple(probe.shape[-2:])
+    downs = [c.down for c in candidate.clusters]
+    first_refusal = None
+    for output in region_mod.find_outputs(deps, downs, gathered.gathered_rows(deps, candidate), hidden_sizes):
+        try:
+            x_g, ids_g, w_g, writers, gathers = gathered.gathered_routing(deps, candidate, output, hidden_sizes)
+            lo, ordered = _keyed_slice(deps, candidate, ids_g, E)
+            roles, n = _local_roles(deps, candidate, ordered)
+            region = gathered.cut_gathered(graph, deps, x_g, ids_g, w_g, writers, output, _params(roles))
+            break
+        except Refusal as refusal:
+            first_refusal = first_refusal or refusal
+    else:
+        raise first_refusal
+    return _prove_local(deps, region, candidate, ordered, roles, values, candidate_top_k(candidate), E, lo, n,
+                        gathers[0], "all_gather")
+
+
+def _prove_local(deps, region, candidate, ordered, roles, values, K, E, lo, n, group_node, kind) -> EPMatch:
+    """Styles (b), (c): the local region proven numerically; the model's collectives stay."""
+    params = _params(roles)
+    world = resolve_group(group_name_of(group_node), group_node).size()
+    inputs = gathered.proof_values(values, deps, [region.x, region.ids, region.weights, *region.extra_inputs])
     op_dtype = lift_mod.op_dtype_of(ordered, region.x, params)
     hyps = lift_mod.uniform_hypotheses(deps, region, ordered, roles, values, op_dtype)
     if not hyps:
         raise Refusal("the expert weight shapes fit no supported gate/up layout", ordered[0].down)
-    region_fn = region_mod.extract(region)
-
-    def on_global_ids(x, local_ids, g, *rest):  # synthetic ids in [0, E): local slice first
-        return region_fn(x, (local_ids + lo) % E, g, *rest)
-
     try:
-        best, err, tol = prove.run_proof(
-            on_global_ids, values[region.x], values[region.ids], values[region.weights],
-            [values[p] for p in params], [values[s] for s in region.extra_inputs], hyps, K, E, None, op_dtype,
-        )
+        best, err, tol = gathered.run_local_proof(region, inputs, [values[p] for p in params], hyps, K, E, lo,
+                                                  op_dtype)
     except Exception as exc:  # noqa: BLE001
         raise Refusal(f"running the region on synthetic routing failed ({type(exc).__name__}: {exc})",
                       ordered[0].down) from exc
@@ -287,7 +326,7 @@ def _find_all_reduce(graph, deps: Deps, candidate: Candidate, values) -> EPMatch
         raise _not_proven(err, tol, ordered[0].down)
     spec = _spec(region, best.roles, best, E, K)
     return EPMatch(spec, region, err, op_dtype, world_size=world, local_experts=n,
-                   group_name=group_name_of(reduce), id_offset=lo)
+                   group_name=group_name_of(group_node), id_offset=lo, ep_style=kind)
 
 
 def _drop_absorbed_collectives(deps: Deps, region: Region) -> None:
@@ -302,12 +341,12 @@ def _drop_absorbed_collectives(deps: Deps, region: Region) -> None:
 
 
 def _reducing_collective(deps: Deps, region: Region) -> fx.Node:
-    """The all_reduce that reads the region's accumulated output (the model keeps it)."""
+    """The all_reduce (or reduce_scatter) that reads the region's accumulated output (the model keeps it)."""
     result = region.buffer if region.buffer is not None else region.output
     for user in result.users:
-        if collective(user) == ALL_REDUCE and (region.buffer is None or deps.order[user] > deps.order[region.output]):
+        if collective(user) in REDUCING and (region.buffer is None or deps.order[user] > deps.order[region.output]):
             return user
-    raise Refusal("the local experts' output is not what the all_reduce sums", region.output)
+    raise Refusal("the local experts' output is not what the all_reduce (or reduce_scatter) sums", region.output)
 
 
 # ----------------------------------------------------------------------------- style (a): all-to-all
@@ -496,8 +535,9 @@ def simulate(gm: fx.GraphModule, per_rank_inputs: list[list]) -> list:
                 interp.env[node] = interp.env[node.args[0]]
         else:
             args = [interp.map_nodes_to_values(node.args, node) for interp in interps]
-            results = _exchange_all_to_all(args) if kind == A2A else _sum_all_reduce(args)
-            for interp, value in zip(interps, results):
+            if kind not in _EXCHANGES:
+                raise ValueError(f"the lockstep simulation has no in-memory form of {node.target}")
+            for interp, value in zip(interps, _EXCHANGES[kind](args)):
                 interp.env[node] = value
     return outputs
 
@@ -523,6 +563,36 @@ def _sum_all_reduce(args: list) -> list[torch.Tensor]:
         raise ValueError(f"only all_reduce 'sum' is simulated, got {args[0][1]!r}")
     total = torch.stack([a[0] for a in args]).sum(0)
     return [total.clone() for _ in args]
+
+
+def _all_gather(args: list) -> list[torch.Tensor]:
+    """``all_gather_into_tensor(inp, group_size, group)``: every rank gets the inputs, rank-major."""
+    _group_size(args)
+    gathered = torch.cat([a[0] for a in args], dim=0)
+    return [gathered.clone() for _ in args]
+
+
+def _reduce_scatter(args: list) -> list[torch.Tensor]:
+    """``reduce_scatter_tensor(inp, "sum", group_size, group)``: rank r gets row block r of the sum."""
+    if any(a[1] != "sum" for a in args):
+        raise ValueError(f"only reduce_scatter 'sum' is simulated, got {args[0][1]!r}")
+    world = _group_size(args, at=2)
+    total = torch.stack([a[0] for a in args]).sum(0)
+    if total.shape[0] % world:
+        raise ValueError(f"reduce_scatter of {total.shape[0]} rows over {world} ranks")
+    return [part.clone() for part in total.chunk(world, dim=0)]
+
+
+def _group_size(args: list, at: int = 1) -> int:
+    """The collective's group size, which must be the simulated world (one group per simulation)."""
+    sizes = {int(a[at]) for a in args}
+    if sizes != {len(args)}:
+        raise ValueError(f"a collective over {sorted(sizes)} ranks in a simulation of {len(args)}")
+    return len(args)
+
+
+_EXCHANGES = {A2A: _exchange_all_to_all, ALL_REDUCE: _sum_all_reduce, ALL_GATHER: _all_gather,
+              REDUCE_SCATTER: _reduce_scatter}
 
 
 def _rank_scale(r: int) -> float:

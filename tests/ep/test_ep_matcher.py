@@ -129,7 +129,7 @@ def test_explain_names_world_size_and_local_experts():
     results = run_world(2, "tests.ep.test_ep_matcher.report_only", timeout=120.0)
     assert all(status == "ok" for status, _ in results.values()), results
     text = results[0][1]["text"]
-    assert "family=expert_parallel world_size=2 local_experts=4 E=8" in text, text
+    assert "family=expert_parallel world_size=2 local_experts=4 ep_style=all_to_all E=8" in text, text
 
 
 def _tanh_experts_model():

@@ -1,0 +1,256 @@
+"""Family E, gathered routing: Megatron's all-gather dispatcher and expert tensor parallel (ETP).
+
+Shapes:  T tokens per rank, H hidden, F_s an expert's (possibly F-sharded) FFN width, E experts
+         (global), E_l local experts, K top-k, R ranks of the gathering group, N = R*T gathered rows.
+
+What Dynamo records on torch 2.13 (gloo, 2 and 4 ranks) for ``funcol.all_gather_single`` /
+``reduce_scatter_single`` (``*_tensor`` before 2.13, their ``_autograd`` forms alike) and for the
+legacy in-place ``dist.all_gather_into_tensor(out, inp)`` / ``dist.reduce_scatter_tensor(out, inp)``:
+
+    weights, ids = router(x)                                # [T, K] each, this rank's own tokens
+    x_g   = wait_tensor(all_gather_into_tensor(x, R, g))   # [N, H]  (legacy: out = x.new_empty(N, H);
+    ids_g = wait_tensor(all_gather_into_tensor(ids, R, g)) # [N, K]   out.copy_(wait): x_g is ``out``)
+    w_g   = wait_tensor(all_gather_into_tensor(weights, ..)) # [N, K]
+    y = zeros_like(x_g); per local expert e in [lo, lo + E_l): rows of ids_g == e -> y   # [N, H]
+    out = wait_tensor(reduce_scatter_tensor(y, "sum", R, g))  # [T, H]  (or all_reduce(y))
+
+With ETP the local experts are F-shards (Megatron's tp_ep group: rank r serves the experts of EP
+rank r // tp, F-shard r % tp) and the reduce-scatter sums the shards as well: SwiGLU is elementwise
+in F, so an F-shard's partial output is ``fused_moe`` on the sharded weights, exactly.
+
+The rewrite keeps every collective and replaces the local region between them (from x_g, ids_g,
+w_g and the local experts to y) with ``fused_moe(x_g, ids_g - lo, w_g, local experts)``: equal for
+any inputs (ids outside [lo, lo + E_l) contribute nothing), the model's bytes move as it chose, and
+a rank that refuses while its peers rewrite still issues the same collectives (no deadlock).
+Why not the EP op: gathered tokens + local slice + reduce-scatter is the EP op's function only
+when the slices of the group's ranks partition the E experts in rank order, a fact about the
+other ranks' graphs that this rank cannot see (each graph bakes its own lo); the all-to-all style
+needs no such fact (its graph is rank-agnostic) and is proven by the lockstep simulation instead.
+
+Proof: numerical, as style (b) (``expert_parallel._find_all_reduce``): the extracted region runs
+on synthetic routing over all E global ids, mapped so the local slice lands on [0, E_l), against
+``kernels/reference.py`` on the local experts.  Nothing runs a collective at compile time: the
+gathered tokens are stand-ins built from this rank's tokens (``proof_values``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from moe_compile.passes import prove, region as region_mod
+from moe_compile.passes.clusters import Candidate
+from moe_compile.passes.graph import Deps, dtype_of, meta, shape_of, target_name
+from moe_compile.passes.loop import candidate_top_k
+from moe_compile.passes.region import Refusal, Region, topk_indices
+
+AG, RS, AR, WAIT = "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "wait_tensor"
+REDUCING = (AR, RS)
+
+
+def _collective(node: fx.Node) -> str | None:
+    from moe_compile.passes.expert_parallel import collective
+
+    return collective(node)
+
+
+def gathered_value(wait: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """(the value readers see, the nodes writing it) of an all-gather's ``wait_tensor``: the wait
+    itself, or the legacy form's ``out`` buffer with its ``out.copy_(wait)``."""
+    copies = [u for u in wait.users if target_name(u) == "copy_" and len(u.args) > 1 and u.args[1] is wait]
+    if len(copies) == 1 and isinstance(copies[0].args[0], fx.Node):
+        return copies[0].args[0], copies
+    return wait, []
+
+
+def gathered_rows(deps: Deps, candidate: Candidate):
+    """N: the row count of the gathered top-k ids the experts' masks read."""
+    downs = [c.down for c in candidate.clusters]
+    between = deps.ancestors(downs) & deps.descendants([candidate.topk])
+    ids = [n for n in between if _collective(n) == AG and dtype_of(n) is not None
+           and not dtype_of(n).is_floating_point]
+    if len(ids) != 1 or shape_of(ids[0]) is None:
+        raise Refusal("expected one all-gather of the top-k ids before the experts", candidate.topk)
+    return shape_of(ids[0])[0]
+
+
+def latest_gathers(deps: Deps, output: fx.Node) -> list[fx.Node]:
+    """The all-gathers output depends on that no other such gather feeds (an earlier layer's
+    gathers reach this layer's through its tokens), in graph order."""
+    gathers = [n for n in deps.ancestors([output]) if _collective(n) == AG]
+    earlier = deps.ancestors([a for g in gathers for a in deps.inputs(g)])
+    return sorted((g for g in gathers if g not in earlier), key=deps.order.get)
+
+
+def _wait_of(node: fx.Node) -> fx.Node | None:
+    waits = [u for u in node.users if _collective(u) == WAIT]
+    return waits[0] if len(waits) == 1 else None
+
+
+def gathered_routing(deps: Deps, candidate: Candidate, output: fx.Node, hidden_sizes):
+    """(x_g, ids_g, w_g, the nodes writing them, the gathers) the region ending at output reads,
+    or a Refusal."""
+    ids = topk_indices(candidate.topk)
+    K = candidate_top_k(candidate)
+    from_ids = deps.descendants([ids])
+    x_g = ids_g = w_g = None
+    writers, gathers = [], latest_gathers(deps, output)
+    for gather in gathers:
+        wait = _wait_of(gather)
+        if wait is None:
+            raise Refusal("an all_gather_into_tensor on the experts' path is not waited on exactly once", gather)
+        value, copies = gathered_value(wait)
+        shape, dtype = shape_of(value), dtype_of(value)
+        if shape is None or dtype is None or len(shape) != 2:
+            raise Refusal(f"the experts read a gathered tensor of shape {shape}, not [N, H] tokens or [N, K] "
+                          f"routing", gather)
+        if not dtype.is_floating_point and gather.args[0] in from_ids and region_mod._same(shape[1], K):
+            ids_g, slot = value, "ids"
+        elif dtype.is_floating_point and any(region_mod._same(shape[1], h) for h in hidden_sizes) \
+                and not region_mod._same(shape[1], K):
+            x_g, slot = value, "x"
+        elif dtype.is_floating_point and region_mod._same(shape[1], K):
+            w_g, slot = value, "weights"
+        else:
+            raise Refusal(f"the experts read a gathered tensor of shape {shape} ({dtype}) that is neither "
+                          f"tokens nor top-k routing (a dense routing map is not supported)", gather)
+        writers += [wait, *copies]
+    missing = [n for n, v in (("tokens", x_g), ("top-k ids", ids_g), ("routing weights", w_g)) if v is None]
+    if missing:
+        raise Refusal(f"the experts read gathered rows but not gathered {', '.join(missing)} (each rank must "
+                      f"gather its tokens, top-k ids and weights over one group)", gathers[0])
+    if not (region_mod._same(shape_of(x_g)[0], shape_of(ids_g)[0])
+            and region_mod._same(shape_of(ids_g)[0], shape_of(w_g)[0])):
+        raise Refusal("the gathered tokens, ids and weights have different row counts", gathers[0])
+    return x_g, ids_g, w_g, writers, gathers
+
+
+def cut_gathered(graph: fx.Graph, deps: Deps, x_g, ids_g, w_g, writers, output, params) -> Region:
+    """The closed region from (x_g, ids_g, w_g, params) to output (``region.cut_between``'s checks,
+    with the gathered values as the region's inputs instead of the router's)."""
+    stop = set(params) | {x_g, ids_g, w_g, *writers}
+    outside = deps.ancestors([x_g, ids_g, w_g, *writers])  # router, gathers, the layers before
+    _, frontier, nodes = region_mod._slice(deps, output, stop, outside)
+    shape_only = region_mod._shape_only_reads(frontier, nodes)
+    tensors = [n for n in frontier if meta(n) is not None and n not in shape_only]
+    if tensors:
+        names = ", ".join(sorted(n.name for n in tensors))
+        raise Refusal(f"the local experts read tensors other than the gathered tokens, ids, weights and their "
+                      f"weights: {names}", output)
+    extra = [n for n in frontier if n not in tensors]
+    capped = region_mod._capacity_cut(deps, nodes, ids_g)
+    if capped is not None:
+        raise Refusal("capacity-limited routing: an expert's tokens are cut to a fixed count and the rest "
+                      "dropped; the fused op keeps every routed token — not rewritten", capped)
+    buffer = region_mod._root_buffer(output)
+    sizes = region_mod._absorb_dead_ends(graph, deps, nodes, stop | set(frontier))
+    shared = region_mod._sizes_used_outside(nodes, deps)
+    nodes -= shared
+    extra += sorted((n for n in shared | sizes if any(u in nodes for u in n.users)), key=deps.order.get)
+    if any(_collective(n) is not None for n in nodes):
+        coll = next(n for n in nodes if _collective(n) is not None)
+        raise Refusal("a collective runs inside the local experts' region", coll)
+    region_mod._check_closed(deps, nodes, output, buffer)
+    ordered = sorted(nodes, key=deps.order.get)
+    return Region(x_g, ids_g, w_g, False, False, output, buffer, ordered, list(params), extra)
+
+
+def reduced_directly(deps: Deps, downs, node: fx.Node) -> bool:
+    """Whether a reducing collective sums the experts' outputs themselves: it depends on every
+    expert and no GEMM lies between them (a later layer's TP all_reduce has its own linears)."""
+    if _collective(node) not in REDUCING:
+        return False
+    before = deps.ancestors([node]) - {node}  # with mutation edges: a buffer's writes before the read
+    if not all(d in before for d in downs):
+        return False
+    path = before & deps.descendants(downs)
+    from moe_compile.passes.graph import is_grouped_mm, is_matmul
+
+    return not any((is_matmul(n) or is_grouped_mm(n)) and n not in downs for n in path)
+
+
+# ----------------------------------------------------------------------------- proof inputs
+
+
+def _has_collective_ancestor(deps: Deps, node: fx.Node) -> bool:
+    """Whether node's value (a buffer's: after its in-place writes) is computed from a collective."""
+    return any(_collective(n) is not None for n in deps.ancestors([node, *deps.mutations_of(node)]))
+
+
+def _concrete(shape) -> list[int]:
+    out = []
+    for d in shape:
+        if isinstance(d, torch.SymInt):
+            hint = d.node.hint
+            if hint is None:
+                raise Refusal(f"a gathered tensor's size {d} has no example value to prove on")
+            d = hint
+        out.append(int(d))
+    return out
+
+
+def proof_values(values, deps: Deps, nodes) -> list:
+    """Values of the region's inputs to prove on, never running a collective: a value computed
+    after one (a gathered tensor, a layer after an all_reduce) gets a stand-in of its shape and
+    dtype — R variants of the gather's own input where that needs no collective, else random
+    rows.  The proof replaces the routing anyway; x only has to exercise the experts."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for node in nodes:
+        value = meta(node)
+        if value is None or not _has_collective_ancestor(deps, node):
+            values.compute([node])
+            out.append(values[node])
+            continue
+        shape = _concrete(value.shape)
+        source = _gather_input(node)
+        if source is not None and not _has_collective_ancestor(deps, source) and shape and shape[0]:
+            values.compute([source])
+            local = values[source]
+            reps = -(-shape[0] // max(local.shape[0], 1)) if local.shape[0] else 0
+            if reps and list(local.shape[1:]) == shape[1:]:
+                rows = torch.cat([local.roll(r, 0) * (1.0 + 0.25 * r) if local.is_floating_point() else local
+                                  for r in range(reps)])[: shape[0]]
+                out.append(rows.to(value.dtype))
+                continue
+        if value.dtype.is_floating_point:
+            out.append(torch.randn(shape, generator=gen).to(value.dtype))
+        else:
+            out.append(torch.zeros(shape, dtype=value.dtype))
+    return out
+
+
+def _gather_input(node: fx.Node) -> fx.Node | None:
+    """The tensor an all-gather gathered into node (the wait, or the legacy ``out`` buffer)."""
+    wait = node
+    if _collective(node) != WAIT:
+        copies = [u for u in node.users if target_name(u) == "copy_" and u.args[0] is node]
+        if len(copies) != 1 or not isinstance(copies[0].args[1], fx.Node):
+            return None
+        wait = copies[0].args[1]
+    if _collective(wait) != WAIT or not isinstance(wait.args[0], fx.Node) or _collective(wait.args[0]) != AG:
+        return None
+    source = wait.args[0].args[0]
+    return source if isinstance(source, fx.Node) else None
+
+
+def run_local_proof(region: Region, inputs, params_values, hyps, K: int, E: int, lo: int, op_dtype):
+    """prove.run_proof of the local region on global ids (local slice [lo, lo + E_l) first)."""
+    region_fn = region_mod.extract(region)
+
+    def on_global_ids(x, local_ids, g, *rest):  # synthetic ids in [0, E): local slice first
+        return region_fn(x, (local_ids + lo) % E, g, *rest)
+
+    x, ids, weights, *sizes = inputs
+    return prove.run_proof(on_global_ids, x, ids, weights, params_values, sizes, hyps, K, E, None, op_dtype)
+
+
+def local_slice(deps: Deps, ordered_keys, E: int, at: fx.Node) -> tuple[int, int]:
+    """(lo, E_l) of the local experts' global ids, which must be one contiguous slice of [0, E)."""
+    keys = list(ordered_keys)
+    lo, n = keys[0], len(keys)
+    if keys != list(range(lo, lo + n)) or lo + n > E:
+        raise Refusal(f"the local experts {keys} are not one contiguous slice of the router's {E} experts", at)
+    return lo, n
+
+

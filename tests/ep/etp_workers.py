@@ -1,0 +1,141 @@
+"""What each rank runs in the gathered-dispatch / ETP tests (importable by spawned processes).
+
+A case builds one zoo_ep block on this rank, runs it eagerly, compiles it with backend="moe"
+(inner compiler "eager": the rewrite is what is tested) and returns the report and the errors.
+Ranks are laid out as Megatron lays out its tp_ep group: expert-TP ranks adjacent,
+rank = ep_rank * tp + tp_rank; the ETP group of a rank holds one EP rank's experts, its EP group
+one F-shard index.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+H = 64  # zoo_ep's default hidden size
+
+
+def groups(rank: int, world: int, tp: int):
+    """(ep_group, etp_group) of this rank; every rank creates every group, in one order."""
+    ep = world // tp
+    etp = [dist.new_group([e * tp + t for t in range(tp)]) for e in range(ep)]
+    eps = [dist.new_group([e * tp + t for e in range(ep)]) for t in range(tp)]
+    return eps[rank % tp], etp[rank // tp]
+
+
+def build(rank: int, world: int, case: dict):
+    """(model, the seed of this rank's tokens) for one case."""
+    from moe_compile import zoo_ep
+
+    kwargs = dict(case.get("kwargs", {}))
+    kind, tp = case["kind"], case.get("tp", 1)
+    if kind == "all_gather":  # tokens sharded over the whole group: each rank its own
+        return zoo_ep.AllGatherEPMoE(tp=tp, **kwargs), rank
+    if kind == "etp_all_reduce":  # tokens replicated over the ETP group (the whole world here)
+        return zoo_ep.ETPMoE(**kwargs), 0
+    if kind == "ep_etp_all_to_all":  # tokens replicated over each ETP group, dispatched over EP
+        ep_group, etp_group = groups(rank, world, tp)
+        return zoo_ep.AllToAllEPMoE(group=ep_group, etp_group=etp_group, **kwargs), rank // tp
+    raise ValueError(kind)
+
+
+def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    from moe_compile import zoo_ep
+    from moe_compile.api import capture_flags
+    from moe_compile.compiler import collecting_reports
+    from tests.conftest import rel_err
+
+    out = []
+    for case in cases:
+        torch._dynamo.reset()
+        model, seed = build(rank, world, case)
+        x = torch.randn(1, case.get("tokens", 6), H, generator=torch.Generator().manual_seed(100 + seed))
+        top_k = case.get("kwargs", {}).get("top_k", 2)
+        with torch.no_grad():
+            want = model(x)
+            ref = zoo_ep.GlobalReference(top_k=top_k)(x)
+            compiled = torch.compile(model, backend="moe", options={"inner": "eager"})
+            with capture_flags(), collecting_reports() as report:
+                got = compiled(x)
+            again = compiled(x)  # a second call runs the compiled graph alone
+        out.append({
+            "name": case["name"], "err": rel_err(got, want), "err_again": rel_err(again, want),
+            "eager_vs_global": rel_err(want, ref),
+            "rewritten": [(r.family, r.world_size, r.local_experts, r.ep_style, r.ffn) for r in report.rewritten],
+            "skipped": [s.reason for s in report.skipped], "text": str(report),
+        })
+    return out
+
+
+def grads(rank: int, world: int, case: dict) -> dict:
+    """A training step: forward and backward (input and every weight gradient) against eager."""
+    from moe_compile.api import capture_flags
+    from moe_compile.compiler import collecting_reports
+    from tests.conftest import rel_err
+
+    torch._dynamo.reset()
+    model, seed = build(rank, world, case)
+    twin, _ = build(rank, world, case)  # the same weights: every block is built from one seed
+    gen = torch.Generator().manual_seed(100 + seed)
+    x = torch.randn(1, case.get("tokens", 6), H, generator=gen)
+    cot = torch.randn(x.shape, generator=gen)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    want = twin(xa)
+    (want * cot).sum().backward()
+    with capture_flags(), collecting_reports() as report:
+        got = torch.compile(model, backend="moe", options={"inner": "eager"})(xb)
+    (got * cot).sum().backward()
+    errs = {"y": rel_err(got.detach(), want.detach()), "x": rel_err(xb.grad, xa.grad)}
+    eager_params = dict(twin.named_parameters())
+    for name, p in model.named_parameters():
+        q = eager_params[name]
+        if q.grad is not None or p.grad is not None:
+            errs[name] = rel_err(p.grad, q.grad) if p.grad is not None and q.grad is not None else float("inf")
+    return {"errs": errs, "rewritten": [(r.family, r.ep_style) for r in report.rewritten],
+            "skipped": [s.reason for s in report.skipped], "text": str(report)}
+
+
+def simulated_vs_real(rank: int, world: int) -> dict:
+    """The lockstep simulation's all_gather / reduce_scatter against gloo's on one graph."""
+    import torch.distributed._functional_collectives as funcol
+
+    from moe_compile.passes.expert_parallel import simulate
+
+    def block(x, w):  # x [T, H] -> [T, H]: gather, a row-wise op, reduce-scatter
+        x_all = funcol.all_gather_tensor(x, 0, dist.group.WORLD)  # [R*T, H]
+        return funcol.reduce_scatter_tensor(torch.tanh(x_all @ w), "sum", 0, dist.group.WORLD)
+
+    gm = torch.fx.experimental.proxy_tensor.make_fx(block)(torch.zeros(3, 4), torch.zeros(4, 4))
+    xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    w = torch.randn(4, 4, generator=torch.Generator().manual_seed(99))
+    real = block(xs[rank], w)
+    sims = simulate(gm, [[x, w] for x in xs])
+    return {"err": (sims[rank] - real).abs().max().item(), "shape": list(sims[rank].shape)}
+
+
+def refused(rank: int, world: int) -> dict:
+    """An all-gather dispatcher whose experts gate with tanh: no FFN hypothesis fits."""
+    from moe_compile import zoo_ep
+    from moe_compile.api import capture_flags
+    from moe_compile.compiler import collecting_reports
+
+    class TanhExperts(zoo_ep.AllGatherEPMoE):
+        def _expert(self, e, rows):
+            mlp = self.experts[e]
+            return mlp.down_proj(torch.tanh(mlp.gate_proj(rows)) * mlp.up_proj(rows))
+
+    torch._dynamo.reset()
+    model = TanhExperts()
+    x = torch.randn(1, 5, H, generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        want = model(x)
+        with capture_flags(), collecting_reports() as report:
+            got = torch.compile(model, backend="moe", options={"inner": "eager"})(x)
+    return {"rewritten": len(report.rewritten), "reasons": [s.reason for s in report.skipped],
+            "err": float((got - want).abs().max())}
+
+
+def world2(rank: int, world: int, cases: list[dict], grad_cases: list[dict]) -> dict:
+    """Everything the world-2 tests check, in one spawn (spawning costs seconds on 2 cores)."""
+    return {"cases": run_cases(rank, world, cases), "grads": [grads(rank, world, c) for c in grad_cases],
+            "refused": refused(rank, world), "simulated": simulated_vs_real(rank, world)}
