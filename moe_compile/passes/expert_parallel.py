@@ -1,4 +1,5 @@
-"""Family E — expert parallelism (torchtitan / Megatron all-to-all; DeepSeek official all_reduce).
+"""Family E — expert parallelism (torchtitan / Megatron all-to-all; DeepSeek official all_reduce;
+Megatron's all-gather dispatcher; expert tensor parallel).
 
 Shapes:  T tokens per rank, H hidden, F expert FFN width, E experts (global), R ranks,
          E_l = E / R local experts, K top-k, S_k = T*K routed slots, N rows one rank receives.
@@ -12,7 +13,7 @@ become ``_c10d_functional.all_to_all_single(inp, out_splits, in_splits, group_na
 range checks (only with ``api.capture_flags()`` or ``fullgraph=True``).  The process group is the
 collective's ``group_name`` argument, resolved with ``_resolve_process_group``.
 
-Two styles, two rewrites:
+Three styles, two rewrites (``style`` names them; explain() prints it as ``ep_style``):
 
 (a) **all-to-all** — routed FFN clusters (the local experts) downstream of an
     ``all_to_all_single`` that is itself downstream of their top-k.  The region runs from
@@ -29,19 +30,35 @@ Two styles, two rewrites:
     all-to-all dispatch when every rank holds the same x (DeepSeek's replicated activations), which
     no graph shows; ``fused_moe`` on shifted ids (out-of-range ids contribute nothing) plus the
     model's own all_reduce is equal for any inputs, and moves the same bytes the model chose.
+    A ``reduce_scatter_tensor`` in the all_reduce's place is the same (style "reduce_scatter"), and
+    so is a loop over *every* expert that a reduction reads directly (no GEMM between): expert
+    tensor parallel on replicated tokens, each rank's experts an F-shard.
+
+(c) **all_gather** — the local experts read all-gathered tokens, top-k ids and weights (Megatron's
+    all-gather dispatcher; ETP on sequence-parallel tokens; EP x ETP over one tp_ep group): the
+    region between the gathers and the reduction becomes ``fused_moe(x_g, ids_g - lo, w_g, ...)``,
+    every collective stays (``expert_parallel_gathered.py`` says why not the EP op).
+
+EP x ETP through the all-to-all (dispatch over the EP group, F-sharded local experts, the partial
+outputs ``all_reduce``d over the ETP group) is style (a) on narrower experts: the all_reduce lies
+after the region and stays.  An ETP all-gather / reduce-scatter *inside* an all-to-all region
+(Megatron's alltoall dispatcher with sequence-parallel ETP, uneven gathers of the received rows) is
+not rewritten: ``_skeleton`` refuses any collective but the three all-to-alls, naming it.
 
 What is proven, and how (nothing here runs a collective at compile time — a rank that refused
 earlier, or compiled another graph, would deadlock the others):
 
-* (b) numerically, exactly like the single-device families: the extracted region runs on
+* (b), (c) numerically, exactly like the single-device families: the extracted region runs on
   synthetic routing over all E global ids (local and non-local), with ids mapped so that the
   local slice lands on [0, E_l); ``kernels/reference.py`` on the local experts must match for one
-  FFN hypothesis.  This also proves non-local ids contribute nothing.
+  FFN hypothesis.  This also proves non-local ids contribute nothing.  A region input computed
+  after a collective (gathered rows) gets a stand-in of its shape (``gathered.proof_values``).
 * (a) numerically, in a single process: the extracted region (collectives included) runs for R
   simulated ranks in lockstep — node by node in graph order, each collective replaced by the
-  in-memory exchange it denotes (``all_to_all_single`` by split lists, ``wait_tensor`` as the
-  identity) — on synthetic routing that reaches every global expert, plus a skewed round that sends
-  every slot to rank 0's experts (a rank that receives nothing) when K <= E_l.  Simulated rank r
+  in-memory exchange it denotes (``all_to_all_single`` by split lists, ``all_gather_into_tensor``
+  as a rank-major concatenation, ``reduce_scatter_tensor`` / ``all_reduce`` as sums, ``wait_tensor``
+  as the identity) — on synthetic routing that reaches every global expert, plus a skewed round
+  that sends every slot to rank 0's experts (a rank that receives nothing) when K <= E_l.  Simulated rank r
   uses this rank's expert weights scaled by (1 + r/4), so a token served by the wrong rank or the
   wrong local expert changes the result.  Every simulated rank's output must match the reference
   MoE over all R*E_l experts for one FFN hypothesis.  Structurally: exactly three all-to-alls on

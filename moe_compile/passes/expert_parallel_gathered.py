@@ -92,37 +92,46 @@ def gathered_routing(deps: Deps, candidate: Candidate, output: fx.Node, hidden_s
     or a Refusal."""
     ids = topk_indices(candidate.topk)
     K = candidate_top_k(candidate)
-    from_ids = deps.descendants([ids])
-    x_g = ids_g = w_g = None
+    from_ids, from_router = deps.descendants([ids]), deps.descendants([candidate.topk])
+    found: dict[str, fx.Node] = {}
     writers, gathers = [], latest_gathers(deps, output)
     for gather in gathers:
         wait = _wait_of(gather)
         if wait is None:
             raise Refusal("an all_gather_into_tensor on the experts' path is not waited on exactly once", gather)
         value, copies = gathered_value(wait)
-        shape, dtype = shape_of(value), dtype_of(value)
-        if shape is None or dtype is None or len(shape) != 2:
-            raise Refusal(f"the experts read a gathered tensor of shape {shape}, not [N, H] tokens or [N, K] "
-                          f"routing", gather)
-        if not dtype.is_floating_point and gather.args[0] in from_ids and region_mod._same(shape[1], K):
-            ids_g, slot = value, "ids"
-        elif dtype.is_floating_point and any(region_mod._same(shape[1], h) for h in hidden_sizes) \
-                and not region_mod._same(shape[1], K):
-            x_g, slot = value, "x"
-        elif dtype.is_floating_point and region_mod._same(shape[1], K):
-            w_g, slot = value, "weights"
-        else:
-            raise Refusal(f"the experts read a gathered tensor of shape {shape} ({dtype}) that is neither "
-                          f"tokens nor top-k routing (a dense routing map is not supported)", gather)
+        role = _gathered_role(value, gather.args[0], K, hidden_sizes, from_ids, from_router)
+        if role is None or role in found:
+            why = f"a second gathered {role}" if role else f"a gathered tensor of shape {shape_of(value)} " \
+                f"({dtype_of(value)}) that is neither tokens nor top-k routing (a dense routing map is not supported)"
+            raise Refusal(f"the experts read {why}", gather)
+        found[role] = value
         writers += [wait, *copies]
-    missing = [n for n, v in (("tokens", x_g), ("top-k ids", ids_g), ("routing weights", w_g)) if v is None]
+    x_g, ids_g, w_g = (found.get(r) for r in ("tokens", "top-k ids", "routing weights"))
+    missing = [r for r in ("tokens", "top-k ids", "routing weights") if r not in found]
     if missing:
         raise Refusal(f"the experts read gathered rows but not gathered {', '.join(missing)} (each rank must "
-                      f"gather its tokens, top-k ids and weights over one group)", gathers[0])
+                      f"gather its tokens, top-k ids and weights over one group)", gathers[0] if gathers else output)
     if not (region_mod._same(shape_of(x_g)[0], shape_of(ids_g)[0])
             and region_mod._same(shape_of(ids_g)[0], shape_of(w_g)[0])):
         raise Refusal("the gathered tokens, ids and weights have different row counts", gathers[0])
     return x_g, ids_g, w_g, writers, gathers
+
+
+def _gathered_role(value, source, K, hidden_sizes, from_ids, from_router) -> str | None:
+    """"tokens" ([N, H], not from the router), "top-k ids" (integer [N, K] of the ids) or "routing
+    weights" (floating [N, K] from the router): what an all-gather's result is to the experts."""
+    shape, dtype = shape_of(value), dtype_of(value)
+    if shape is None or dtype is None or len(shape) != 2:
+        return None
+    per_slot = region_mod._same(shape[1], K)
+    if not dtype.is_floating_point:
+        return "top-k ids" if per_slot and source in from_ids else None
+    if per_slot and source in from_router:
+        return "routing weights"
+    if any(region_mod._same(shape[1], h) for h in hidden_sizes) and source not in from_router:
+        return "tokens"
+    return None
 
 
 def cut_gathered(graph: fx.Graph, deps: Deps, x_g, ids_g, w_g, writers, output, params) -> Region:

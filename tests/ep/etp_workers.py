@@ -31,6 +31,9 @@ def build(rank: int, world: int, case: dict):
     kind, tp = case["kind"], case.get("tp", 1)
     if kind == "all_gather":  # tokens sharded over the whole group: each rank its own
         return zoo_ep.AllGatherEPMoE(tp=tp, **kwargs), rank
+    if kind == "all_gather_two_layers":  # two blocks in one graph: the second gathers the first's output
+        layers = [zoo_ep.AllGatherEPMoE(tp=tp, seed=s, **kwargs) for s in (0, 5)]
+        return torch.nn.Sequential(*layers), rank
     if kind == "etp_all_reduce":  # tokens replicated over the ETP group (the whole world here)
         return zoo_ep.ETPMoE(**kwargs), 0
     if kind == "ep_etp_all_to_all":  # tokens replicated over each ETP group, dispatched over EP
@@ -54,6 +57,8 @@ def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
         with torch.no_grad():
             want = model(x)
             ref = zoo_ep.GlobalReference(top_k=top_k)(x)
+            if case["kind"] == "all_gather_two_layers":
+                ref = zoo_ep.GlobalReference(top_k=top_k, seed=5)(ref)
             compiled = torch.compile(model, backend="moe", options={"inner": "eager"})
             with capture_flags(), collecting_reports() as report:
                 got = compiled(x)

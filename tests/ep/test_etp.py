@@ -25,6 +25,7 @@ WORLD2_CASES = [
      "kwargs": {"collectives": "legacy", "local_experts": "stacked", "top_k": 1}},
     {"name": "ETP on all-gathered tokens, reduce-scatter", "kind": "all_gather", "tp": 2},
     {"name": "ETP on replicated tokens, all_reduce", "kind": "etp_all_reduce", "kwargs": {"collectives": "legacy"}},
+    {"name": "two all-gather layers in one graph", "kind": "all_gather_two_layers"},
 ]
 WORLD2_GRADS = [
     {"name": "all-gather dispatcher, autograd funcol", "kind": "all_gather", "kwargs": {"differentiable": True}},
@@ -41,6 +42,7 @@ EXPECTED = {
     "all-gather dispatcher, legacy in-place, stacked, K=1": ("all_gather", 4, F),
     "ETP on all-gathered tokens, reduce-scatter": ("all_gather", 8, F // 2),
     "ETP on replicated tokens, all_reduce": ("all_reduce", 8, F // 2),
+    "two all-gather layers in one graph": ("all_gather", 4, F),
     "EP x ETP, all-to-all over EP, all_reduce over ETP": ("all_to_all", 4, F // 2),
     "EP x ETP, all-gather over the tp_ep group": ("all_gather", 4, F // 2),
 }
@@ -59,7 +61,8 @@ def _check_cases(per_rank: dict, world: int, cases: list[dict]) -> None:
             where = f"rank {rank} case {case['name']}:\n{case['text']}"
             style, local, ffn = EXPECTED[case["name"]]
             ep_world = world // 2 if style == "all_to_all" else world
-            assert case["rewritten"] == [("expert_parallel", ep_world, local, style, ffn)], where
+            layers = 2 if "two" in case["name"] else 1
+            assert case["rewritten"] == [("expert_parallel", ep_world, local, style, ffn)] * layers, where
             assert case["err"] <= FP32_TOL and case["err_again"] <= FP32_TOL, (case["err"], where)
             assert case["eager_vs_global"] <= 2e-5, (case["eager_vs_global"], where)  # the shards add up
 
