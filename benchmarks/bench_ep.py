@@ -25,9 +25,10 @@ Times: per call, the median over repeats of the slowest rank's time in that repe
 each repeat after a barrier — gloo's, then a shared-memory flag barrier unless ``--barrier gloo`` —
 and a layer is done when its slowest rank is).
 Bytes: what the a2a exchange moves between ranks per call and rank (rows to / from the other
-ranks; a rank's own rows never cross), dispatch + combine; "model" = those bytes / the measured
-shared-memory copy bandwidth (``shm_bw``, one 64 MiB copy into /dev/shm, one thread), "GB/s" = the
-bytes / comm_a2a.  Ratios: fused_a2a / (compute + comm_a2a), fused_a2a / (compute + model),
+ranks; a rank's own rows never cross), dispatch + combine (the backward's: [dy | g] rows out now
+that the forward keeps its received rows, against [x | dy | g] before; [dx | dg] back); "model" =
+those bytes / the measured shared-memory copy bandwidth (``shm_bw``, one 64 MiB copy into
+/dev/shm, one thread), "GB/s" = the bytes / comm_a2a.  Ratios: fused_a2a / (compute + comm_a2a), fused_a2a / (compute + model),
 eager_gloo / fused_a2a.  The a2a table's rows are timed interleaved (one repeat of each in turn).
 Overlap figure: fused_symm / max(comm_symm, compute) (the issue's target: <= 1.15).
 Every run records ``uptime``'s load beside its figures: the CI machine is shared.  ``--pin`` puts
@@ -153,6 +154,7 @@ def _rank_main(rank, world, store_path, cfg, queue):
 def _run_shapes(rank, world, cfg):
     from moe_compile.ep import dispatch, overlap
     from moe_compile.ep.context import get_context
+    from moe_compile.ep.fused_a2a import backward_row_bytes
     from moe_compile.ep.op import call_fused_moe_ep
     from moe_compile.ep.plan import make_plan
     from moe_compile.ep.reference import eager_ep_layer
@@ -183,6 +185,9 @@ def _run_shapes(rank, world, cfg):
         row.update(_timeit_interleaved(a2a_rows, rep, wu))
         row["bytes_a2a"] = _a2a_bytes(ids, E, world, rank, H * 4, H * 4)
         row["bytes_a2a_int8"] = _a2a_bytes(ids, E, world, rank, H + 4, H * 4)
+        # the backward: [dy | g] out when the forward kept its rows (now), [x | dy | g] (before); [dx | dg] back
+        row["bytes_a2a_bwd"] = _a2a_bytes(ids, E, world, rank, *backward_row_bytes(H, 4, True))
+        row["bytes_a2a_bwd_resend"] = _a2a_bytes(ids, E, world, rank, *backward_row_bytes(H, 4, False))
         if cfg.get("a2a_only"):
             results[name] = row
             continue
@@ -320,8 +325,8 @@ def _a2a_table(all_results, bw: float) -> list:
     lines = ["", f"a2a transport (shared-memory copy bandwidth measured here: {bw / 1e9:.1f} GB/s, one thread):", "",
              "| world | T | shape | eager gloo | fused a2a | fused a2a-int8 | int8 / fp32 | compute | comm a2a | "
              "bytes/call (disp + comb) | GB/s | model = bytes/bw | fused / (compute + comm) | "
-             "fused / (compute + model) | gloo / fused | int8 comm | int8 bytes |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "fused / (compute + model) | gloo / fused | int8 comm | int8 bytes | bwd bytes (dy only / x and dy) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (world, T), res in all_results.items():
         for shape, r in res.items():
             b, b8 = sum(r["bytes_a2a"]), sum(r["bytes_a2a_int8"])
@@ -332,7 +337,8 @@ def _a2a_table(all_results, bw: float) -> list:
                 f"{r['comm_a2a']*1e3:.3f} | {b / 1e6:.3f} MB | {b / r['comm_a2a'] / 1e9:.2f} | {model*1e3:.3f} | "
                 f"{r['fused_a2a'] / (r['compute'] + r['comm_a2a']):.3f} | "
                 f"{r['fused_a2a'] / (r['compute'] + model):.3f} | "
-                f"{r['eager_gloo'] / r['fused_a2a']:.2f}x | {r['comm_a2a_int8']*1e3:.3f} | {b8 / 1e6:.3f} MB |")
+                f"{r['eager_gloo'] / r['fused_a2a']:.2f}x | {r['comm_a2a_int8']*1e3:.3f} | {b8 / 1e6:.3f} MB | "
+                f"{sum(r['bytes_a2a_bwd']) / 1e6:.3f} / {sum(r['bytes_a2a_bwd_resend']) / 1e6:.3f} MB |")
     return lines
 
 

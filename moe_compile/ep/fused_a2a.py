@@ -22,9 +22,15 @@ Forward (each row copied once, into its expert's window; ``in_place``):
      ``supports`` accepts).
   Without the C copy kernel (or with fp64) the copying path runs instead: a sorted copy of the
   rows, the compact receive window (``a2a_cpu.exchange(window=True)``), the combine to the source.
-Backward: one dispatch of byte rows [x | dy | g] (the forward's rows are sent again rather than
-kept), the local experts' vjp on the receive window's rows (dg = dy . FFN(x) computed there too),
-and one combine of [dx | dg] rows back (no counts phase: the dispatch's layout) — two exchanges.
+Backward: when autograd records the forward, the forward keeps the rows it received (a copy of
+[N, H], expert-major: ``Kept``, held by the autograd node through ``ep/op.py``'s setup_context),
+and the backward sends only [dy | g] rows by token index (H * itemsize + 4 bytes, where the
+forward's rows were sent again as [x | dy | g]); the local experts' vjp on the kept rows
+(dg = dy . FFN(x) computed there too), and one combine of [dx | dg] rows back (no counts phase:
+the dispatch's layout) — two exchanges.  A call whose forward kept nothing (a traced forward, the
+copying path, the int8 transport) sends [x | dy | g] byte rows of the sorted slots instead; every
+rank takes the same branch (the row width is in the headers: a mismatch raises on every rank).
+The a2a forward is one exchange each way (no chunks), and so is its backward.
 """
 
 from __future__ import annotations
@@ -168,9 +174,10 @@ def in_place(cdt: torch.dtype) -> bool:
     return cdt == torch.float32 and cpu_ep.fast_lib() is not None
 
 
-def experts_in_place(rcv: a2a_cpu.Received, dtype, w: ExpertWeights, attrs: FFNAttrs, cdt):
-    """[L, H] (cdt) every received row's expert output at its layout row of ``rcv`` (zero elsewhere):
-    prepacked fp32 panels run the packed kernel once over every expert's rows where they lie in the
+def experts_in_place(rcv: a2a_cpu.Received, dtype, w: ExpertWeights, attrs: FFNAttrs, cdt, keep: bool = False):
+    """(out [L, H] (cdt) every received row's expert output at its layout row of ``rcv``, zero
+    elsewhere; the received rows [N, H] expert-major when ``keep`` or gathered anyway, else None).
+    Prepacked fp32 panels run the packed kernel once over every expert's rows where they lie in the
     window (``rcv.idx``: its row list, expert-major); other FFNs gather the rows and run the loop."""
     from moe_compile.kernels.cpu import experts as cpu_experts, prepack as cpu_prepack
 
@@ -180,10 +187,73 @@ def experts_in_place(rcv: a2a_cpu.Received, dtype, w: ExpertWeights, attrs: FFNA
     packed = cpu_prepack.lookup(win, w, attrs) if dtype == torch.float32 and N else None
     if packed is not None and packed.fused:
         ones = torch.ones(N, dtype=torch.float32)  # the routing weight is applied at the source
-        return cpu_experts.run(win, rcv.idx, ones, packed, w, attrs, rcv.bounds, torch.get_num_threads())
+        out = cpu_experts.run(win, rcv.idx, ones, packed, w, attrs, rcv.bounds, torch.get_num_threads())
+        return out, (win.index_select(0, rcv.idx) if keep else None)
     rows = win.index_select(0, rcv.idx)  # [N, H] expert-major
     out = _experts_loop(rows, list(zip(rcv.bounds[:-1], rcv.bounds[1:])), w, attrs, cdt)  # [N, H]
-    return out.new_zeros(used, out.shape[1]).index_copy_(0, rcv.idx, out)
+    return out.new_zeros(used, out.shape[1]).index_copy_(0, rcv.idx, out), rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Kept:
+    """What an in-place forward keeps for its backward: the rows it received (so the backward sends
+    only dy), and what identifies the call (its x and topk_ids) and the layout they came in."""
+
+    x_ptr: int
+    x_version: int
+    ids_ptr: int
+    shapes: tuple
+    rows: torch.Tensor  # [N, H] received x rows, expert-major (x's dtype)
+    bounds: list  # ne + 1: expert e's rows [bounds[e], bounds[e+1])
+    splits: np.ndarray  # [ne*R] rows from each (expert, source)
+
+    def matches(self, x, topk_ids) -> bool:
+        return (self.x_ptr, self.x_version, self.ids_ptr, self.shapes) == (
+            x.data_ptr(), x._version, topk_ids.data_ptr(), (tuple(x.shape), tuple(topk_ids.shape)))
+
+
+# The hand-off of a Kept (the op's forward and backward are separate custom ops with fixed schemas):
+# "forward": the last in-place forward's, taken by ``moe_compile/ep/op.py``'s setup_context into the
+# autograd node (only when autograd records the call; a later forward replaces it), "backward":
+# the node's, handed to the backward op it calls.
+_KEPT: dict = {}
+
+
+def _keeps(x, topk_weights, w: ExpertWeights) -> bool:
+    """Whether autograd may record this call (the body cannot see grad mode: the op runs it with
+    grad off whether or not it records): some input requires grad, outside inference mode."""
+    if torch.is_inference_mode_enabled():
+        return False
+    return x.requires_grad or topk_weights.requires_grad or any(
+        t.requires_grad for name in ROLES for t in getattr(w, name))
+
+
+def forget_kept() -> None:
+    """A forward that keeps nothing (another transport of the family) drops an older one."""
+    _KEPT.pop("forward", None)
+
+
+def take_kept(x, topk_ids):
+    """setup_context's part: the last forward's Kept when it was this call's (the same x and topk_ids
+    objects' data; a traced call's fake tensors never match), else None; the slot is emptied."""
+    kept = _KEPT.pop("forward", None)
+    if kept is None or isinstance(x, torch._subclasses.FakeTensor) or x.device.type != "cpu":
+        return None
+    return kept if kept.matches(x, topk_ids) else None
+
+
+class handed:
+    """``with handed(kept): <the backward op>`` — the node's Kept for the backward op's body."""
+
+    def __init__(self, kept):
+        self.kept = kept
+
+    def __enter__(self):
+        if self.kept is not None:
+            _KEPT["backward"] = self.kept
+
+    def __exit__(self, *exc):
+        _KEPT.pop("backward", None)
 
 
 def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_name: str, num_experts: int,
@@ -193,13 +263,18 @@ def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_
     T = x.shape[0]
     cdt = compute_dtype(x.dtype)
     route = _route(topk_ids, topk_weights, num_experts, cdt)
+    forget_kept()
     if not in_place(cdt):  # no C copy kernel: the sorted copy, the compact window, the combine's copies
         window, oso, oso_np, handle = _dispatch(route, x, group_name, timeout_s)
         out = _experts_fast(window, _tiles(oso_np, R, ne), w, attrs, cdt)  # [N, H]
         return combine_to_tokens(out, route, oso, handle, group_name, T, cdt, timeout_s).to(x.dtype)
     # each row copied once: x[token] into its expert's window; the experts read it there
     rcv = a2a_cpu.dispatch_rows(x, route.tokens, route.in_splits, group_name, timeout_s)
-    out = experts_in_place(rcv, x.dtype, w, attrs, cdt)  # [L, H] fp32 at rcv's layout rows
+    keep = _keeps(x, topk_weights, w)
+    out, rows = experts_in_place(rcv, x.dtype, w, attrs, cdt, keep)  # [L, H] fp32 at rcv's layout rows
+    if keep:  # the received rows, for a backward that then sends only dy
+        _KEPT["forward"] = Kept(x.data_ptr(), x._version, topk_ids.data_ptr(),
+                                (tuple(x.shape), tuple(topk_ids.shape)), rows, rcv.bounds, rcv.oso[0].copy())
     return a2a_cpu.combine_sum(out, rcv, route.tokens, route.gates, T, group_name, timeout_s).to(x.dtype)
 
 
@@ -222,6 +297,33 @@ def _leaf_weights(w: ExpertWeights, need_roles: dict):
     return dataclasses.replace(w, **roles), roles
 
 
+def _received_for_backward(route, x, grad_y, group_name: str, timeout_s: float, R: int, ne: int):
+    """(x rows [N, H], dy rows [N, H], g [N, 1] fp32, tiles, out_splits_offsets, the combine's handle)
+    on the experts' rank: [dy | g] rows sent by token index when this call's forward kept its received rows (then
+    they are x's), else [x | dy | g] byte rows of the sorted slots (the forward's rows sent again)."""
+    H, S = x.shape[1], route.order.shape[0]
+    kept = _KEPT.pop("backward", None)
+    if kept is not None and in_place(compute_dtype(x.dtype)):
+        g = route.gates.float()[:, None]  # [S, 1]
+        rcv = a2a_cpu.dispatch_rows(grad_y.to(x.dtype), route.tokens, route.in_splits, group_name, timeout_s,
+                                    extra=g)
+        if rcv.bounds != kept.bounds or not np.array_equal(rcv.oso[0], kept.splits):
+            raise RuntimeError("fused_moe_ep a2a backward: the rows arrived in another layout than the forward's")
+        dyw, gw = _columns(rcv.window.index_select(0, rcv.idx), ((H, x.dtype), (1, torch.float32)))
+        ep, st, drows, oso, sent, _ = rcv.handle
+        oso = np.stack([oso[0], np.cumsum(oso[0]) - oso[0]])  # [2, ne*R]: blocks of the expert-major rows
+        handle = (ep, st, drows, oso, sent, int(oso[0].sum()))
+        return kept.rows, dyw, gw, list(zip(kept.bounds[:-1], kept.bounds[1:])), torch.from_numpy(oso), handle
+    parts = (x.index_select(0, route.tokens), grad_y.to(x.dtype).index_select(0, route.tokens),
+             route.gates.float()[:, None])
+    send = torch.cat([p.contiguous().view(torch.uint8).reshape(S, p.shape[1] * p.element_size()) for p in parts],
+                     dim=1)  # [S, B]
+    window, oso, oso_np, handle = a2a_cpu.exchange("dispatch", send, route.in_splits, group_name, 0, None,
+                                                   timeout_s, window=True)
+    xw, dyw, gw = _columns(window, ((H, x.dtype), (H, x.dtype), (1, torch.float32)))  # copies
+    return xw, dyw, gw, _tiles(oso_np, R, ne), oso, handle
+
+
 def backward(grad_y, x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, need_roles: dict,
              group_name: str, num_experts: int, timeout_s: float = TIMEOUT_S):
     """(dx [T, H], dg [T, K], {role: [grad or None]}) — every rank takes part (it serves its peers)."""
@@ -231,17 +333,9 @@ def backward(grad_y, x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttr
     cdt = compute_dtype(x.dtype)
     route = _route(topk_ids, topk_weights, num_experts, cdt)
     S = route.order.shape[0]
-    # rows [x | dy | g] out: the experts' rank has everything for dx, dg and the weight gradients
-    parts = (x.index_select(0, route.tokens), grad_y.to(x.dtype).index_select(0, route.tokens),
-             route.gates.float()[:, None])
-    send = torch.cat([p.contiguous().view(torch.uint8).reshape(S, p.shape[1] * p.element_size()) for p in parts],
-                     dim=1)  # [S, B]
-    window, oso, oso_np, handle = a2a_cpu.exchange("dispatch", send, route.in_splits, group_name, 0, None,
-                                                   timeout_s, window=True)
-    tiles = _tiles(oso_np, R, ne)
-    xw, dyw, gw = _columns(window, ((H, x.dtype), (H, x.dtype), (1, torch.float32)))  # copies
+    xw, dyw, gw, tiles, oso, handle = _received_for_backward(route, x, grad_y, group_name, timeout_s, R, ne)
     with _autograd_here(), torch.enable_grad():
-        rows = xw.to(cdt).requires_grad_()  # [N, H]
+        rows = xw.detach().to(cdt).requires_grad_()  # [N, H] (a leaf of its own: the kept rows stay as they are)
         wl, leaves = _leaf_weights(w, need_roles)
         out = _experts_loop(rows, tiles, wl, attrs, cdt)  # [N, H]; rows between tiles: zero, no grad
     d_out = dyw.to(cdt) * gw.to(cdt)  # [N, H] = dL/d out (y = sum g * out)
@@ -252,8 +346,8 @@ def backward(grad_y, x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttr
                  else [None] * len(inputs))
     d_rows = grads[0] if grads[0] is not None else torch.zeros_like(rows)
     # [dx | dg] rows back, no counts phase (the dispatch's layout)
-    back = a2a_cpu.exchange("combine", torch.cat([d_rows.detach(), dg_rows], 1), oso, group_name, S, None,
-                            timeout_s, after=handle)[0]  # [S, H + 1]
+    back = a2a_cpu.exchange("combine", torch.cat([d_rows.detach(), dg_rows], 1), oso,
+                            group_name, S, None, timeout_s, after=handle)[0]  # [S, H + 1]
     d_send, dg_sorted = back[:, :H], back[:, H]
     dx = torch.zeros(T, H, dtype=cdt).index_add_(0, route.tokens, d_send)
     dg = torch.zeros(T * K, dtype=cdt).index_copy_(0, route.order, dg_sorted)
@@ -268,4 +362,10 @@ def backward(grad_y, x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttr
     return dx.to(x.dtype), dg.view(T, K).to(topk_weights.dtype), role_grads
 
 
-__all__ = ["backward", "forward", "supports"]
+def backward_row_bytes(H: int, itemsize: int, kept: bool) -> tuple[int, int]:
+    """(dispatch, combine) bytes of one backward row: [dy | g] out when the forward kept its rows
+    (else [x | dy | g]), [dx | dg] fp32 back."""
+    return (H * itemsize + 4 if kept else 2 * H * itemsize + 4), (H + 1) * 4
+
+
+__all__ = ["Kept", "backward", "backward_row_bytes", "forward", "handed", "supports", "take_kept"]

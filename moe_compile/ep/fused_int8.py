@@ -20,7 +20,8 @@ So the result is the single-device a8w8-int op's (``quant="a8w8-int"``) up to th
 K-sum; against the fp32 layer it has a8w8's error (>= 30 dB SQNR at the bench shapes).
 
 Backward: the fp32 a2a backward (``fused_a2a.backward``: the straight-through gradient of the
-quantized forward, as for the "symm-int8" transport).
+quantized forward, as for the "symm-int8" transport); the forward keeps no fp32 rows, so it sends
+[x | dy | g].
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from __future__ import annotations
 import torch
 
 from moe_compile.ep import a2a_cpu
-from moe_compile.ep.fused_a2a import (TIMEOUT_S, _dispatch, _route, _tiles, backward, combine_to_tokens, in_place,
-                                      ranks_and_local_experts, tile_rows)
+from moe_compile.ep.fused_a2a import (TIMEOUT_S, _dispatch, _route, _tiles, backward, combine_to_tokens, forget_kept,
+                                      in_place, ranks_and_local_experts, tile_rows)
 from moe_compile.ir import ExpertWeights, FFNAttrs
 from moe_compile.kernels.reference import compute_dtype
 
@@ -93,6 +94,7 @@ def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_
     T = x.shape[0]
     cdt = compute_dtype(x.dtype)
     route = _route(topk_ids, topk_weights, num_experts, cdt)
+    forget_kept()  # int8 rows are no fp32 backward's: it sends [x | dy | g]
     rows = _rows(x.float())  # [T, B] byte rows: a token quantized once, sent K times
     if not in_place(cdt):  # no C copy kernel: the sorted copy, the compact window, the combine's copies
         window, oso, oso_np, handle = _dispatch(route, rows, group_name, timeout_s)

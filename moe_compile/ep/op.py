@@ -27,7 +27,8 @@ Contract (the graph matcher rewrites expert-parallel regions into exactly this c
 * ``chunks``: pieces per destination block for the compute/transfer overlap; 0 = auto
   (``dispatch.auto_chunks``).  ``timeout_s``: a missing peer raises ``TimeoutError`` naming it.
 * Backward (``register_autograd``): dispatch and combine are each other's transpose — the backward
-  sends [x | dy] rows to the experts' ranks, runs the single-device backward
+  sends [x | dy] rows to the experts' ranks ("a2a": only [dy | g], the forward's received rows
+  kept on the autograd node, ``fused_a2a.Kept``), runs the single-device backward
   (``kernels/cpu/backward.py``) on them, and returns [dx | dg] rows; local weight gradients stay
   on their rank.
 """
@@ -222,13 +223,26 @@ def ep_backward(grad_y, x, topk_ids, topk_weights, w, attrs, need_roles, group_n
 
 
 def _backward(ctx, grad_y):
+    from moe_compile.ep import fused_a2a
+
     x, topk_ids, topk_weights, roles, needs = unpack_saved(ctx)
     # Every rank must join the backward exchange (it serves its peers' rows) even if it needs nothing.
-    flat = torch.ops.moe_compile.fused_moe_ep_backward(grad_y, x, topk_ids, topk_weights, *roles, *ctx.statics, needs)
+    with fused_a2a.handed(ctx.ep_kept):  # the a2a forward's received rows: its backward then sends only dy
+        flat = torch.ops.moe_compile.fused_moe_ep_backward(grad_y, x, topk_ids, topk_weights, *roles, *ctx.statics,
+                                                           needs)
     return pack_grads(ctx, flat, needs)
 
 
-torch.library.register_autograd(OP_NAME, _backward, setup_context=save_inputs)
+def _save(ctx, inputs, output):
+    """save_inputs, and the rows an "a2a" forward received (``fused_a2a.Kept``; None for any other
+    call): kept on the autograd node, so they live exactly as long as the graph that needs them."""
+    from moe_compile.ep import fused_a2a
+
+    save_inputs(ctx, inputs, output)
+    ctx.ep_kept = fused_a2a.take_kept(inputs[0], inputs[1])
+
+
+torch.library.register_autograd(OP_NAME, _backward, setup_context=_save)
 
 
 def call_fused_moe_ep(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group, num_experts: int, *,

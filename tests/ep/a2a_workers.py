@@ -170,6 +170,8 @@ def _problem(world, Ts, H, F, E, K, routing, seed, dtype=torch.float32):
         scores = torch.rand(Ts[r], E, generator=gen)
         if routing == "rank0":  # every token to rank 0's experts: the other ranks' experts get nothing
             scores[:, E // world :] = -1.0
+        if routing == "rank1_empty":  # no token to rank 1's experts: that rank only serves the others' rows
+            scores[:, E // world : 2 * E // world] = -1.0
         g, i = scores.topk(K, dim=1)
         xs.append(torch.randn(Ts[r], H, generator=gen).to(dtype))
         ids.append(i)
@@ -209,6 +211,35 @@ class _Scalars:
         torch.Tensor.tolist = self._tolist
 
 
+class _DispatchBytes:
+    """Row bytes of every dispatch the a2a transports start (``a2a_cpu.dispatch_rows`` and
+    ``a2a_cpu.exchange("dispatch", ...)``), by wrapping them (test instrumentation, restored on exit)."""
+
+    def __enter__(self):
+        from moe_compile.ep import a2a_cpu
+
+        self.rows, self._saved = [], (a2a_cpu.dispatch_rows, a2a_cpu.exchange)
+        rows_fn, exchange_fn = self._saved
+
+        def dispatch_rows(x, tokens, in_splits, group_name, timeout_s, extra=None, packed=False):
+            width = x.shape[1] * x.element_size() + (0 if extra is None else extra.shape[1] * extra.element_size())
+            self.rows.append(width)
+            return rows_fn(x, tokens, in_splits, group_name, timeout_s, extra, packed)
+
+        def exchange(kind, input, *args, **kwargs):
+            if kind == "dispatch":
+                self.rows.append(input.shape[1] * input.element_size())
+            return exchange_fn(kind, input, *args, **kwargs)
+
+        a2a_cpu.dispatch_rows, a2a_cpu.exchange = dispatch_rows, exchange
+        return self
+
+    def __exit__(self, *exc):
+        from moe_compile.ep import a2a_cpu
+
+        a2a_cpu.dispatch_rows, a2a_cpu.exchange = self._saved
+
+
 def fused_scenarios(rank, world, scenarios, transport="a2a"):
     """For each (name, Ts, routing, dtype): the a2a fused op's y and every gradient vs the reference on
     the whole problem; torch scalar reads counted on the forward and the backward."""
@@ -236,9 +267,11 @@ def fused_scenarios(rank, world, scenarios, transport="a2a"):
         with _Scalars() as fwd:
             y = call_fused_moe_ep(x, ids[rank], g, ExpertWeights((w1,), (), (w2,)), FFNAttrs(), dist.group.WORLD, E,
                                   transport=transport)
-        with _Scalars() as bwd:
+        kept = getattr(y.grad_fn, "ep_kept", None)  # the autograd node is the op's ctx
+        with _Scalars() as bwd, _DispatchBytes() as sent:
             (y.float() * dys[rank].float()).sum().backward()
         results[name] = {
+            "kept": kept is not None, "bwd_dispatch_row_bytes": sent.rows, "H": H, "itemsize": x.element_size(),
             "y": rel(y, ys[rank]), "dx": rel(x.grad, rx[rank].grad), "dg": rel(g.grad, rg[rank].grad),
             "dw1": rel(w1.grad, rw1.grad[rank * el : (rank + 1) * el]),
             "dw2": rel(w2.grad, rw2.grad[rank * el : (rank + 1) * el]),

@@ -23,7 +23,10 @@ def _scenarios(world):
         ("everything_to_rank0", [T] * world, "rank0", torch.float32),  # the other ranks' experts get nothing
         ("unequal_T", [3 + 4 * r for r in range(world)], "uniform", torch.float32),
         ("T0_on_rank1", [T if r != 1 else 0 for r in range(world)], "uniform", torch.float32),
+        ("rank1_empty", [T] * world, "rank1_empty", torch.float32),  # rank 1's experts get no row
         ("bf16", [T] * world, "uniform", torch.bfloat16),
+        ("bf16_everything_to_rank0", [T] * world, "rank0", torch.bfloat16),
+        ("bf16_T0_on_rank1", [T if r != 1 else 0 for r in range(world)], "uniform", torch.bfloat16),
     ]
 
 
@@ -40,6 +43,9 @@ def test_forward_backward_equal_reference_without_scalar_reads(world):
                 assert got[key] <= TOL[dtype], f"rank {rank}, {name}: {key} off by {got[key]:.2e}"
             zero = {"_local_scalar_dense": 0, "tolist": 0}
             assert got["scalar_reads"] == (zero, zero), f"rank {rank}, {name}: scalar reads {got['scalar_reads']}"
+            # the forward kept its received rows: the backward sends [dy | g] (H + 1 wide), not [x | dy | g]
+            assert got["kept"], f"rank {rank}, {name}: the forward kept no rows"
+            assert got["bwd_dispatch_row_bytes"] == [got["H"] * got["itemsize"] + 4], (rank, name, got)
 
 
 @pytest.mark.dist
