@@ -240,13 +240,16 @@ class AllGatherEPMoE(nn.Module):
     """Megatron's all-gather token dispatcher: gather tokens and routing, local experts, reduce-scatter.
 
     ``tp``: expert-TP ranks inside ``group`` (rank r: EP rank r // tp, F-shard r % tp).
-    ``differentiable``: the autograd forms of funcol's gather / reduce-scatter (a training step)."""
+    ``differentiable``: the autograd forms of funcol's gather / reduce-scatter (a training step).
+    ``routing="map"``: Megatron's own spelling, a dense [T, E] probs matrix and boolean routing map
+    gathered instead of the top-k ids and weights (refused by the matcher: no [T, K] ids to route by)."""
 
     def __init__(self, hidden=64, ffn=96, experts=8, top_k=2, group=None, tp=1, collectives="functional",
-                 local_experts="modulelist", seed=0, route_bias=None, differentiable=False):
+                 local_experts="modulelist", seed=0, route_bias=None, differentiable=False, routing="topk"):
         super().__init__()
-        if collectives not in COLLECTIVES or local_experts not in LOCAL_EXPERTS:
-            raise ValueError(f"collectives in {COLLECTIVES}, local_experts in {LOCAL_EXPERTS}")
+        if collectives not in COLLECTIVES or local_experts not in LOCAL_EXPERTS or routing not in ("topk", "map"):
+            raise ValueError(f"collectives in {COLLECTIVES}, local_experts in {LOCAL_EXPERTS}, routing topk or map")
+        self.routing = routing
         if differentiable and collectives != "functional":
             raise ValueError("only funcol's autograd collectives are differentiable")
         self.group = group if group is not None else dist.group.WORLD
@@ -289,6 +292,8 @@ class AllGatherEPMoE(nn.Module):
         x = hidden_states.view(-1, shape[-1])  # [T, H]
         weights, ids = self.gate(x)  # [T, K], [T, K]
         x_all = self._gather(x)  # [R*T, H]
+        if self.routing == "map":
+            return self._reduce_scatter(self._dense_routed(x_all, weights, ids)).view(shape)
         ids_all = self._gather(ids, grad=False)  # [R*T, K]
         w_all = self._gather(weights)  # [R*T, K]
         y = torch.zeros_like(x_all)
@@ -297,6 +302,16 @@ class AllGatherEPMoE(nn.Module):
             out = self._expert(e, x_all[rows]) * w_all[rows, slot, None]
             y = y.index_add(0, rows, out)
         return self._reduce_scatter(y).view(shape)  # [T, H]: every rank's part of this rank's tokens
+
+    def _dense_routed(self, x_all, weights, ids):  # -> [R*T, H]
+        probs = torch.zeros(ids.shape[0], self.num_experts, dtype=weights.dtype).scatter(1, ids, weights)  # [T, E]
+        routing_map = self._gather(probs > 0, grad=False)[:, self.start:self.start + self.local]  # [R*T, E_l]
+        local_probs = self._gather(probs)[:, self.start:self.start + self.local]
+        y = torch.zeros_like(x_all)
+        for e in range(self.local):
+            rows = routing_map[:, e].nonzero().squeeze(1)
+            y = y.index_add(0, rows, self._expert(e, x_all[rows]) * local_probs[rows, e, None])
+        return y
 
 
 class ETPMoE(nn.Module):

@@ -119,25 +119,30 @@ def simulated_vs_real(rank: int, world: int) -> dict:
 
 
 def refused(rank: int, world: int) -> dict:
-    """An all-gather dispatcher whose experts gate with tanh: no FFN hypothesis fits."""
+    """Gathered blocks the matcher must leave alone, each with its reason: experts that gate with
+    tanh (no FFN hypothesis fits) and Megatron's dense routing map (no [T, K] ids to route by)."""
     from moe_compile import zoo_ep
     from moe_compile.api import capture_flags
     from moe_compile.compiler import collecting_reports
+    from tests.conftest import rel_err
 
     class TanhExperts(zoo_ep.AllGatherEPMoE):
         def _expert(self, e, rows):
             mlp = self.experts[e]
             return mlp.down_proj(torch.tanh(mlp.gate_proj(rows)) * mlp.up_proj(rows))
 
-    torch._dynamo.reset()
-    model = TanhExperts()
-    x = torch.randn(1, 5, H, generator=torch.Generator().manual_seed(rank))
-    with torch.no_grad():
-        want = model(x)
-        with capture_flags(), collecting_reports() as report:
-            got = torch.compile(model, backend="moe", options={"inner": "eager"})(x)
-    return {"rewritten": len(report.rewritten), "reasons": [s.reason for s in report.skipped],
-            "err": float((got - want).abs().max())}
+    out = {}
+    for name, model in (("tanh", TanhExperts()), ("dense_map", zoo_ep.AllGatherEPMoE(routing="map"))):
+        torch._dynamo.reset()
+        x = torch.randn(1, 5, H, generator=torch.Generator().manual_seed(rank))
+        with torch.no_grad():
+            want = model(x)
+            ref = zoo_ep.GlobalReference()(x)
+            with capture_flags(), collecting_reports() as report:
+                got = torch.compile(model, backend="moe", options={"inner": "eager"})(x)
+        out[name] = {"rewritten": len(report.rewritten), "reasons": [s.reason for s in report.skipped],
+                     "err": rel_err(got, want), "eager_vs_global": rel_err(want, ref)}
+    return out
 
 
 def world2(rank: int, world: int, cases: list[dict], grad_cases: list[dict]) -> dict:

@@ -85,11 +85,16 @@ def test_training_step_gradients_equal(world2):
             assert max(got["errs"].values()) <= FP32_TOL, (got["errs"], where)
 
 
-def test_unprovable_gathered_region_left_alone_with_reason(world2):
+def test_unprovable_gathered_regions_left_alone_with_reason(world2):
+    why = {"tanh": "could not prove the expert-parallel region",
+           "dense_map": "neither tokens nor top-k routing (a dense routing map is not supported)"}
     for value in world2.values():
-        got = value["refused"]
-        assert got["rewritten"] == 0 and got["err"] <= 1e-6, got
-        assert any("could not prove the expert-parallel region" in r for r in got["reasons"]), got["reasons"]
+        for name, got in value["refused"].items():
+            # Left alone: no MoE op.  Not bit-equal to eager: the dense-linear pass runs the model's
+            # nn.Linear layers on its own kernels (fp32 reassociation).
+            assert got["rewritten"] == 0 and got["err"] <= FP32_TOL, (name, got)
+            assert any(why[name] in r for r in got["reasons"]), (name, got["reasons"])
+        assert value["refused"]["dense_map"]["eager_vs_global"] <= 2e-5  # the block itself is right
 
 
 def test_lockstep_simulation_of_all_gather_and_reduce_scatter(world2):
