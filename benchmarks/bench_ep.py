@@ -38,6 +38,7 @@ decode exchange 0.49 ms unpinned, 0.23 ms pinned, load ~2).
 Usage: python benchmarks/bench_ep.py --out benchmarks/results/ep_cpu [--worlds 2 4] [--tokens 512] [--quick]
        python benchmarks/bench_ep.py --out /dev/null --exchange-only --worlds 2 --tokens 8 --repeats 200
        python benchmarks/bench_ep.py --out OUT --a2a-only --worlds 2 --tokens 8 512   (the a2a rows alone)
+       python benchmarks/bench_ep.py --out /dev/null --overlap --worlds 2 --tokens 8 512 --repeats 20
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ def _rank_main(rank, world, store_path, cfg, queue):
 
         _SYNC.append(allocate(store, rank, world, 64, 2 * world, "bench_ep/sync", 60.0))
     try:
-        queue.put((rank, (_run_exchange if cfg.get("exchange_only") else _run_shapes)(rank, world, cfg)))
+        run = _run_overlap if cfg.get("overlap") else _run_exchange if cfg.get("exchange_only") else _run_shapes
+        queue.put((rank, run(rank, world, cfg)))
     finally:
         dist.destroy_process_group()
 
@@ -256,6 +258,51 @@ def _run_exchange(rank, world, cfg):
     return {name: {"comm_a2a": _timeit(_a2a_exchange(x, ids, gw, E, g.group_name), rep, wu),
                    "comm_symm": _timeit(lambda: dispatch.exchange(ctx, plan, x, gp, copy_rows, H, x.dtype, chunks=1,
                                                                   timeout_s=60), rep, wu)}}
+
+
+def _run_overlap(rank, world, cfg):
+    """--overlap: does independent work run while the a2a exchange is in flight help on CPU?  The
+    work: a shared-expert-sized dense SwiGLU (F_s = 2F, torch GEMMs, this rank's one thread) on the
+    T tokens, 64-expert shape.  Rows: the exchange alone (dispatch by token index + combine, as the
+    fused op runs it), the shared expert alone, one after the other, the shared expert run between
+    the dispatch's send and its wait (``dispatch_rows(between=...)``: the same thread), and in a
+    second thread of this rank started before the exchange (the copies and the GEMM then share
+    this rank's core with each other)."""
+    import threading
+
+    from moe_compile.ep import a2a_cpu, fused_a2a
+
+    name, H, F, E, K = cfg["shapes"][0]
+    T, group = cfg["tokens"], dist.group.WORLD.group_name
+    gen = torch.Generator().manual_seed(1234 + rank)
+    x = torch.randn(T, H, generator=gen)
+    gw, ids = torch.rand(T, E, generator=gen).topk(K, dim=1)
+    route = fused_a2a._route(ids, torch.softmax(gw, dim=1), E, torch.float32)
+    Fs = 2 * F
+    wg, wu = (torch.randn(H, Fs, generator=gen) * H**-0.5 for _ in range(2))
+    wd = torch.randn(Fs, H, generator=gen) * Fs**-0.5
+
+    def shared():
+        return (torch.nn.functional.silu(x @ wg) * (x @ wu)) @ wd
+
+    def exchange(between=None):
+        rcv = a2a_cpu.dispatch_rows(x, route.tokens, route.in_splits, group, 60.0, between=between)
+        back = rcv.window[: rcv.handle[5]].view(torch.float32)  # the rows themselves go back
+        a2a_cpu.combine_sum(back, rcv, route.tokens, route.gates, T, group, 60.0)
+
+    def in_thread():
+        torch.set_num_threads(1)  # OpenMP's thread count is per thread: a new one would take every core
+        shared()
+
+    def threaded():
+        t = threading.Thread(target=in_thread)
+        t.start()
+        exchange()
+        t.join()
+
+    rows = {"comm": exchange, "shared": shared, "sequential": lambda: (exchange(), shared()),
+            "between": lambda: exchange(between=shared), "thread": threaded}
+    return {name: _timeit_interleaved(rows, cfg["repeats"], cfg["warmup"])}
 
 
 def _a2a_exchange(x, ids, gw, E, group_name, int8=False):
@@ -377,12 +424,15 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=1,
                     help="--exchange-only: a2a exchanges per timed repeat, back to back (a decode step's layers; "
                          "the time is per exchange)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="the exchange with a shared-expert-sized dense GEMM alongside (64-expert shape): alone, "
+                         "after, between send and wait, in a second thread; prints the medians in ms")
     args = ap.parse_args(argv)
     cfg = {"repeats": 2 if args.quick else args.repeats, "warmup": 1, "chunks": [1, 2, 4], "shapes": SHAPES,
            "worlds": args.worlds, "exchange_only": args.exchange_only, "a2a_only": args.a2a_only,
-           "layers": args.layers, "pin": args.pin, "barrier": args.barrier}
+           "layers": args.layers, "pin": args.pin, "barrier": args.barrier, "overlap": args.overlap}
     tokens = [64] if args.quick else args.tokens
-    if args.exchange_only:
+    if args.exchange_only or args.overlap:
         cfg["warmup"] = 20
         for world in args.worlds:
             for T in tokens:

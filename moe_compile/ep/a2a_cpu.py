@@ -381,13 +381,17 @@ class Received:
 
 
 def dispatch_rows(x: torch.Tensor, tokens: torch.Tensor, in_splits: torch.Tensor, group_name: str,
-                  timeout_s: float, extra: torch.Tensor | None = None, packed: bool = False) -> Received:
+                  timeout_s: float, extra: torch.Tensor | None = None, packed: bool = False,
+                  between=None) -> Received:
     """The fused op's dispatch by token index, whole in C (``ep_copy.moe_ep_dispatch_send_idx``):
     slot i's row is ``x[tokens[i]]`` (x [T, ...] read where it lies, no sorted copy) followed by
     ``extra[i]`` (a per-slot field, [S, m]; the backward's routing weight), slots rank-major
     (``in_splits`` [R*ne] rows each), every slot into the window of its expert's rank — this
     rank's own too, so that its experts read every row in place.  One send, one wait, the layout
-    from the headers (no torch scalar read).  Needs ``kernels/cpu/ep.fast_lib()``."""
+    from the headers (no torch scalar read).  ``between()``, when given, runs once after this rank's
+    rows are sent and before it waits for its peers' (independent work while the exchange is in
+    flight; ``benchmarks/bench_ep.py --overlap`` measures what that buys on CPU).  Needs
+    ``kernels/cpu/ep.fast_lib()``."""
     ctx = get_context(group_name)
     R, me = ctx.world, ctx.rank
     ne = in_splits.numel() // R
@@ -408,6 +412,9 @@ def dispatch_rows(x: torch.Tensor, tokens: torch.Tensor, in_splits: torch.Tensor
         lib.moe_ep_dispatch_send_idx(st.row_at, W, R, me, x.data_ptr(), tokens.data_ptr(), x_bytes,
                                      0 if extra is None else extra.data_ptr(), extra_bytes, st.win_dst_at[par],
                                      slab_rows, st.sends[par]._at[5], st.sends[par]._at[6], ep, st.sleep_off)
+        if between is not None:
+            between()
+            between = None
         _wait(st, ep, timeout_s, "the dispatch's rows")
         while (n := lib.moe_ep_dispatch_index(st.views_at[par], W, R, me, slab_rows, int(packed), st.idx.ctypes.data,
                                               st.idx.size, st.bounds.ctypes.data, *st.out_at)) == -3:
@@ -429,12 +436,13 @@ def dispatch_rows(x: torch.Tensor, tokens: torch.Tensor, in_splits: torch.Tensor
 
 
 def combine_sum(out: torch.Tensor, rcv: Received, tokens: torch.Tensor, gates: torch.Tensor, T: int,
-                group_name: str, timeout_s: float) -> torch.Tensor:
+                group_name: str, timeout_s: float, between=None) -> torch.Tensor:
     """y [T, H] fp32 = sum over this rank's slots i of gates[i] * (the expert's output row of slot i),
     straight after ``rcv``'s dispatch: ``out`` [L, H] fp32 holds the experts' output rows at
     ``rcv``'s layout rows; the peers' rows go back to their final row of their source's window (one
     C call, no header: the dispatch's layout), this rank's own stay in ``out``, and one C pass adds
-    every slot's row, weighted, into its token's row of y (``moe_ep_combine_sum``)."""
+    every slot's row, weighted, into its token's row of y (``moe_ep_combine_sum``).  ``between``:
+    as ``dispatch_rows``'s, after this rank's rows are sent."""
     ep0, st, drows, oso, sent, used = rcv.handle
     if st.epoch != ep0:
         raise RuntimeError("ep a2a combine_sum: must follow its dispatch_rows with no exchange between")
@@ -449,6 +457,8 @@ def combine_sum(out: torch.Tensor, rcv: Received, tokens: torch.Tensor, gates: t
     ep, par = _next(st)
     lib.moe_ep_combine_after(drows.ctypes.data, st.W, st.R, st.me, oso.ctypes.data, out.data_ptr(), row_bytes,
                              st.win_dst_at[par], st.sends[par]._at[6], ep, st.sleep_off, 1)
+    if between is not None:
+        between()
     _wait(st, ep, timeout_s, "the combine's rows")
     y = torch.zeros(T, H, dtype=torch.float32)
     tokens, gates = tokens.contiguous(), gates.float().contiguous()
