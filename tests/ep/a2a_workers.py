@@ -401,3 +401,54 @@ def packed_forward(rank, world, scenarios):
         results[name] = {"y": rel(y, want), "in_place": fused_a2a.in_place(torch.float32),
                          "packed": bool(p is not None and p.fused), "scalar_reads": fwd.counts}
     return results
+
+
+def index_paths(rank, world, seeds, ne, H, big_rows):
+    """The fused op's exchange pair by token index (``a2a_cpu.dispatch_rows`` / ``combine_sum``):
+    the rows at ``idx`` are the model's dispatch of the rows x[tokens] (expert-major, no padding),
+    a per-slot extra field travels with them, and the combine adds every slot's returned row,
+    weighted, into its token; then a dispatch whose blocks overflow the slabs (every rank grows
+    them and sends again).  Integer-valued rows and power-of-two weights: every sum is exact, so
+    the comparisons are bit for bit whatever the order of the additions."""
+    from moe_compile.ep import a2a_cpu
+
+    group = dist.group.WORLD.group_name
+    bad = []
+    for seed in list(seeds) + ["big"]:
+        gen = torch.Generator().manual_seed(7 if seed == "big" else seed)
+        if seed == "big":  # big rows per (source, dest) of H fp32: more than the 1 MiB first slab
+            splits = [torch.zeros(world * ne, dtype=torch.long) for _ in range(world)]
+            for sp in splits:
+                sp[::ne] = big_rows
+        else:
+            _, splits, _ = random_dispatch(gen, world, ne, 1)
+        Ts = [int(torch.randint(1, 9, (1,), generator=gen)) for _ in range(world)]
+        xs = [torch.randint(-8, 8, (t, H), generator=gen).float() for t in Ts]
+        toks = [torch.randint(0, t, (int(sp.sum()),), generator=gen) for t, sp in zip(Ts, splits)]
+        gs = [2.0 ** torch.randint(-2, 2, (tk.shape[0],), generator=gen).float() for tk in toks]
+        need = [int(n) for n in a2a_layout_rows(splits, ne)]
+        ref_out, ref_oso = dispatch_reference([x[t] for x, t in zip(xs, toks)], splits, ne, need)[rank]
+        want = torch.cat([ref_out[o : o + n] for n, o in zip(ref_oso[0].tolist(), ref_oso[1].tolist())])
+        want_g = dispatch_reference([g[:, None] for g in gs], splits, ne, need)[rank]
+        want_g = torch.cat([want_g[0][o : o + n] for n, o in zip(ref_oso[0].tolist(), ref_oso[1].tolist())])
+        x, tk, g = xs[rank], toks[rank], gs[rank]
+        rcv = a2a_cpu.dispatch_rows(x, tk, splits[rank], group, 60.0, extra=g[:, None])
+        got = rcv.window.index_select(0, rcv.idx)  # [N, 4H + 4] bytes
+        if not (torch.equal(got[:, : 4 * H].contiguous().view(torch.float32), want)
+                and torch.equal(got[:, 4 * H :].contiguous().view(torch.float32), want_g)
+                and torch.equal(torch.from_numpy(rcv.oso[0]), ref_oso[0])):
+            bad.append(("dispatch_rows", seed))
+        # the rows back, doubled: y = sum over slots of g * 2 x[token]
+        rcv = a2a_cpu.dispatch_rows(x, tk, splits[rank], group, 60.0)
+        out = rcv.window[: rcv.handle[5]].view(torch.float32) * 2
+        y = a2a_cpu.combine_sum(out, rcv, tk, g, x.shape[0], group, 60.0)
+        if not torch.equal(y, torch.zeros_like(x).index_add_(0, tk, 2 * g[:, None] * x[tk])):
+            bad.append(("combine_sum", seed))
+    return bad
+
+
+def a2a_layout_rows(splits, ne):
+    """[R] rows each rank's dispatch out spans (default alignment)."""
+    from moe_compile.ep.a2a_layout import dispatch_rows_needed
+
+    return dispatch_rows_needed(torch.stack(splits), ne, None).tolist()

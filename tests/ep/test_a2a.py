@@ -86,3 +86,16 @@ def test_window_path_and_slab_growth(env, monkeypatch):
     for rank, (status, out) in res.items():
         assert status == "ok", out
         assert out == [], f"rank {rank}: window path differs from the model on {out}"
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 4])
+def test_dispatch_by_token_index_and_combine_sum(world):
+    """The fused op's pair: rows sent by token index, read in place (``idx``) equal to the model's
+    dispatch of x[tokens], a per-slot field with them; the weighted sum back exact; slab growth."""
+    # big: 300 rows of 1024 fp32 (4 KiB) per (source, dest) = 1.2 MiB > the 1 MiB first slab
+    res = run_world(world, "tests.ep.a2a_workers.index_paths", list(range(12)), 2, 1024 if world == 2 else 64,
+                    300 if world == 2 else 5000, timeout=180)
+    for rank, (status, out) in res.items():
+        assert status == "ok", out
+        assert out == [], f"rank {rank}: the by-index exchange differs from the model on {out}"

@@ -113,3 +113,19 @@ def test_in_place_forward_with_packed_experts_equals_reference():
             assert got["in_place"] and got["packed"] == receives, f"rank {rank}, {name}: not the packed path: {got}"
             assert got["y"] <= 1e-5, f"rank {rank}, {name}: y off by {got['y']:.2e}"
             assert got["scalar_reads"] == {"_local_scalar_dense": 0, "tolist": 0}, got["scalar_reads"]
+
+
+@pytest.mark.dist
+def test_copying_path_without_the_c_kernel(monkeypatch):
+    """Without ep_copy.c (MOE_COMPILE_EP_COPY=0) the a2a op takes its copying path: still equal to
+    the reference, and its backward sends [x | dy | g] (the forward kept nothing)."""
+    monkeypatch.setenv("MOE_COMPILE_EP_COPY", "0")
+    scenarios = [s for s in _scenarios(2) if s[0] in ("uniform", "T0_on_rank1")]
+    res = run_world(2, "tests.ep.a2a_workers.fused_scenarios", scenarios, timeout=300)
+    for rank, (status, out) in res.items():
+        assert status == "ok", out
+        for name, _, _, dtype in scenarios:
+            got = out[name]
+            for key in ("y", "dx", "dg", "dw1", "dw2"):
+                assert got[key] <= TOL[dtype], f"rank {rank}, {name}: {key} off by {got[key]:.2e}"
+            assert not got["kept"] and got["bwd_dispatch_row_bytes"] == [2 * got["H"] * got["itemsize"] + 4], got
