@@ -241,8 +241,8 @@ class AllGatherEPMoE(nn.Module):
 
     ``tp``: expert-TP ranks inside ``group`` (rank r: EP rank r // tp, F-shard r % tp).
     ``differentiable``: the autograd forms of funcol's gather / reduce-scatter (a training step).
-    ``routing="map"``: Megatron's own spelling, a dense [T, E] probs matrix and boolean routing map
-    gathered instead of the top-k ids and weights (refused by the matcher: no [T, K] ids to route by)."""
+    ``routing="map"``: Megatron's own spelling: a dense [T, E] probs matrix and boolean routing map
+    gathered instead of the top-k ids and weights, permuted / unpermuted by the map."""
 
     def __init__(self, hidden=64, ffn=96, experts=8, top_k=2, group=None, tp=1, collectives="functional",
                  local_experts="modulelist", seed=0, route_bias=None, differentiable=False, routing="topk"):
@@ -303,15 +303,21 @@ class AllGatherEPMoE(nn.Module):
             y = y.index_add(0, rows, out)
         return self._reduce_scatter(y).view(shape)  # [T, H]: every rank's part of this rank's tokens
 
-    def _dense_routed(self, x_all, weights, ids):  # -> [R*T, H]
-        probs = torch.zeros(ids.shape[0], self.num_experts, dtype=weights.dtype).scatter(1, ids, weights)  # [T, E]
-        routing_map = self._gather(probs > 0, grad=False)[:, self.start:self.start + self.local]  # [R*T, E_l]
-        local_probs = self._gather(probs)[:, self.start:self.start + self.local]
-        y = torch.zeros_like(x_all)
-        for e in range(self.local):
-            rows = routing_map[:, e].nonzero().squeeze(1)
-            y = y.index_add(0, rows, self._expert(e, x_all[rows]) * local_probs[rows, e, None])
-        return y
+    def _dense_routed(self, x_all, weights, ids):  # -> [N, H], N = R*T
+        """Megatron's permute / unpermute on a gathered routing map: the rows of each local expert
+        in expert-major order, the experts on ``split`` by their counts, ``scatter_add`` back."""
+        T, E, H = ids.shape[0], self.num_experts, x_all.shape[-1]
+        probs = torch.zeros(T, E, dtype=weights.dtype, device=ids.device).scatter(1, ids, weights)  # [T, E]
+        routing_map = torch.zeros(T, E, dtype=torch.bool, device=ids.device).scatter(1, ids, True)  # [T, E]
+        local_map = self._gather(routing_map, grad=False)[:, self.start:self.start + self.local]  # [N, E_l]
+        local_probs = self._gather(probs)[:, self.start:self.start + self.local]  # [N, E_l]
+        counts = local_map.sum(dim=0).tolist()  # rows per local expert
+        rows = torch.arange(x_all.shape[0], device=ids.device).unsqueeze(0).expand(self.local, -1)
+        rows = rows.masked_select(local_map.t())  # [S] token of each permuted row, expert-major
+        permuted = x_all.index_select(0, rows)  # [S, H]
+        out = torch.cat([self._expert(e, part) for e, part in enumerate(torch.split(permuted, counts))])
+        out = out * local_probs.t().masked_select(local_map.t()).unsqueeze(1)  # [S, H]
+        return torch.zeros_like(x_all).scatter_add(0, rows.unsqueeze(1).expand(-1, H), out)
 
 
 class ETPMoE(nn.Module):

@@ -183,6 +183,7 @@ class EPMatch(Match):
     group_name: str = ""
     id_offset: int | None = None  # styles (b), (c): fused_moe on ids - offset; None: style (a), the EP op
     ep_style: str = "all_to_all"  # ``style``: how the tokens are dispatched / the outputs reduced
+    dense_local: int = 0  # style (c) on a [N, E] routing map: E_l, the columns [id_offset, + E_l) it reads
 
     @property
     def report_extra(self) -> dict:
@@ -198,7 +199,7 @@ class EPMatch(Match):
             ep.register()
 
         def make_call(g: fx.Graph) -> fx.Node:
-            ids, weights = region_mod.flat_routing(g, region)  # [T, K] each
+            ids, weights = region_mod.flat_routing(g, region) if not self.dense_local else self._dense_routing(g)
             x, roles = lift_mod.cast_operands(g, region.x, lift_mod.spec_roles(spec), self.op_dtype)
             roles = lift_mod.op_views(g, spec, roles)
             if self.id_offset is not None:
@@ -213,6 +214,18 @@ class EPMatch(Match):
             return lift_mod.cast_result(g, out, region, self.op_dtype)
 
         return region_mod.replace_region(graph, deps, region, make_call)
+
+    def _dense_routing(self, g: fx.Graph) -> tuple[fx.Node, fx.Node]:
+        """(global ids, weights) [N, E_l] from a gathered routing map and probs [N, E]: slot e of a
+        row is global expert lo + e where the map routes the row to it, else an id past the local
+        slice (contributes nothing); its weight is the probs' column."""
+        lo, n = self.id_offset, self.dense_local
+        cols = (slice(None), slice(lo, lo + n))
+        picked = g.call_function(operator.getitem, (self.region.ids, cols))  # [N, E_l] bool
+        device = meta(self.region.x).device
+        experts = g.call_function(torch.arange, (lo, lo + n), {"device": device})  # [E_l]
+        ids = g.call_function(torch.where, (picked, experts, lo + n))  # [N, E_l]
+        return ids, g.call_function(operator.getitem, (self.region.weights, cols))  # [N, E_l]
 
 
 def find_expert_parallel(graph: fx.Graph, deps: Deps, candidate: Candidate, values) -> EPMatch:
@@ -311,8 +324,13 @@ def _find_all_gather(graph, deps: Deps, candidate: Candidate, values) -> EPMatch
     first_refusal = None
     for output in region_mod.find_outputs(deps, downs, gathered.gathered_rows(deps, candidate), hidden_sizes):
         try:
-            x_g, ids_g, w_g, writers, gathers = gathered.gathered_routing(deps, candidate, output, hidden_sizes)
-            lo, ordered = _keyed_slice(deps, candidate, ids_g, E)
+            x_g, ids_g, w_g, dense, writers, gathers = gathered.gathered_routing(deps, candidate, output,
+                                                                                 hidden_sizes, E)
+            if dense:  # Megatron's routing map: experts in split (or graph) order, the proof checks it
+                ordered = _order_local(deps, candidate.clusters)
+                lo = gathered.dense_slice(ids_g, w_g, len(ordered), candidate.topk)
+            else:
+                lo, ordered = _keyed_slice(deps, candidate, ids_g, E)
             roles, n = _local_roles(deps, candidate, ordered)
             region = gathered.cut_gathered(graph, deps, x_g, ids_g, w_g, writers, output, _params(roles))
             break
@@ -321,10 +339,11 @@ def _find_all_gather(graph, deps: Deps, candidate: Candidate, values) -> EPMatch
     else:
         raise first_refusal
     return _prove_local(deps, region, candidate, ordered, roles, values, candidate_top_k(candidate), E, lo, n,
-                        gathers[0], "all_gather")
+                        gathers[0], "all_gather", dense)
 
 
-def _prove_local(deps, region, candidate, ordered, roles, values, K, E, lo, n, group_node, kind) -> EPMatch:
+def _prove_local(deps, region, candidate, ordered, roles, values, K, E, lo, n, group_node, kind,
+                 dense=False) -> EPMatch:
     """Styles (b), (c): the local region proven numerically; the model's collectives stay."""
     params = _params(roles)
     world = resolve_group(group_name_of(group_node), group_node).size()
@@ -335,7 +354,7 @@ def _prove_local(deps, region, candidate, ordered, roles, values, K, E, lo, n, g
         raise Refusal("the expert weight shapes fit no supported gate/up layout", ordered[0].down)
     try:
         best, err, tol = gathered.run_local_proof(region, inputs, [values[p] for p in params], hyps, K, E, lo,
-                                                  op_dtype)
+                                                  op_dtype, dense)
     except Exception as exc:  # noqa: BLE001
         raise Refusal(f"running the region on synthetic routing failed ({type(exc).__name__}: {exc})",
                       ordered[0].down) from exc
@@ -343,7 +362,7 @@ def _prove_local(deps, region, candidate, ordered, roles, values, K, E, lo, n, g
         raise _not_proven(err, tol, ordered[0].down)
     spec = _spec(region, best.roles, best, E, K)
     return EPMatch(spec, region, err, op_dtype, world_size=world, local_experts=n,
-                   group_name=group_name_of(group_node), id_offset=lo, ep_style=kind)
+                   group_name=group_name_of(group_node), id_offset=lo, ep_style=kind, dense_local=n if dense else 0)
 
 
 def _drop_absorbed_collectives(deps: Deps, region: Region) -> None:

@@ -87,9 +87,10 @@ def _wait_of(node: fx.Node) -> fx.Node | None:
     return waits[0] if len(waits) == 1 else None
 
 
-def gathered_routing(deps: Deps, candidate: Candidate, output: fx.Node, hidden_sizes):
-    """(x_g, ids_g, w_g, the nodes writing them, the gathers) the region ending at output reads,
-    or a Refusal."""
+def gathered_routing(deps: Deps, candidate: Candidate, output: fx.Node, hidden_sizes, E: int):
+    """(x_g, ids_g, w_g, dense, the nodes writing them, the gathers) the region ending at output
+    reads, or a Refusal.  ``dense``: ids_g is Megatron's [N, E] boolean routing map and w_g its
+    [N, E] probs (zero outside the top-k) instead of [N, K] top-k ids and weights."""
     ids = topk_indices(candidate.topk)
     K = candidate_top_k(candidate)
     from_ids, from_router = deps.descendants([ids]), deps.descendants([candidate.topk])
@@ -100,35 +101,43 @@ def gathered_routing(deps: Deps, candidate: Candidate, output: fx.Node, hidden_s
         if wait is None:
             raise Refusal("an all_gather_into_tensor on the experts' path is not waited on exactly once", gather)
         value, copies = gathered_value(wait)
-        role = _gathered_role(value, gather.args[0], K, hidden_sizes, from_ids, from_router)
+        role = _gathered_role(value, gather.args[0], K, E, hidden_sizes, from_ids, from_router)
         if role is None or role in found:
             why = f"a second gathered {role}" if role else f"a gathered tensor of shape {shape_of(value)} " \
-                f"({dtype_of(value)}) that is neither tokens nor top-k routing (a dense routing map is not supported)"
+                f"({dtype_of(value)}) that is neither tokens nor routing from the top-k (ids and weights [N, K], or " \
+                f"a routing map and probs [N, E] zero outside it)"
             raise Refusal(f"the experts read {why}", gather)
         found[role] = value
         writers += [wait, *copies]
-    x_g, ids_g, w_g = (found.get(r) for r in ("tokens", "top-k ids", "routing weights"))
-    missing = [r for r in ("tokens", "top-k ids", "routing weights") if r not in found]
+    dense = "routing map" in found and "dense weights" in found and "top-k ids" not in found
+    roles = ("tokens", "routing map", "dense weights") if dense else ("tokens", "top-k ids", "routing weights")
+    x_g, ids_g, w_g = (found.get(r) for r in roles)
+    missing = [r for r in roles if r not in found]
     if missing:
         raise Refusal(f"the experts read gathered rows but not gathered {', '.join(missing)} (each rank must "
                       f"gather its tokens, top-k ids and weights over one group)", gathers[0] if gathers else output)
     if not (region_mod._same(shape_of(x_g)[0], shape_of(ids_g)[0])
             and region_mod._same(shape_of(ids_g)[0], shape_of(w_g)[0])):
         raise Refusal("the gathered tokens, ids and weights have different row counts", gathers[0])
-    return x_g, ids_g, w_g, writers, gathers
+    return x_g, ids_g, w_g, dense, writers, gathers
 
 
-def _gathered_role(value, source, K, hidden_sizes, from_ids, from_router) -> str | None:
-    """"tokens" ([N, H], not from the router), "top-k ids" (integer [N, K] of the ids) or "routing
-    weights" (floating [N, K] from the router): what an all-gather's result is to the experts."""
+def _gathered_role(value, source, K, E, hidden_sizes, from_ids, from_router) -> str | None:
+    """"tokens" ([N, H], not from the router), "top-k ids" (integer [N, K] of the ids), "routing
+    weights" (floating [N, K] from the router), Megatron's "routing map" (boolean [N, E] from the
+    router) or "dense weights" (its floating [N, E] probs): what an all-gather's result is to the experts."""
     shape, dtype = shape_of(value), dtype_of(value)
     if shape is None or dtype is None or len(shape) != 2:
         return None
-    per_slot = region_mod._same(shape[1], K)
+    per_slot, per_expert = region_mod._same(shape[1], K), region_mod._same(shape[1], E) and K != E
     if not dtype.is_floating_point:
-        return "top-k ids" if per_slot and source in from_ids else None
+        if per_slot and source in from_ids:
+            return "top-k ids"
+        return "routing map" if dtype == torch.bool and per_expert and source in from_router else None
     if per_slot and source in from_router:
         return "routing weights"
+    if per_expert and source in from_router:
+        return "dense weights"
     if any(region_mod._same(shape[1], h) for h in hidden_sizes) and source not in from_router:
         return "tokens"
     return None
@@ -243,15 +252,46 @@ def _gather_input(node: fx.Node) -> fx.Node | None:
     return source if isinstance(source, fx.Node) else None
 
 
-def run_local_proof(region: Region, inputs, params_values, hyps, K: int, E: int, lo: int, op_dtype):
-    """prove.run_proof of the local region on global ids (local slice [lo, lo + E_l) first)."""
+def run_local_proof(region: Region, inputs, params_values, hyps, K: int, E: int, lo: int, op_dtype,
+                    dense: bool = False):
+    """prove.run_proof of the local region on global ids (local slice [lo, lo + E_l) first).
+    ``dense``: the region reads a routing map and probs [N, E], scattered from the synthetic ids."""
     region_fn = region_mod.extract(region)
+    x, ids, weights, *sizes = inputs
 
     def on_global_ids(x, local_ids, g, *rest):  # synthetic ids in [0, E): local slice first
-        return region_fn(x, (local_ids + lo) % E, g, *rest)
+        glob = (local_ids + lo) % E  # [N, K]
+        if not dense:
+            return region_fn(x, glob, g, *rest)
+        probs = torch.zeros(glob.shape[0], E, dtype=weights.dtype).scatter(1, glob, g.to(weights.dtype))
+        routing_map = torch.zeros(glob.shape[0], E, dtype=torch.bool).scatter(1, glob, True)
+        return region_fn(x, routing_map, probs, *rest)  # [N, E] each, as the model gathers them
 
-    x, ids, weights, *sizes = inputs
+    if dense:  # the synthetic routing is [N, K]; the region is fed its dense form
+        ids, weights = torch.zeros(x.shape[0], K, dtype=torch.int64), torch.zeros(x.shape[0], K, dtype=weights.dtype)
     return prove.run_proof(on_global_ids, x, ids, weights, params_values, sizes, hyps, K, E, None, op_dtype)
+
+
+def dense_slice(routing_map: fx.Node, probs: fx.Node, local: int, at: fx.Node) -> int:
+    """lo of the columns [lo, lo + E_l) the local experts read of the gathered map and probs
+    (Megatron: ``routing_map[:, lo:hi]``, or one column ``[:, lo + e]`` per expert)."""
+    starts = set()
+    for node in (*routing_map.users, *probs.users):
+        if node.op != "call_function" or target_name(node) not in ("getitem", "__getitem__"):
+            continue
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        if len(index) != 2 or index[0] != slice(None):
+            continue
+        col = index[1]
+        if isinstance(col, slice) and col.step in (None, 1) and isinstance(col.start, int) \
+                and isinstance(col.stop, int) and col.stop - col.start == local:
+            starts.add(col.start)
+        elif isinstance(col, int):
+            starts.add(col - col % local)  # a single column: the slice holding it
+    if len(starts) != 1:
+        raise Refusal(f"could not tell which {local} columns of the gathered routing map the local experts read "
+                      f"(found {sorted(starts)})", at)
+    return starts.pop()
 
 
 def local_slice(deps: Deps, ordered_keys, E: int, at: fx.Node) -> tuple[int, int]:

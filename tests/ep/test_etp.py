@@ -26,15 +26,21 @@ WORLD2_CASES = [
     {"name": "ETP on all-gathered tokens, reduce-scatter", "kind": "all_gather", "tp": 2},
     {"name": "ETP on replicated tokens, all_reduce", "kind": "etp_all_reduce", "kwargs": {"collectives": "legacy"}},
     {"name": "two all-gather layers in one graph", "kind": "all_gather_two_layers"},
+    {"name": "Megatron's dispatcher: dense routing map, permute / unpermute", "kind": "all_gather",
+     "kwargs": {"routing": "map"}},
 ]
 WORLD2_GRADS = [
     {"name": "all-gather dispatcher, autograd funcol", "kind": "all_gather", "kwargs": {"differentiable": True}},
     {"name": "ETP on all-gathered tokens, autograd funcol", "kind": "all_gather", "tp": 2,
      "kwargs": {"differentiable": True, "local_experts": "stacked"}},
+    {"name": "Megatron's dispatcher, dense routing map, autograd funcol", "kind": "all_gather",
+     "kwargs": {"differentiable": True, "routing": "map"}},
 ]
 WORLD4_CASES = [
     {"name": "EP x ETP, all-to-all over EP, all_reduce over ETP", "kind": "ep_etp_all_to_all", "tp": 2},
     {"name": "EP x ETP, all-gather over the tp_ep group", "kind": "all_gather", "tp": 2, "kwargs": {"top_k": 3}},
+    {"name": "EP x ETP, Megatron's dense routing map over the tp_ep group", "kind": "all_gather", "tp": 2,
+     "kwargs": {"routing": "map", "local_experts": "stacked"}},
 ]
 # (style, local experts, F-shard width) each case must be rewritten with, per world size
 EXPECTED = {
@@ -43,6 +49,8 @@ EXPECTED = {
     "ETP on all-gathered tokens, reduce-scatter": ("all_gather", 8, F // 2),
     "ETP on replicated tokens, all_reduce": ("all_reduce", 8, F // 2),
     "two all-gather layers in one graph": ("all_gather", 4, F),
+    "Megatron's dispatcher: dense routing map, permute / unpermute": ("all_gather", 4, F),
+    "EP x ETP, Megatron's dense routing map over the tp_ep group": ("all_gather", 4, F // 2),
     "EP x ETP, all-to-all over EP, all_reduce over ETP": ("all_to_all", 4, F // 2),
     "EP x ETP, all-gather over the tp_ep group": ("all_gather", 4, F // 2),
 }
@@ -85,16 +93,17 @@ def test_training_step_gradients_equal(world2):
             assert max(got["errs"].values()) <= FP32_TOL, (got["errs"], where)
 
 
+WHY = {"tanh": "could not prove the expert-parallel region",
+       "dense_probs_only": "that is neither tokens nor routing from the top-k"}
+
+
 def test_unprovable_gathered_regions_left_alone_with_reason(world2):
-    why = {"tanh": "could not prove the expert-parallel region",
-           "dense_map": "neither tokens nor top-k routing (a dense routing map is not supported)"}
     for value in world2.values():
         for name, got in value["refused"].items():
             # Left alone: no MoE op.  Not bit-equal to eager: the dense-linear pass runs the model's
             # nn.Linear layers on its own kernels (fp32 reassociation).
             assert got["rewritten"] == 0 and got["err"] <= FP32_TOL, (name, got)
-            assert any(why[name] in r for r in got["reasons"]), (name, got["reasons"])
-        assert value["refused"]["dense_map"]["eager_vs_global"] <= 2e-5  # the block itself is right
+            assert any(WHY[name] in r for r in got["reasons"]), (name, got["reasons"])
 
 
 def test_lockstep_simulation_of_all_gather_and_reduce_scatter(world2):
