@@ -286,7 +286,7 @@ def _run_overlap(rank, world, cfg):
         return (torch.nn.functional.silu(x @ wg) * (x @ wu)) @ wd
 
     def exchange(between=None):
-        rcv = a2a_cpu.dispatch_rows(x, route.tokens, route.in_splits, group, 60.0, between=between)
+        rcv = a2a_cpu.dispatch_rows(x, route.tokens, route.in_splits, group, 60.0, gates=route.gates, between=between)
         back = rcv.window[: rcv.handle[5]].view(torch.float32)  # the rows themselves go back
         a2a_cpu.combine_sum(back, rcv, route.tokens, route.gates, T, group, 60.0)
 
@@ -316,7 +316,8 @@ def _a2a_exchange(x, ids, gw, E, group_name, int8=False):
 
     def run():
         rows = fused_int8._rows(x) if int8 else x
-        rcv = a2a_cpu.dispatch_rows(rows, route.tokens, route.in_splits, group_name, 60.0, packed=int8)
+        rcv = a2a_cpu.dispatch_rows(rows, route.tokens, route.in_splits, group_name, 60.0, packed=int8,
+                                    gates=route.gates)
         used = rcv.handle[5]
         back = torch.empty(used, H) if int8 else rcv.window[:used].view(torch.float32)  # the rows themselves
         a2a_cpu.combine_sum(back, rcv, route.tokens, route.gates, T, group_name, 60.0)

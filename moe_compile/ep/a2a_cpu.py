@@ -96,8 +96,10 @@ class _State:
         self.local = [torch.empty(0, dtype=torch.uint8) for _ in (0, 1)]  # compact receive windows (plain memory)
         self.row = np.zeros(self.W, dtype=np.int64)
         self.row_at = self.row.ctypes.data
-        # ``dispatch_rows``: the received rows' layout rows (grown on demand) and the experts' bounds
-        self.idx, self.bounds = np.zeros(0, np.int64), np.zeros(ne + 1, np.int64)
+        # ``dispatch_rows``: the received rows' layout rows and scales (grown on demand), the experts'
+        # bounds, each source's region rows
+        self.idx, self.scale = np.zeros(0, np.int64), np.zeros(0, np.float32)
+        self.bounds, self.region = np.zeros(ne + 1, np.int64), np.zeros(R, np.int64)
 
     def ensure(self, ctx, slab_bytes: int, timeout_s: float) -> None:
         """Every rank calls it with the same ``slab_bytes`` (computed from the same headers): in step."""
@@ -358,37 +360,44 @@ def _combine_after_c(ctx, st: _State, lib, x: torch.Tensor, row_bytes: int, hand
 class Received:
     """Where the rows of a ``dispatch_rows`` lie in this rank's receive window (nothing copied).
 
-    ``window`` [L, B] uint8: the window's rows, source s's at rows [s * slab_rows, ...) (this
-    rank's own among them), valid until this rank's second exchange after this one; ``idx`` [N]
-    int64: the layout row of every received row, expert-major (expert e owns ``idx[bounds[e] :
-    bounds[e + 1]]``, its rows from source 0, then 1, ...).  ``packed``: the layout is the window's
-    rows packed source after source (``sent_to_me[s]`` rows each) — the caller's compact copy of
-    them — and ``idx`` / ``oso`` / ``own_row`` are rows of that copy."""
+    ``window`` [L, B] uint8: the window's rows, source s's region at rows [s * slab_rows, ...)
+    (``region[s]`` rows: its rows to this rank; this rank's own region: its slots' rows, or by
+    token x's T rows), valid until this rank's second exchange after this one; ``idx`` [N] int64:
+    the layout row of every received row, expert-major (expert e owns ``idx[bounds[e] :
+    bounds[e + 1]]``, its rows from source 0, then 1, ...) and ``scale`` [N] fp32 the weight the
+    experts apply (1; by token, the own slots' routing weights: a token's local outputs are summed
+    in its own row).  ``packed``: the layout is the regions packed one after another — the caller's
+    compact copy of them — and ``idx`` / ``oso`` / ``own_row`` are rows of that copy."""
 
     window: torch.Tensor
     idx: torch.Tensor
+    scale: torch.Tensor
     bounds: list  # ne + 1 host ints
     oso: np.ndarray  # [2, ne*R]: splits and layout row of block (e, s) at e*R + s
-    sent_to_me: np.ndarray  # [R] rows from each source
+    region: np.ndarray  # [R] rows of each source's region
     slab_rows: int
-    own_row: int  # layout row of this rank's first own row (its own rows are contiguous there)
+    own_row: int  # layout row of this rank's own region
+    by_token: bool
     handle: tuple  # for ``combine_sum``
 
     def source_rows(self, s: int) -> torch.Tensor:
-        """[sent_to_me[s], B] the rows source s sent this rank (a view of the window)."""
+        """[region[s], B] source s's region of the window (a view)."""
         a = s * self.slab_rows
-        return self.window[a : a + int(self.sent_to_me[s])]
+        return self.window[a : a + int(self.region[s])]
 
 
 def dispatch_rows(x: torch.Tensor, tokens: torch.Tensor, in_splits: torch.Tensor, group_name: str,
                   timeout_s: float, extra: torch.Tensor | None = None, packed: bool = False,
-                  between=None) -> Received:
+                  gates: torch.Tensor | None = None, between=None) -> Received:
     """The fused op's dispatch by token index, whole in C (``ep_copy.moe_ep_dispatch_send_idx``):
     slot i's row is ``x[tokens[i]]`` (x [T, ...] read where it lies, no sorted copy) followed by
     ``extra[i]`` (a per-slot field, [S, m]; the backward's routing weight), slots rank-major
     (``in_splits`` [R*ne] rows each), every slot into the window of its expert's rank — this
-    rank's own too, so that its experts read every row in place.  One send, one wait, the layout
-    from the headers (no torch scalar read).  ``between()``, when given, runs once after this rank's
+    rank's own too, so that its experts read every row in place.  ``gates`` [S] fp32 (no ``extra``):
+    this rank's own rows go by token — x's T rows copied once into its own window, however many of
+    a token's experts are local — and ``Received.scale`` gives the own slots their routing weight
+    (``combine_sum`` then adds the experts' own output rows as they are).  One send, one wait, the
+    layout from the headers (no torch scalar read).  ``between()``, when given, runs once after this rank's
     rows are sent and before it waits for its peers' (independent work while the exchange is in
     flight; ``benchmarks/bench_ep.py --overlap`` measures what that buys on CPU).  Needs
     ``kernels/cpu/ep.fast_lib()``."""
@@ -404,7 +413,9 @@ def dispatch_rows(x: torch.Tensor, tokens: torch.Tensor, in_splits: torch.Tensor
     if st.data is None:
         st.ensure(ctx, SLAB_BYTES, timeout_s)
     lib, W = cpu_ep.fast_lib(), st.W
-    st.row[:NMETA] = _meta("dispatch", ne, tokens.numel(), -1, x_bytes + extra_bytes, None)
+    by_token = gates is not None and extra is None
+    gates = gates.float().contiguous() if by_token else None
+    st.row[:NMETA] = _meta("dispatch", ne, tokens.numel(), x.shape[0] if by_token else -1, x_bytes + extra_bytes, None)
     st.row[NMETA : NMETA + R * ne] = in_splits.reshape(-1).numpy()
     while True:
         ep, par = _next(st)
@@ -416,23 +427,31 @@ def dispatch_rows(x: torch.Tensor, tokens: torch.Tensor, in_splits: torch.Tensor
             between()
             between = None
         _wait(st, ep, timeout_s, "the dispatch's rows")
-        while (n := lib.moe_ep_dispatch_index(st.views_at[par], W, R, me, slab_rows, int(packed), st.idx.ctypes.data,
-                                              st.idx.size, st.bounds.ctypes.data, *st.out_at)) == -3:
+        while (n := lib.moe_ep_dispatch_index(st.views_at[par], W, R, me, slab_rows, int(packed),
+                                              tokens.data_ptr() if by_token else 0,
+                                              gates.data_ptr() if by_token else 0, st.idx.ctypes.data,
+                                              st.scale.ctypes.data, st.idx.size, st.bounds.ctypes.data,
+                                              st.out_at[0], st.region.ctypes.data, *st.out_at[1:])) == -3:
             st.idx = np.zeros(_grow(int(st.need[0]) * 8) // 8, np.int64)
+            st.scale = np.zeros(st.idx.size, np.float32)
         if n == -1:  # a bad split or a disagreement: the numpy checks name it, on every rank alike
-            _agree(st.views[par], me)
-            _layout("dispatch", st.views[par], me, R, ne)
+            rows = st.views[par].copy()
+            if (rows[:, 3] >= 0).any() and not (rows[:, 3] >= 0).all():
+                raise ValueError(f"ep a2a dispatch: ranks disagree on sending their own rows by token (raised on "
+                                 f"rank {me})")
+            rows[:, 3] = -1  # the T of the by-token rows: no out size to check
+            _agree(rows, me)
+            _layout("dispatch", rows, me, R, ne)
             raise RuntimeError("ep a2a dispatch: the C checks refused headers the numpy checks accept")
         if n >= 0:
             break
         st.ensure(ctx, int(st.need[0]), timeout_s)  # -2: a slab too small: every rank grows, sends again
-    oso = st.oso.copy()
-    sent_to_me = oso[0].reshape(ne, R).sum(0)
+    oso, region = st.oso.copy(), st.region.copy()
     window = st.data.tensor(me, par * st.half, (R * slab_rows, row_bytes), torch.uint8)
-    own_row = int(sent_to_me[:me].sum()) if packed else me * slab_rows
+    own_row = int(region[:me].sum()) if packed else me * slab_rows
     handle = (ep, st, st.views[par].copy(), oso, st.sent.copy(), int(st.need[0]))
-    return Received(window, torch.from_numpy(st.idx[:n]), st.bounds.tolist(), oso, sent_to_me, slab_rows, own_row,
-                    handle)
+    return Received(window, torch.from_numpy(st.idx[:n]), torch.from_numpy(st.scale[:n]), st.bounds.tolist(), oso,
+                    region, slab_rows, own_row, by_token, handle)
 
 
 def combine_sum(out: torch.Tensor, rcv: Received, tokens: torch.Tensor, gates: torch.Tensor, T: int,
@@ -441,7 +460,8 @@ def combine_sum(out: torch.Tensor, rcv: Received, tokens: torch.Tensor, gates: t
     straight after ``rcv``'s dispatch: ``out`` [L, H] fp32 holds the experts' output rows at
     ``rcv``'s layout rows; the peers' rows go back to their final row of their source's window (one
     C call, no header: the dispatch's layout), this rank's own stay in ``out``, and one C pass adds
-    every slot's row, weighted, into its token's row of y (``moe_ep_combine_sum``).  ``between``:
+    every slot's row, weighted, into its token's row of y (``moe_ep_combine_sum``; own rows sent by
+    token are the experts' weighted sums already: y starts as them).  ``between``:
     as ``dispatch_rows``'s, after this rank's rows are sent."""
     ep0, st, drows, oso, sent, used = rcv.handle
     if st.epoch != ep0:
@@ -460,7 +480,7 @@ def combine_sum(out: torch.Tensor, rcv: Received, tokens: torch.Tensor, gates: t
     if between is not None:
         between()
     _wait(st, ep, timeout_s, "the combine's rows")
-    y = torch.zeros(T, H, dtype=torch.float32)
+    y = (torch.empty if rcv.by_token else torch.zeros)(T, H, dtype=torch.float32)
     tokens, gates = tokens.contiguous(), gates.float().contiguous()
     lib.moe_ep_combine_sum(drows.ctypes.data + st.me * st.W * 8, st.R, st.me, st.base_me + par * st.half,
                            out.data_ptr() + rcv.own_row * row_bytes, H, tokens.data_ptr(), gates.data_ptr(),

@@ -9,15 +9,17 @@ Forward (each row copied once, into its expert's window; ``in_place``):
      ``in_splits`` [E] (a scatter-add, static shape) — rank-major already, since expert
      g = d * ne + e lives on rank d; no row is moved here;
   2. ``a2a_cpu.dispatch_rows``: one C call copies x[token] of every slot straight into slab ``me``
-     of its expert's rank's window (this rank's own rows into its own window), one wait;
+     of its expert's rank's window, and x's T rows once into this rank's own window (however many
+     of a token's K experts are local), one wait;
   3. the local experts read the window in place, once per expert across all sources: expert e's
      rows are ``idx[bounds[e] : bounds[e+1]]`` (layout rows computed from the shared headers in C,
      no ``.tolist()`` / ``.item()`` on a tensor).  Prepacked fp32 SwiGLU weights run the packed
      kernel (``kernels/cpu/experts.run``) over every expert in one C call, its output rows at the
-     same layout rows; other FFNs gather the rows and run one GEMM chain per expert;
+     same layout rows (own slots weighted by their gate there, so a token's local outputs sum into
+     one row); other FFNs gather the rows and run one GEMM chain per expert;
   4. ``a2a_cpu.combine_sum``: the peers' output rows go back to the row of their source's window
-     they were sent from, the own rows stay where the experts wrote them, and one C pass adds
-     g * row into each token's row of y (the routing weight applied here, at the source, which is
+     they were sent from, the own rows stay where the experts wrote them, and one C pass starts y
+     from them and adds g * row of every peer slot into its token's row (the routing weight applied here, at the source, which is
      exact for ``weight_on="output"`` and for ``"between"`` without an FC2 bias — the two
      ``supports`` accepts).
   Without the C copy kernel (or with fp64) the copying path runs instead: a sorted copy of the
@@ -175,8 +177,8 @@ def in_place(cdt: torch.dtype) -> bool:
 
 
 def experts_in_place(rcv: a2a_cpu.Received, dtype, w: ExpertWeights, attrs: FFNAttrs, cdt, keep: bool = False):
-    """(out [L, H] (cdt) every received row's expert output at its layout row of ``rcv``, zero
-    elsewhere; the received rows [N, H] expert-major when ``keep`` or gathered anyway, else None).
+    """(out [L, H] (cdt) every received row's expert output times ``rcv.scale`` added into its layout
+    row of ``rcv`` (own rows by token: a token's local outputs summed, weighted), zero elsewhere; the received rows [N, H] expert-major when ``keep`` or gathered anyway, else None).
     Prepacked fp32 panels run the packed kernel once over every expert's rows where they lie in the
     window (``rcv.idx``: its row list, expert-major); other FFNs gather the rows and run the loop."""
     from moe_compile.kernels.cpu import experts as cpu_experts, prepack as cpu_prepack
@@ -185,13 +187,12 @@ def experts_in_place(rcv: a2a_cpu.Received, dtype, w: ExpertWeights, attrs: FFNA
     win = rcv.window[:used].view(dtype)  # [L, H] the window's rows, read in place
     N = rcv.idx.shape[0]
     packed = cpu_prepack.lookup(win, w, attrs) if dtype == torch.float32 and N else None
-    if packed is not None and packed.fused:
-        ones = torch.ones(N, dtype=torch.float32)  # the routing weight is applied at the source
-        out = cpu_experts.run(win, rcv.idx, ones, packed, w, attrs, rcv.bounds, torch.get_num_threads())
+    if packed is not None and packed.fused:  # rcv.scale: 1 for the peers' rows (weighted at their source)
+        out = cpu_experts.run(win, rcv.idx, rcv.scale, packed, w, attrs, rcv.bounds, torch.get_num_threads())
         return out, (win.index_select(0, rcv.idx) if keep else None)
     rows = win.index_select(0, rcv.idx)  # [N, H] expert-major
     out = _experts_loop(rows, list(zip(rcv.bounds[:-1], rcv.bounds[1:])), w, attrs, cdt)  # [N, H]
-    return out.new_zeros(used, out.shape[1]).index_copy_(0, rcv.idx, out), rows
+    return out.new_zeros(used, out.shape[1]).index_add_(0, rcv.idx, out * rcv.scale.to(cdt)[:, None]), rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,7 +270,7 @@ def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_
         out = _experts_fast(window, _tiles(oso_np, R, ne), w, attrs, cdt)  # [N, H]
         return combine_to_tokens(out, route, oso, handle, group_name, T, cdt, timeout_s).to(x.dtype)
     # each row copied once: x[token] into its expert's window; the experts read it there
-    rcv = a2a_cpu.dispatch_rows(x, route.tokens, route.in_splits, group_name, timeout_s)
+    rcv = a2a_cpu.dispatch_rows(x, route.tokens, route.in_splits, group_name, timeout_s, gates=route.gates)
     keep = _keeps(x, topk_weights, w)
     out, rows = experts_in_place(rcv, x.dtype, w, attrs, cdt, keep)  # [L, H] fp32 at rcv's layout rows
     if keep:  # the received rows, for a backward that then sends only dy

@@ -8,7 +8,7 @@ The a2a transport (``fused_a2a``) with the seed operator's A8W8 path on the wire
      by the integer kernel's own quantizer, ``kernels/cpu/qgemm.quantize_rows``): one row
      [q int8 (H bytes) | s fp32 (4 bytes)] = B bytes, a quarter of an fp32 row;
   2. each token's row sent to its K experts' ranks by token index (``a2a_cpu.dispatch_rows``: no
-     sorted copy, one copy per slot into the expert's window);
+     sorted copy, one copy per slot into a peer's window, one per token into this rank's own);
   3. the codes and scales split out of the window once (the kernel rewrites its codes in place:
      they cannot be read where they lie), and the local experts run on them as they are
      (``qgemm.run_quantized_rows``: int32 accumulation, y = acc * s_x * s_w, SwiGLU in fp32, FC2's
@@ -101,24 +101,24 @@ def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_
         out = _experts(window, _tiles(oso_np, R, ne), w, attrs)  # [N, H] fp32
         return combine_to_tokens(out, route, oso, handle, group_name, T, cdt, timeout_s).to(x.dtype)
     # sent by token index (no sorted copy); the codes and scales split out of the window once
-    rcv = a2a_cpu.dispatch_rows(rows, route.tokens, route.in_splits, group_name, timeout_s, packed=True)
-    out = _experts_received(rcv, w, attrs)  # [N, H] fp32, rows packed source after source
+    rcv = a2a_cpu.dispatch_rows(rows, route.tokens, route.in_splits, group_name, timeout_s, packed=True,
+                                gates=route.gates)
+    out = _experts_received(rcv, w, attrs)  # [L, H] fp32, rows packed region after region
     return a2a_cpu.combine_sum(out, rcv, route.tokens, route.gates, T, group_name, timeout_s).to(x.dtype)
 
 
 def _experts_received(rcv, w: ExpertWeights, attrs: FFNAttrs) -> torch.Tensor:
-    """[N, H] fp32 outputs of the received int8 rows, in ``rcv``'s packed layout (source after
-    source): the codes and scales copied out of the window's slabs once (the kernel rewrites its
+    """[L, H] fp32 outputs of the received int8 rows times ``rcv.scale``, in ``rcv``'s packed layout
+    (region after region; this rank's own: its T tokens, their local outputs weighted and summed): the codes and scales copied out of the window's slabs once (the kernel rewrites its
     codes in place, so they cannot stay in the window), the experts' rows by ``rcv.idx``."""
     from moe_compile.kernels.cpu import qgemm, quant as cpu_quant
 
     H = w.hidden()
-    slabs = [rcv.source_rows(s) for s in range(len(rcv.sent_to_me))]  # [n_s, B] views of the window
+    slabs = [rcv.source_rows(s) for s in range(len(rcv.region))]  # [n_s, B] views of the window
     q = torch.cat([r[:, :H] for r in slabs]).view(torch.int8)  # [N, H]
     s = torch.cat([r[:, H:] for r in slabs]).view(torch.float32).reshape(-1)  # [N]
     p = cpu_quant.layer_pack(w, attrs, FORMAT)
-    return qgemm.run_quantized_rows(q, s, rcv.idx, torch.ones(rcv.idx.shape[0]), rcv.bounds, p.w1, p.w2, attrs,
-                                    p.kernel_cache)
+    return qgemm.run_quantized_rows(q, s, rcv.idx, rcv.scale, rcv.bounds, p.w1, p.w2, attrs, p.kernel_cache)
 
 
 __all__ = ["FORMAT", "backward", "forward", "supports"]

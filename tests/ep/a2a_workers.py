@@ -444,7 +444,28 @@ def index_paths(rank, world, seeds, ne, H, big_rows):
         y = a2a_cpu.combine_sum(out, rcv, tk, g, x.shape[0], group, 60.0)
         if not torch.equal(y, torch.zeros_like(x).index_add_(0, tk, 2 * g[:, None] * x[tk])):
             bad.append(("combine_sum", seed))
+        # own rows by token: x's T rows once in this rank's region, the own slots' gates as scales; back,
+        # the own region's rows are taken as the experts' weighted sums: y = 2 x + the peers' g * 2 x[token]
+        rcv = a2a_cpu.dispatch_rows(x, tk, splits[rank], group, 60.0, gates=g)
+        got = rcv.window.index_select(0, rcv.idx).view(torch.float32)
+        scales = [torch.where(_dest(sp, world, ne) == rank, gg, 1.0) if r == rank else torch.ones_like(gg)
+                  for r, (sp, gg) in enumerate(zip(splits, gs))]
+        want_s = dispatch_reference([v[:, None] for v in scales], splits, ne, need)[rank][0]
+        want_s = torch.cat([want_s[o : o + n] for n, o in zip(ref_oso[0].tolist(), ref_oso[1].tolist())])
+        if not (torch.equal(got, want) and torch.equal(rcv.scale, want_s[:, 0])):
+            bad.append(("dispatch_rows_by_token", seed))
+        out = rcv.window[: rcv.handle[5]].view(torch.float32) * 2
+        y = a2a_cpu.combine_sum(out, rcv, tk, g, x.shape[0], group, 60.0)
+        peer = _dest(splits[rank], world, ne) != rank
+        want_y = (2 * x).index_add_(0, tk[peer], 2 * g[peer, None] * x[tk[peer]])
+        if not torch.equal(y, want_y):
+            bad.append(("combine_sum_by_token", seed))
     return bad
+
+
+def _dest(in_splits, world, ne):
+    """[S] the rank each rank-major slot goes to."""
+    return torch.repeat_interleave(torch.arange(world), in_splits.reshape(world, ne).sum(1))
 
 
 def a2a_layout_rows(splits, ne):

@@ -41,7 +41,8 @@ _COPY = cpu_cc.Kernel(
      "moe_ep_combine_after": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64],
      "moe_ep_dispatch_send_idx": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR,
                                    _I64, _I64], _I64),
-     "moe_ep_dispatch_index": ([_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR], _I64),
+     "moe_ep_dispatch_index": ([_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
+                                _PTR, _PTR], _I64),
      "moe_ep_combine_sum": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR]},
     "the exchange copies block by block from Python")
 

@@ -358,9 +358,13 @@ void moe_ep_combine_after(const int64_t *hdrs, int64_t W, int64_t R, int64_t me,
 /* ---- the fused op's exchanges by token index (ep/a2a_cpu.py: dispatch_rows, combine_sum) -------
  * A row is [x[tok[i]] (x_bytes) | extra[i] (extra_bytes)]: the token's row read where it lies in x
  * (no sorted copy) and, optionally, a per-slot field (the backward's routing weight).  Source s's
- * rows for dest d go to rows [s * slab_rows, s * slab_rows + n) of d's window, this rank's own
- * rows into its own window too: the local experts then read every row in place, from one base.
+ * rows for dest d go to rows [s * slab_rows, s * slab_rows + n) of d's window.  This rank's own
+ * rows go into its own window too, so that one base addresses every row the local experts read:
+ * by slot like the others, or — "by token", hdr[3] = T >= 0 (no extra field) — as x's T rows
+ * themselves, one copy per token however many of its K experts are local (the experts then read
+ * row tok[i] of that copy and add the K local outputs of a token into one row).
  */
+#define OWN_BY_TOKEN(h) ((h)[3] >= 0)
 
 /* Send this rank's sorted slots (tok [S]: slot i's token; hdr[2] = S): header into every dest's
  * slot, dest d's rows (slots [at_d, at_d + n_d), rank-major) into slab `me` of d's window, then the
@@ -370,9 +374,9 @@ int64_t moe_ep_dispatch_send_idx(const int64_t *hdr, int64_t W, int64_t R, int64
                                  const int64_t *tok, int64_t x_bytes, const char *extra, int64_t extra_bytes,
                                  char *const *win_dst, int64_t slab_rows, char *const *hdr_dst, int64_t *const *flag,
                                  int64_t value, int64_t sleep_off) {
-    int64_t ne = hdr[1], rows_in = hdr[2], row_bytes = hdr[4];
+    int64_t ne = hdr[1], rows_in = hdr[2], row_bytes = hdr[4], by_token = OWN_BY_TOKEN(hdr);
     const int64_t *sp = hdr + NMETA;
-    int64_t total = 0, ok = row_bytes == x_bytes + extra_bytes;
+    int64_t total = 0, ok = row_bytes == x_bytes + extra_bytes && (!by_token || (!extra_bytes && hdr[3] <= slab_rows));
     for (int64_t d = 0; d < R; d++) {
         int64_t n = 0;
         for (int64_t e = 0; e < ne; e++) {
@@ -389,14 +393,15 @@ int64_t moe_ep_dispatch_send_idx(const int64_t *hdr, int64_t W, int64_t R, int64
         int64_t n = 0;
         for (int64_t e = 0; e < ne; e++)
             n += sp[d * ne + e];
-        if (ok) {
-            char *dst = win_dst[d] + me * slab_rows * row_bytes;
+        char *dst = win_dst[d] + me * slab_rows * row_bytes;
+        if (ok && d == me && by_token)
+            memcpy(dst, x, (size_t)(hdr[3] * row_bytes));
+        else if (ok)
             for (int64_t j = 0; j < n; j++, dst += row_bytes) {
                 memcpy(dst, x + tok[at + j] * x_bytes, (size_t)x_bytes);
                 if (extra_bytes)
                     memcpy(dst + x_bytes, extra + (at + j) * extra_bytes, (size_t)extra_bytes);
             }
-        }
         at += n;
     }
     for (int64_t d = 0; d < R; d++) {
@@ -409,27 +414,44 @@ int64_t moe_ep_dispatch_send_idx(const int64_t *hdr, int64_t W, int64_t R, int64
 
 /* Where the rows that moe_ep_dispatch_send_idx sent this rank lie, copying nothing.  Layout rows:
  * source s's rows from row s * slab_rows (packed == 0: the window itself), or packed source after
- * source (packed != 0: a compact copy of the window's rows, source-major).  Writes idx [N] (the
- * layout row of every received row, expert-major: expert e's rows from source 0, then 1, ...),
- * bounds [ne + 1] (expert e owns idx[bounds[e], bounds[e+1])), oso [2, ne*R] (splits, and the
- * layout row of block (e, s) at e*R + s), sent [R] and *need = the end of the last block with rows.
- * Returns N; -1: bad headers (Python names why); -2: a slab too small (*need = bytes); -3: idx
- * holds fewer than N (*need = N). */
+ * source (packed != 0: a compact copy of the window's rows, source-major; region[s] rows each).
+ * Writes idx [N] (the layout row of every received row, expert-major: expert e's rows from source
+ * 0, then 1, ...) and scale [N] (1; by token: this rank's own slots' gate, from gate [S] in slot
+ * order, so that the experts weight them and sum a token's local outputs), bounds [ne + 1] (expert
+ * e owns idx[bounds[e], bounds[e+1])), oso [2, ne*R] (splits, and the layout row of block (e, s)
+ * at e*R + s; by token, this rank's own blocks' offsets are its region's first row), region [R]
+ * (rows of each source's region: its rows to me; by token, T for this rank), sent [R] and
+ * *need = the end of the last region with rows.  Returns N; -1: bad headers (Python names why);
+ * -2: a slab too small (*need = bytes); -3: idx holds fewer than N (*need = N). */
 int64_t moe_ep_dispatch_index(const int64_t *hdrs, int64_t W, int64_t R, int64_t me, int64_t slab_rows,
-                              int64_t packed, int64_t *idx, int64_t cap, int64_t *bounds, int64_t *oso,
-                              int64_t *sent, int64_t *need) {
-    int64_t ne = hdrs[1], row_bytes = hdrs[4];
+                              int64_t packed, const int64_t *tok, const float *gate, int64_t *idx, float *scale,
+                              int64_t cap, int64_t *bounds, int64_t *oso, int64_t *region, int64_t *sent,
+                              int64_t *need) {
+    int64_t ne = hdrs[1], row_bytes = hdrs[4], by_token = OWN_BY_TOKEN(hdrs + me * W);
     int64_t most = check_dispatch_headers(hdrs, W, R, sent);
     if (most < 0)
         return -1;
+    for (int64_t s = 0; s < R; s++) {
+        const int64_t *h = hdrs + s * W;
+        if (OWN_BY_TOKEN(h) != by_token)
+            return -1;
+        most = by_token && h[3] > most ? h[3] : most;
+    }
     if (most > slab_rows) {
         *need = most * row_bytes;
         return -2;
     }
-    int64_t N = 0;
-    for (int64_t s = 0; s < R; s++)
+    int64_t N = 0, start_me = 0;  /* start_me: my slots to me begin after my slots to ranks < me */
+    for (int64_t s = 0; s < R; s++) {
+        region[s] = 0;
         for (int64_t e = 0; e < ne; e++)
-            N += hdrs[s * W + NMETA + me * ne + e];
+            region[s] += hdrs[s * W + NMETA + me * ne + e];
+        N += region[s];
+    }
+    for (int64_t i = 0; i < me * ne; i++)
+        start_me += hdrs[me * W + NMETA + i];
+    if (by_token)
+        region[me] = hdrs[me * W + 3];
     if (N > cap) {
         *need = N;
         return -3;
@@ -437,20 +459,23 @@ int64_t moe_ep_dispatch_index(const int64_t *hdrs, int64_t W, int64_t R, int64_t
     int64_t k = 0, used = 0;
     bounds[0] = 0;
     for (int64_t e = 0; e < ne; e++) {
-        int64_t base = 0;  /* packed: rows of the sources before s */
+        int64_t base = 0;  /* packed: rows of the regions before s */
         for (int64_t s = 0; s < R; s++) {
             const int64_t *sp = hdrs + s * W + NMETA + me * ne;  /* s's splits for my experts */
-            int64_t first = packed ? base : s * slab_rows, n = sp[e];
+            int64_t r0 = packed ? base : s * slab_rows, first = 0, n = sp[e];
             for (int64_t i = 0; i < e; i++)
                 first += sp[i];
+            int64_t own = by_token && s == me;
             oso[e * R + s] = n;
-            oso[ne * R + e * R + s] = first;
-            for (int64_t j = 0; j < n; j++)
-                idx[k++] = first + j;
-            if (n > 0 && first + n > used)
-                used = first + n;
-            for (int64_t i = 0; i < ne; i++)
-                base += sp[i];
+            oso[ne * R + e * R + s] = own ? r0 : r0 + first;
+            for (int64_t j = 0; j < n; j++, k++) {
+                idx[k] = own ? r0 + tok[start_me + first + j] : r0 + first + j;
+                scale[k] = own ? gate[start_me + first + j] : 1.f;
+            }
+            int64_t end = own ? r0 + region[s] : r0 + first + n;
+            if ((own ? region[s] : n) > 0 && end > used)
+                used = end;
+            base += region[s];
         }
         bounds[e + 1] = k;
     }
@@ -460,18 +485,21 @@ int64_t moe_ep_dispatch_index(const int64_t *hdrs, int64_t W, int64_t R, int64_t
 
 /* y [T, h] fp32 (zeroed by the caller) += gate[i] * row i, for every slot i this rank sent (hdr:
  * its dispatch header; slots rank-major, dest d's at [at_d, at_d + n_d)): peer d's rows came back
- * by the combine to row i of `back` (where the slot was sent from), this rank's own are rows
- * [0, n_me) of `own` (the experts' output, never sent).  Slots past the valid ones (invalid ids)
- * are not read.  The K rows of a token are added in slot order. */
+ * by the combine to row i of `back` (where the slot was sent from); this rank's own are the
+ * experts' output rows in `own`: rows [0, n_me) by slot, or — by token (hdr[3] = T >= 0) — rows
+ * [0, T), already weighted and summed per token, added as they are.  Slots past the valid ones
+ * (invalid ids) are not read.  A token's rows are added in slot order. */
 void moe_ep_combine_sum(const int64_t *hdr, int64_t R, int64_t me, const float *back, const float *own, int64_t h,
                         const int64_t *tok, const float *gate, float *y) {
-    int64_t ne = hdr[1], at = 0;
+    int64_t ne = hdr[1], at = 0, by_token = OWN_BY_TOKEN(hdr);
     const int64_t *sp = hdr + NMETA;
+    if (by_token)
+        memcpy(y, own, (size_t)(hdr[3] * h * 4));
     for (int64_t d = 0; d < R; d++) {
         int64_t n = 0;
         for (int64_t e = 0; e < ne; e++)
             n += sp[d * ne + e];
-        for (int64_t j = 0; j < n; j++) {
+        for (int64_t j = 0; j < n && !(by_token && d == me); j++) {
             int64_t i = at + j;
             const float *src = d == me ? own + j * h : back + i * h;
             float g = gate[i], *dst = y + tok[i] * h;
