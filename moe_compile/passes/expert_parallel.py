@@ -100,16 +100,7 @@ _deps_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # ----------------------------------------------------------------------------- graph helpers
 
 
-def collective(node: fx.Node) -> str | None:
-    """``all_to_all_single`` / ``all_reduce`` / ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` /
-    ``wait_tensor`` for c10d functional ops (their ``_autograd`` forms alike), else None."""
-    if node.op != "call_function":
-        return None
-    text = str(node.target)
-    if not text.startswith("_c10d_functional"):
-        return None
-    name = text.split(".")[1]
-    return name[: -len("_autograd")] if name.endswith("_autograd") else name
+collective = gathered.collective  # the c10d functional op's name, or None
 
 
 def group_name_of(node: fx.Node) -> str:
@@ -158,13 +149,26 @@ def style(candidate: Candidate) -> str | None:
         return "all_gather"  # Megatron's all-gather dispatcher, ETP on sequence-parallel tokens
     after = deps.descendants(downs)
     direct = [n for n in after if gathered.reduced_directly(deps, downs, n)]
-    if direct:  # a local slice (or, with ETP, every expert F-sharded) whose sum a collective reduces
+    E = router_width(candidate.topk) or 0
+    # A local slice, or (ETP) every expert F-sharded, whose sum a collective reduces.  Every expert
+    # in another spelling than an ``ids == i`` loop (grouped GEMMs) is left to the single-device
+    # families, which rewrite it the same way (the collective after the region stays).
+    if direct and (len(candidate.clusters) < E or _keyed_by_masks(deps, candidate)):
         return collective(direct[0])
     if len(candidate.clusters) < (router_width(candidate.topk) or 0) and any(
         collective(n) == ALL_REDUCE for n in after
     ):
         return "all_reduce"
     return None
+
+
+def _keyed_by_masks(deps: Deps, candidate: Candidate) -> bool:
+    try:
+        ids = topk_indices(candidate.topk)
+    except Refusal:
+        return False
+    from_ids = deps.descendants([ids])
+    return all(lift_mod.expert_constant(deps, c, ids, from_ids) is not None for c in candidate.clusters)
 
 
 def claims(candidate: Candidate) -> bool:

@@ -40,7 +40,7 @@ import torch.fx as fx
 
 from moe_compile.passes import prove, region as region_mod
 from moe_compile.passes.clusters import Candidate
-from moe_compile.passes.graph import Deps, dtype_of, meta, shape_of, target_name
+from moe_compile.passes.graph import Deps, dtype_of, is_grouped_mm, is_matmul, meta, shape_of, target_name
 from moe_compile.passes.loop import candidate_top_k
 from moe_compile.passes.region import Refusal, Region, topk_indices
 
@@ -48,10 +48,18 @@ AG, RS, AR, WAIT = "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduc
 REDUCING = (AR, RS)
 
 
-def _collective(node: fx.Node) -> str | None:
-    from moe_compile.passes.expert_parallel import collective
+def collective(node: fx.Node) -> str | None:
+    """``all_to_all_single`` / ``all_reduce`` / ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` /
+    ``wait_tensor`` for c10d functional ops (their ``_autograd`` forms alike), else None."""
+    if node.op != "call_function":
+        return None
+    text = str(node.target)
+    if not text.startswith("_c10d_functional"):
+        return None
+    name = text.split(".")[1]
+    return name[: -len("_autograd")] if name.endswith("_autograd") else name
 
-    return collective(node)
+
 
 
 def gathered_value(wait: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
@@ -67,7 +75,7 @@ def gathered_rows(deps: Deps, candidate: Candidate):
     """N: the row count of the gathered top-k ids the experts' masks read."""
     downs = [c.down for c in candidate.clusters]
     between = deps.ancestors(downs) & deps.descendants([candidate.topk])
-    ids = [n for n in between if _collective(n) == AG and dtype_of(n) is not None
+    ids = [n for n in between if collective(n) == AG and dtype_of(n) is not None
            and not dtype_of(n).is_floating_point]
     if len(ids) != 1 or shape_of(ids[0]) is None:
         raise Refusal("expected one all-gather of the top-k ids before the experts", candidate.topk)
@@ -77,13 +85,13 @@ def gathered_rows(deps: Deps, candidate: Candidate):
 def latest_gathers(deps: Deps, output: fx.Node) -> list[fx.Node]:
     """The all-gathers output depends on that no other such gather feeds (an earlier layer's
     gathers reach this layer's through its tokens), in graph order."""
-    gathers = [n for n in deps.ancestors([output]) if _collective(n) == AG]
+    gathers = [n for n in deps.ancestors([output]) if collective(n) == AG]
     earlier = deps.ancestors([a for g in gathers for a in deps.inputs(g)])
     return sorted((g for g in gathers if g not in earlier), key=deps.order.get)
 
 
 def _wait_of(node: fx.Node) -> fx.Node | None:
-    waits = [u for u in node.users if _collective(u) == WAIT]
+    waits = [u for u in node.users if collective(u) == WAIT]
     return waits[0] if len(waits) == 1 else None
 
 
@@ -153,7 +161,7 @@ def cut_gathered(graph: fx.Graph, deps: Deps, x_g, ids_g, w_g, writers, output, 
     tensors = [n for n in frontier if meta(n) is not None and n not in shape_only]
     if tensors:
         names = ", ".join(sorted(n.name for n in tensors))
-        raise Refusal(f"the local experts read tensors other than the gathered tokens, ids, weights and their "
+        raise Refusal(f"the local experts read tensors other than the gathered tokens and routing and their own "
                       f"weights: {names}", output)
     extra = [n for n in frontier if n not in tensors]
     capped = region_mod._capacity_cut(deps, nodes, ids_g)
@@ -165,8 +173,8 @@ def cut_gathered(graph: fx.Graph, deps: Deps, x_g, ids_g, w_g, writers, output, 
     shared = region_mod._sizes_used_outside(nodes, deps)
     nodes -= shared
     extra += sorted((n for n in shared | sizes if any(u in nodes for u in n.users)), key=deps.order.get)
-    if any(_collective(n) is not None for n in nodes):
-        coll = next(n for n in nodes if _collective(n) is not None)
+    if any(collective(n) is not None for n in nodes):
+        coll = next(n for n in nodes if collective(n) is not None)
         raise Refusal("a collective runs inside the local experts' region", coll)
     region_mod._check_closed(deps, nodes, output, buffer)
     ordered = sorted(nodes, key=deps.order.get)
@@ -176,14 +184,12 @@ def cut_gathered(graph: fx.Graph, deps: Deps, x_g, ids_g, w_g, writers, output, 
 def reduced_directly(deps: Deps, downs, node: fx.Node) -> bool:
     """Whether a reducing collective sums the experts' outputs themselves: it depends on every
     expert and no GEMM lies between them (a later layer's TP all_reduce has its own linears)."""
-    if _collective(node) not in REDUCING:
+    if collective(node) not in REDUCING:
         return False
     before = deps.ancestors([node]) - {node}  # with mutation edges: a buffer's writes before the read
     if not all(d in before for d in downs):
         return False
     path = before & deps.descendants(downs)
-    from moe_compile.passes.graph import is_grouped_mm, is_matmul
-
     return not any((is_matmul(n) or is_grouped_mm(n)) and n not in downs for n in path)
 
 
@@ -192,7 +198,7 @@ def reduced_directly(deps: Deps, downs, node: fx.Node) -> bool:
 
 def _has_collective_ancestor(deps: Deps, node: fx.Node) -> bool:
     """Whether node's value (a buffer's: after its in-place writes) is computed from a collective."""
-    return any(_collective(n) is not None for n in deps.ancestors([node, *deps.mutations_of(node)]))
+    return any(collective(n) is not None for n in deps.ancestors([node, *deps.mutations_of(node)]))
 
 
 def _concrete(shape) -> list[int]:
@@ -241,12 +247,12 @@ def proof_values(values, deps: Deps, nodes) -> list:
 def _gather_input(node: fx.Node) -> fx.Node | None:
     """The tensor an all-gather gathered into node (the wait, or the legacy ``out`` buffer)."""
     wait = node
-    if _collective(node) != WAIT:
+    if collective(node) != WAIT:
         copies = [u for u in node.users if target_name(u) == "copy_" and u.args[0] is node]
         if len(copies) != 1 or not isinstance(copies[0].args[1], fx.Node):
             return None
         wait = copies[0].args[1]
-    if _collective(wait) != WAIT or not isinstance(wait.args[0], fx.Node) or _collective(wait.args[0]) != AG:
+    if collective(wait) != WAIT or not isinstance(wait.args[0], fx.Node) or collective(wait.args[0]) != AG:
         return None
     source = wait.args[0].args[0]
     return source if isinstance(source, fx.Node) else None
