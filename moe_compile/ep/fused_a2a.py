@@ -177,8 +177,9 @@ def in_place(cdt: torch.dtype) -> bool:
 
 
 def experts_in_place(rcv: a2a_cpu.Received, dtype, w: ExpertWeights, attrs: FFNAttrs, cdt, keep: bool = False):
-    """(out [L, H] (cdt) every received row's expert output times ``rcv.scale`` added into its layout
-    row of ``rcv`` (own rows by token: a token's local outputs summed, weighted), zero elsewhere; the received rows [N, H] expert-major when ``keep`` or gathered anyway, else None).
+    """(out [L, H] (cdt): every received row's expert output times ``rcv.scale``, added into its
+    layout row of ``rcv`` (own rows by token: a token's local outputs summed, weighted), zero
+    elsewhere; the received rows [N, H] expert-major when ``keep`` or gathered anyway, else None).
     Prepacked fp32 panels run the packed kernel once over every expert's rows where they lie in the
     window (``rcv.idx``: its row list, expert-major); other FFNs gather the rows and run the loop."""
     from moe_compile.kernels.cpu import experts as cpu_experts, prepack as cpu_prepack
@@ -236,9 +237,10 @@ def forget_kept() -> None:
 
 def take_kept(x, topk_ids):
     """setup_context's part: the last forward's Kept when it was this call's (the same x and topk_ids
-    objects' data; a traced call's fake tensors never match), else None; the slot is emptied."""
+    data; a traced call's tensors — fake, functional: subclasses — never match), else None; the
+    slot is emptied."""
     kept = _KEPT.pop("forward", None)
-    if kept is None or isinstance(x, torch._subclasses.FakeTensor) or x.device.type != "cpu":
+    if kept is None or any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in (x, topk_ids)):
         return None
     return kept if kept.matches(x, topk_ids) else None
 

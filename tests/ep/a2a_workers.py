@@ -293,7 +293,7 @@ def rel(a, b):
 
 def fullgraph(rank, world):
     """A model calling the a2a fused op compiles with fullgraph=True (no capture_scalar_outputs) and
-    gives eager's result."""
+    gives eager's result and input gradient."""
     import torch._dynamo
 
     from moe_compile.ep.op import call_fused_moe_ep
@@ -310,10 +310,14 @@ def fullgraph(rank, world):
         return call_fused_moe_ep(x, i, g, w, FFNAttrs(), group, E, transport="a2a") + x
 
     scores = torch.randn(6, E, generator=torch.Generator().manual_seed(rank))
-    want = layer(xs[rank], scores)
     assert not torch._dynamo.config.capture_scalar_outputs
-    got = torch.compile(layer, fullgraph=True, backend="aot_eager")(xs[rank], scores)
-    return rel(got, want)
+    res = []
+    for fn in (layer, torch.compile(layer, fullgraph=True, backend="aot_eager")):
+        x = xs[rank].clone().requires_grad_()  # eager: the forward keeps its rows; compiled: the backward resends x
+        y = fn(x, scores)
+        y.sum().backward()
+        res.append((y, x.grad))
+    return max(rel(got, want) for got, want in zip(res[1], res[0]))
 
 
 def window_paths(rank, world, seeds, ne, H, big_rows):
