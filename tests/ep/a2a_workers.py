@@ -418,8 +418,8 @@ def index_paths(rank, world, seeds, ne, H, big_rows):
 
     group = dist.group.WORLD.group_name
     bad = []
-    for seed in list(seeds) + ["big"]:
-        gen = torch.Generator().manual_seed(7 if seed == "big" else seed)
+    for seed in list(seeds) + ["big_T", "big"]:  # big_T first: the slabs grow for x's rows sent by token
+        gen = torch.Generator().manual_seed(7 if isinstance(seed, str) else seed)
         if seed == "big":  # big rows per (source, dest) of H fp32: more than the 1 MiB first slab
             splits = [torch.zeros(world * ne, dtype=torch.long) for _ in range(world)]
             for sp in splits:
@@ -427,6 +427,8 @@ def index_paths(rank, world, seeds, ne, H, big_rows):
         else:
             _, splits, _ = random_dispatch(gen, world, ne, 1)
         Ts = [int(torch.randint(1, 9, (1,), generator=gen)) for _ in range(world)]
+        if seed == "big_T":  # big tokens: this rank's own region (x's T rows) outgrows the first slab
+            Ts = [big_rows] * world
         xs = [torch.randint(-8, 8, (t, H), generator=gen).float() for t in Ts]
         toks = [torch.randint(0, t, (int(sp.sum()),), generator=gen) for t, sp in zip(Ts, splits)]
         gs = [2.0 ** torch.randint(-2, 2, (tk.shape[0],), generator=gen).float() for tk in toks]
