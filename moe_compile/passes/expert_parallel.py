@@ -147,13 +147,14 @@ def style(candidate: Candidate) -> str | None:
         return "all_to_all"
     if any(collective(n) == ALL_GATHER for n in between):
         return "all_gather"  # Megatron's all-gather dispatcher, ETP on sequence-parallel tokens
+    # Styles (b): experts selected by ``ids == i`` masks (a local slice, or with ETP every expert
+    # F-sharded) whose sum a collective reduces.  Experts in other spellings (grouped or gathered
+    # GEMMs) are left to the single-device families, which rewrite them and keep the collective.
+    if not _keyed_by_masks(deps, candidate):
+        return None
     after = deps.descendants(downs)
     direct = [n for n in after if gathered.reduced_directly(deps, downs, n)]
-    E = router_width(candidate.topk) or 0
-    # A local slice, or (ETP) every expert F-sharded, whose sum a collective reduces.  Every expert
-    # in another spelling than an ``ids == i`` loop (grouped GEMMs) is left to the single-device
-    # families, which rewrite it the same way (the collective after the region stays).
-    if direct and (len(candidate.clusters) < E or _keyed_by_masks(deps, candidate)):
+    if direct:
         return collective(direct[0])
     if len(candidate.clusters) < (router_width(candidate.topk) or 0) and any(
         collective(n) == ALL_REDUCE for n in after
@@ -383,9 +384,16 @@ def _drop_absorbed_collectives(deps: Deps, region: Region) -> None:
 def _reducing_collective(deps: Deps, region: Region) -> fx.Node:
     """The all_reduce (or reduce_scatter) that reads the region's accumulated output (the model keeps it)."""
     result = region.buffer if region.buffer is not None else region.output
-    for user in result.users:
-        if collective(user) in REDUCING and (region.buffer is None or deps.order[user] > deps.order[region.output]):
+    readers, seen = list(result.users), set()
+    while readers:  # the result itself, or a view of it (``y.view(shape)``)
+        user = readers.pop(0)
+        if user in seen or (region.buffer is not None and deps.order[user] < deps.order[region.output]):
+            continue
+        seen.add(user)
+        if collective(user) in REDUCING:
             return user
+        if is_view_like(user) and user.args and user.args[0] in (result, *seen):
+            readers += list(user.users)
     raise Refusal("the local experts' output is not what the all_reduce (or reduce_scatter) sums", region.output)
 
 

@@ -158,7 +158,37 @@ def refused(rank: int, world: int) -> dict:
     return out
 
 
+def reduced_single_device(rank: int, world: int) -> dict:
+    """A gpt-fast-style MoE (weights gathered per token, family C) whose output an all_reduce
+    sums: left to its own family, rewritten there, the all_reduce kept."""
+    import torch.distributed._functional_collectives as funcol
+
+    from moe_compile import zoo
+    from moe_compile.api import capture_flags
+    from moe_compile.compiler import collecting_reports
+    from tests.conftest import rel_err
+
+    class Reduced(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(rank)
+            self.moe = zoo.GatheredMoE(H, 48, 8, 2)
+
+        def forward(self, x):
+            return funcol.all_reduce(self.moe(x), "sum", dist.group.WORLD)
+
+    torch._dynamo.reset()
+    model = Reduced()
+    x = torch.randn(6, H, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(x)
+        with capture_flags(), collecting_reports() as report:
+            got = torch.compile(model, backend="moe", options={"inner": "eager"})(x)
+    return {"err": rel_err(got, want), "rewritten": [r.family for r in report.rewritten], "text": str(report)}
+
+
 def world2(rank: int, world: int, cases: list[dict], grad_cases: list[dict]) -> dict:
     """Everything the world-2 tests check, in one spawn (spawning costs seconds on 2 cores)."""
     return {"cases": run_cases(rank, world, cases), "grads": [grads(rank, world, c) for c in grad_cases],
-            "refused": refused(rank, world), "simulated": simulated_vs_real(rank, world)}
+            "refused": refused(rank, world), "simulated": simulated_vs_real(rank, world),
+            "single_device": reduced_single_device(rank, world)}

@@ -111,6 +111,12 @@ def test_lockstep_simulation_of_all_gather_and_reduce_scatter(world2):
         assert value["simulated"]["shape"] == [3, 4] and value["simulated"]["err"] <= 1e-6, value["simulated"]
 
 
+def test_single_device_moe_before_an_all_reduce_stays_with_its_family(world2):
+    for value in world2.values():
+        got = value["single_device"]
+        assert got["rewritten"] == ["gathered"] and got["err"] <= FP32_TOL, got["text"]
+
+
 def test_ep_x_etp_on_four_ranks_rewritten_and_equal():
     per_rank = _ok(run_world(4, "tests.ep.etp_workers.run_cases", WORLD4_CASES, timeout=300.0))
     _check_cases(per_rank, 4, WORLD4_CASES)
