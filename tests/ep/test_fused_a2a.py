@@ -27,6 +27,8 @@ def _scenarios(world):
         ("bf16", [T] * world, "uniform", torch.bfloat16),
         ("bf16_everything_to_rank0", [T] * world, "rank0", torch.bfloat16),
         ("bf16_T0_on_rank1", [T if r != 1 else 0 for r in range(world)], "uniform", torch.bfloat16),
+        ("bf16_unequal_T", [3 + 4 * r for r in range(world)], "uniform", torch.bfloat16),
+        ("bf16_rank1_empty", [T] * world, "rank1_empty", torch.bfloat16),
     ]
 
 
