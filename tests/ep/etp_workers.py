@@ -52,11 +52,14 @@ def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
     for case in cases:
         torch._dynamo.reset()
         model, seed = build(rank, world, case)
+        dtype = getattr(torch, case.get("dtype", "float32"))
+        model = model.to(dtype)
         x = torch.randn(1, case.get("tokens", 6), H, generator=torch.Generator().manual_seed(100 + seed))
         top_k = case.get("kwargs", {}).get("top_k", 2)
         with torch.no_grad():
-            want = model(x)
             ref = zoo_ep.GlobalReference(top_k=top_k)(x)
+            x = x.to(dtype)
+            want = model(x)
             if case["kind"] == "all_gather_two_layers":
                 ref = zoo_ep.GlobalReference(top_k=top_k, seed=5)(ref)
             compiled = torch.compile(model, backend="moe", options={"inner": "eager"})

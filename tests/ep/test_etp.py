@@ -17,6 +17,9 @@ from tests.ep.harness import run_world
 pytestmark = pytest.mark.dist
 
 FP32_TOL = 1e-5
+# bf16: the per-expert loop rounds each expert's output and each index_add to bf16, the fused op
+# accumulates the K experts in fp32 and rounds once (8 mantissa bits: ~4e-3 per rounding).
+BF16_TOL = 2e-2
 E, F = 8, 96  # zoo_ep's defaults
 
 WORLD2_CASES = [
@@ -28,6 +31,7 @@ WORLD2_CASES = [
     {"name": "two all-gather layers in one graph", "kind": "all_gather_two_layers"},
     {"name": "Megatron's dispatcher: dense routing map, permute / unpermute", "kind": "all_gather",
      "kwargs": {"routing": "map"}},
+    {"name": "all-gather dispatcher in bf16", "kind": "all_gather", "dtype": "bfloat16"},
 ]
 WORLD2_GRADS = [
     {"name": "all-gather dispatcher, autograd funcol", "kind": "all_gather", "kwargs": {"differentiable": True}},
@@ -50,6 +54,7 @@ EXPECTED = {
     "ETP on replicated tokens, all_reduce": ("all_reduce", 8, F // 2),
     "two all-gather layers in one graph": ("all_gather", 4, F),
     "Megatron's dispatcher: dense routing map, permute / unpermute": ("all_gather", 4, F),
+    "all-gather dispatcher in bf16": ("all_gather", 4, F),
     "EP x ETP, Megatron's dense routing map over the tp_ep group": ("all_gather", 4, F // 2),
     "EP x ETP, all-to-all over EP, all_reduce over ETP": ("all_to_all", 4, F // 2),
     "EP x ETP, all-gather over the tp_ep group": ("all_gather", 4, F // 2),
@@ -71,8 +76,9 @@ def _check_cases(per_rank: dict, world: int, cases: list[dict]) -> None:
             ep_world = world // 2 if style == "all_to_all" else world
             layers = 2 if "two" in case["name"] else 1
             assert case["rewritten"] == [("expert_parallel", ep_world, local, style, ffn)] * layers, where
-            assert case["err"] <= FP32_TOL and case["err_again"] <= FP32_TOL, (case["err"], where)
-            assert case["eager_vs_global"] <= 2e-5, (case["eager_vs_global"], where)  # the shards add up
+            tol, tol_global = (BF16_TOL, 3e-2) if "bf16" in case["name"] else (FP32_TOL, 2e-5)
+            assert case["err"] <= tol and case["err_again"] <= tol, (case["err"], where)
+            assert case["eager_vs_global"] <= tol_global, (case["eager_vs_global"], where)  # the shards add up
 
 
 @pytest.fixture(scope="module")
