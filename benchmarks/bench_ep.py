@@ -20,7 +20,10 @@ Per world size (ranks = processes on this host, gloo, 1 torch thread each) and s
   comm_a2a_int8   the same with the int8 rows (H + 4 bytes) out, fp32 rows back
   comm_symm       the heap exchange with no expert work (rows out, rows back)
   comm_gloo       the gloo all_to_all_single exchange of the same rows, both ways (+ counts)
-  compute         the local experts on the rows this rank receives, no exchange
+  compute         the local experts on the rows this rank receives, no exchange (``fused_moe_cpu`` with
+                  K = 1 on a contiguous copy: its own sort, gather and combine included)
+  kernel          the packed experts kernel alone on as many contiguous expert-sorted rows (a tighter
+                  roof: nothing around the GEMMs)
 Times: per call, the median over repeats of the slowest rank's time in that repeat (ranks start
 each repeat after a barrier — gloo's, then a shared-memory flag barrier unless ``--barrier gloo`` —
 and a layer is done when its slowest rank is).
@@ -28,8 +31,8 @@ Bytes: what the a2a exchange moves between ranks per call and rank (rows to / fr
 ranks; a rank's own rows never cross), dispatch + combine (the backward's: [dy | g] rows out now
 that the forward keeps its received rows, against [x | dy | g] before; [dx | dg] back); "model" =
 those bytes / the measured shared-memory copy bandwidth (``shm_bw``, one 64 MiB copy into
-/dev/shm, one thread), "GB/s" = the bytes / comm_a2a.  Ratios: fused_a2a / (compute + comm_a2a), fused_a2a / (compute + model),
-eager_gloo / fused_a2a.  The a2a table's rows are timed interleaved (one repeat of each in turn).
+/dev/shm, one thread), "GB/s" = the bytes / comm_a2a.  Ratios: fused_a2a / (compute + comm_a2a),
+fused_a2a / (compute + model), eager_gloo / fused_a2a, fused_a2a / (kernel + model).  The a2a table's rows are timed interleaved (one repeat of each in turn).
 Overlap figure: fused_symm / max(comm_symm, compute) (the issue's target: <= 1.15).
 Every run records ``uptime``'s load beside its figures: the CI machine is shared.  ``--pin`` puts
 rank r on core r: unpinned, gloo's wake-ups can leave both ranks on one core (the 2-core VM: a
@@ -183,7 +186,8 @@ def _run_shapes(rank, world, cfg):
         a2a_rows = {"eager_gloo": lambda: eager_ep_layer(x, ids, gw, w, attrs, g, E), "fused_a2a": fused("a2a"),
                     "fused_a2a_int8": fused("a2a-int8"), "comm_a2a": _a2a_exchange(x, ids, gw, E, g.group_name),
                     "comm_a2a_int8": _a2a_exchange(x, ids, gw, E, g.group_name, int8=True),
-                    "compute": _compute_only(rank, world, x, ids, gw, w, attrs, E, gen)}
+                    "compute": _compute_only(rank, world, x, ids, gw, w, attrs, E, gen),
+                    "kernel": _kernel_only(rank, world, x, ids, w, attrs, E, gen)}
         row.update(_timeit_interleaved(a2a_rows, rep, wu))
         row["bytes_a2a"] = _a2a_bytes(ids, E, world, rank, H * 4, H * 4)
         row["bytes_a2a_int8"] = _a2a_bytes(ids, E, world, rank, H + 4, H * 4)
@@ -228,6 +232,29 @@ def _compute_only(rank, world, x, ids, gw, w, attrs, E, gen):
     grow = torch.rand(n, generator=gen)
     counts = recv.tolist()
     return lambda: experts_on_rows(rows, grow, counts, w, attrs, out)
+
+
+def _kernel_only(rank, world, x, ids, w, attrs, E, gen):
+    """The packed experts kernel alone (``kernels/cpu/experts.run``) on as many contiguous rows as
+    this rank receives, expert-sorted: the experts' arithmetic with no sort, gather or combine
+    around it (falls back to ``_compute_only`` where the weights do not pack)."""
+    from moe_compile.ep.plan import make_plan
+    from moe_compile.kernels.cpu import experts as cpu_experts, prepack as cpu_prepack
+
+    plan = make_plan(ids, E, world)
+    allc = [torch.empty_like(plan.counts) for _ in range(world)]
+    dist.all_gather(allc, plan.counts, group=dist.group.WORLD)
+    per_expert = torch.stack(allc)[:, rank].sum(0)  # [El]
+    n = int(per_expert.sum())
+    rows = torch.randn(n, x.shape[1], generator=gen)
+    bounds = [0] + per_expert.cumsum(0).tolist()
+    packed = None
+    for _ in range(3):  # the weights are packed once they have been seen unchanged
+        packed = cpu_prepack.lookup(rows, w, attrs)
+    if packed is None or not packed.fused:
+        return _compute_only(rank, world, x, ids, torch.ones_like(ids, dtype=torch.float32), w, attrs, E, gen)
+    tokens, ones = torch.arange(n), torch.ones(n)
+    return lambda: cpu_experts.run(rows, tokens, ones, packed, w, attrs, bounds, torch.get_num_threads())
 
 
 def _run_exchange(rank, world, cfg):
@@ -373,8 +400,9 @@ def _a2a_table(all_results, bw: float) -> list:
     lines = ["", f"a2a transport (shared-memory copy bandwidth measured here: {bw / 1e9:.1f} GB/s, one thread):", "",
              "| world | T | shape | eager gloo | fused a2a | fused a2a-int8 | int8 / fp32 | compute | comm a2a | "
              "bytes/call (disp + comb) | GB/s | model = bytes/bw | fused / (compute + comm) | "
-             "fused / (compute + model) | gloo / fused | int8 comm | int8 bytes | bwd bytes (dy only / x and dy) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "fused / (compute + model) | gloo / fused | int8 comm | int8 bytes | bwd bytes (dy only / x and dy) | "
+             "kernel | fused / (kernel + model) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (world, T), res in all_results.items():
         for shape, r in res.items():
             b, b8 = sum(r["bytes_a2a"]), sum(r["bytes_a2a_int8"])
@@ -386,7 +414,8 @@ def _a2a_table(all_results, bw: float) -> list:
                 f"{r['fused_a2a'] / (r['compute'] + r['comm_a2a']):.3f} | "
                 f"{r['fused_a2a'] / (r['compute'] + model):.3f} | "
                 f"{r['eager_gloo'] / r['fused_a2a']:.2f}x | {r['comm_a2a_int8']*1e3:.3f} | {b8 / 1e6:.3f} MB | "
-                f"{sum(r['bytes_a2a_bwd']) / 1e6:.3f} / {sum(r['bytes_a2a_bwd_resend']) / 1e6:.3f} MB |")
+                f"{sum(r['bytes_a2a_bwd']) / 1e6:.3f} / {sum(r['bytes_a2a_bwd_resend']) / 1e6:.3f} MB | "
+                f"{r['kernel']*1e3:.2f} | {r['fused_a2a'] / (r['kernel'] + model):.3f} |")
     return lines
 
 
