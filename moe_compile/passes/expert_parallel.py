@@ -227,9 +227,12 @@ class EPMatch(Match):
         lo, n = self.id_offset, self.dense_local
         cols = (slice(None), slice(lo, lo + n))
         picked = g.call_function(operator.getitem, (self.region.ids, cols))  # [N, E_l] bool
+        picked = g.call_method("to", (picked, torch.int64))  # 0 / 1
         device = meta(self.region.x).device
-        experts = g.call_function(torch.arange, (lo, lo + n), {"device": device})  # [E_l]
-        ids = g.call_function(torch.where, (picked, experts, lo + n))  # [N, E_l]
+        offsets = g.call_function(torch.arange, (-n, 0), {"device": device})  # [E_l]: (lo + e) - (lo + n)
+        # lo + n + picked * (e - n): arithmetic, not torch.where — Inductor's C++ vectorizer asserts on a
+        # where over a bool loaded from a collective's buffer (torch 2.13, CPU)
+        ids = g.call_function(torch.add, (g.call_function(torch.mul, (picked, offsets)), lo + n))  # [N, E_l]
         return ids, g.call_function(operator.getitem, (self.region.weights, cols))  # [N, E_l]
 
 

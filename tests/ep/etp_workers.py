@@ -62,7 +62,7 @@ def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
             want = model(x)
             if case["kind"] == "all_gather_two_layers":
                 ref = zoo_ep.GlobalReference(top_k=top_k, seed=5)(ref)
-            compiled = torch.compile(model, backend="moe", options={"inner": "eager"})
+            compiled = torch.compile(model, backend="moe", options={"inner": case.get("inner", "eager")})
             with capture_flags(), collecting_reports() as report:
                 got = compiled(x)
             again = compiled(x)  # a second call runs the compiled graph alone
@@ -71,6 +71,7 @@ def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
             "eager_vs_global": rel_err(want, ref),
             "rewritten": [(r.family, r.world_size, r.local_experts, r.ep_style, r.ffn) for r in report.rewritten],
             "skipped": [s.reason for s in report.skipped], "text": str(report),
+            "notes": [n.text for n in report.notes],
         })
     return out
 
