@@ -32,7 +32,8 @@ ranks; a rank's own rows never cross), dispatch + combine (the backward's: [dy |
 that the forward keeps its received rows, against [x | dy | g] before; [dx | dg] back); "model" =
 those bytes / the measured shared-memory copy bandwidth (``shm_bw``, one 64 MiB copy into
 /dev/shm, one thread), "GB/s" = the bytes / comm_a2a.  Ratios: fused_a2a / (compute + comm_a2a),
-fused_a2a / (compute + model), eager_gloo / fused_a2a, fused_a2a / (kernel + model).  The a2a table's rows are timed interleaved (one repeat of each in turn).
+fused_a2a / (compute + model), eager_gloo / fused_a2a, fused_a2a / (kernel + model).  The a2a
+table's rows are timed interleaved (one repeat of each in turn).
 Overlap figure: fused_symm / max(comm_symm, compute) (the issue's target: <= 1.15).
 Every run records ``uptime``'s load beside its figures: the CI machine is shared.  ``--pin`` puts
 rank r on core r: unpinned, gloo's wake-ups can leave both ranks on one core (the 2-core VM: a

@@ -19,9 +19,9 @@ Forward (each row copied once, into its expert's window; ``in_place``):
      one row); other FFNs gather the rows and run one GEMM chain per expert;
   4. ``a2a_cpu.combine_sum``: the peers' output rows go back to the row of their source's window
      they were sent from, the own rows stay where the experts wrote them, and one C pass starts y
-     from them and adds g * row of every peer slot into its token's row (the routing weight applied here, at the source, which is
-     exact for ``weight_on="output"`` and for ``"between"`` without an FC2 bias — the two
-     ``supports`` accepts).
+     from them and adds g * row of every peer slot into its token's row (the routing weight
+     applied at the source, which is exact for ``weight_on="output"`` and for ``"between"``
+     without an FC2 bias — the two ``supports`` accepts).
   Without the C copy kernel (or with fp64) the copying path runs instead: a sorted copy of the
   rows, the compact receive window (``a2a_cpu.exchange(window=True)``), the combine to the source.
 Backward: when autograd records the forward, the forward keeps the rows it received (a copy of

@@ -109,8 +109,9 @@ def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_
 
 def _experts_received(rcv, w: ExpertWeights, attrs: FFNAttrs) -> torch.Tensor:
     """[L, H] fp32 outputs of the received int8 rows times ``rcv.scale``, in ``rcv``'s packed layout
-    (region after region; this rank's own: its T tokens, their local outputs weighted and summed): the codes and scales copied out of the window's slabs once (the kernel rewrites its
-    codes in place, so they cannot stay in the window), the experts' rows by ``rcv.idx``."""
+    (region after region; this rank's own: its T tokens, their local outputs weighted and summed):
+    the codes and scales copied out of the window's slabs once (the kernel rewrites its codes in
+    place, so they cannot stay in the window), the experts' rows by ``rcv.idx``."""
     from moe_compile.kernels.cpu import qgemm, quant as cpu_quant
 
     H = w.hidden()

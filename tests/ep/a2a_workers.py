@@ -396,7 +396,8 @@ def packed_forward(rank, world, scenarios):
     for name, Ts, routing in scenarios:
         fc1, fc2, xs, ids, gws, _ = _problem(world, Ts, H, F, E, K, routing, seed=len(results) + 51)
         want = fused_moe_reference(xs[rank], ids[rank], gws[rank], ExpertWeights((fc1,), (), (fc2,)), FFNAttrs())
-        mine = ExpertWeights((fc1[rank * el : (rank + 1) * el].clone(),), (), (fc2[rank * el : (rank + 1) * el].clone(),))
+        lo, hi = rank * el, (rank + 1) * el
+        mine = ExpertWeights((fc1[lo:hi].clone(),), (), (fc2[lo:hi].clone(),))
         for _ in range(3):
             with _Scalars() as fwd:
                 y = call_fused_moe_ep(xs[rank], ids[rank], gws[rank], mine, FFNAttrs(), dist.group.WORLD, E,
