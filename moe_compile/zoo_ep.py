@@ -111,6 +111,37 @@ def _funcol(name: str, differentiable: bool):
     return found if found is not None else getattr(funcol, f"{name}_tensor{suffix}")
 
 
+class _GatherFromRegion(torch.autograd.Function):
+    """Megatron's all-gather of sequence-parallel rows as an autograd.Function: the legacy in-place
+    collective forward, its reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, t, group):  # [T, ...] -> [R*T, ...]
+        ctx.group = group
+        out = t.new_empty((dist.get_world_size(group) * t.shape[0], *t.shape[1:]))
+        dist.all_gather_into_tensor(out, t.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _ReduceScatterToRegion.apply(grad, ctx.group), None
+
+
+class _ReduceScatterToRegion(torch.autograd.Function):
+    """Megatron's reduce-scatter back to sequence-parallel rows; its backward is the all-gather."""
+
+    @staticmethod
+    def forward(ctx, y, group):  # [R*T, ...] -> [T, ...]
+        ctx.group = group
+        out = y.new_empty((y.shape[0] // dist.get_world_size(group), *y.shape[1:]))
+        dist.reduce_scatter_tensor(out, y.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _GatherFromRegion.apply(grad, ctx.group), None
+
+
 def _all_reduce(y, group, collectives):
     if collectives == "functional":
         return funcol.all_reduce(y, "sum", group)
@@ -242,13 +273,16 @@ class AllGatherEPMoE(nn.Module):
     ``tp``: expert-TP ranks inside ``group`` (rank r: EP rank r // tp, F-shard r % tp).
     ``differentiable``: the autograd forms of funcol's gather / reduce-scatter (a training step).
     ``routing="map"``: Megatron's own spelling: a dense [T, E] probs matrix and boolean routing map
-    gathered instead of the top-k ids and weights, permuted / unpermuted by the map."""
+    gathered instead of the top-k ids and weights, permuted / unpermuted by the map.
+    ``collectives="autograd_function"``: the float gathers and the reduce-scatter through custom
+    autograd.Functions around the in-place collectives, as Megatron writes them (differentiable)."""
 
     def __init__(self, hidden=64, ffn=96, experts=8, top_k=2, group=None, tp=1, collectives="functional",
                  local_experts="modulelist", seed=0, route_bias=None, differentiable=False, routing="topk"):
         super().__init__()
-        if collectives not in COLLECTIVES or local_experts not in LOCAL_EXPERTS or routing not in ("topk", "map"):
-            raise ValueError(f"collectives in {COLLECTIVES}, local_experts in {LOCAL_EXPERTS}, routing topk or map")
+        gathers = (*COLLECTIVES, "autograd_function")
+        if collectives not in gathers or local_experts not in LOCAL_EXPERTS or routing not in ("topk", "map"):
+            raise ValueError(f"collectives in {gathers}, local_experts in {LOCAL_EXPERTS}, routing topk or map")
         self.routing = routing
         if differentiable and collectives != "functional":
             raise ValueError("only funcol's autograd collectives are differentiable")
@@ -270,6 +304,8 @@ class AllGatherEPMoE(nn.Module):
     def _gather(self, t, grad=True):  # [T, ...] -> [R*T, ...], rank-major
         if self.collectives == "functional":
             return _funcol("all_gather", grad and self.differentiable)(t, 0, self.group)
+        if self.collectives == "autograd_function" and t.is_floating_point():
+            return _GatherFromRegion.apply(t, self.group)
         out = t.new_empty((self.world * t.shape[0], *t.shape[1:]))
         dist.all_gather_into_tensor(out, t, group=self.group)
         return out
@@ -277,6 +313,8 @@ class AllGatherEPMoE(nn.Module):
     def _reduce_scatter(self, y):  # [R*T, H] -> [T, H], summed over the group
         if self.collectives == "functional":
             return _funcol("reduce_scatter", self.differentiable)(y, "sum", 0, self.group)
+        if self.collectives == "autograd_function":
+            return _ReduceScatterToRegion.apply(y, self.group)
         out = y.new_empty((y.shape[0] // self.world, *y.shape[1:]))
         dist.reduce_scatter_tensor(out, y, group=self.group)
         return out

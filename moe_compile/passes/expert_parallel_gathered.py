@@ -117,13 +117,14 @@ def gathered_routing(deps: Deps, candidate: Candidate, output: fx.Node, hidden_s
             raise Refusal(f"the experts read {why}", gather)
         found[role] = value
         writers += [wait, *copies]
-    dense = "routing map" in found and "dense weights" in found and "top-k ids" not in found
-    roles = ("tokens", "routing map", "dense weights") if dense else ("tokens", "top-k ids", "routing weights")
+    dense = ("routing map" in found or "routing probs" in found) and "top-k ids" not in found
+    roles = ("tokens", "routing map", "routing probs") if dense else ("tokens", "top-k ids", "routing weights")
     x_g, ids_g, w_g = (found.get(r) for r in roles)
     missing = [r for r in roles if r not in found]
     if missing:
-        raise Refusal(f"the experts read gathered rows but not gathered {', '.join(missing)} (each rank must "
-                      f"gather its tokens, top-k ids and weights over one group)", gathers[0] if gathers else output)
+        raise Refusal(f"the experts read gathered rows but no gathered {', '.join(missing)} in this graph (a "
+                      f"gather inside a custom autograd.Function, as Megatron's, is hidden in a higher-order op when "
+                      f"the graph is traced for training)", gathers[0] if gathers else output)
     if not (region_mod._same(shape_of(x_g)[0], shape_of(ids_g)[0])
             and region_mod._same(shape_of(ids_g)[0], shape_of(w_g)[0])):
         raise Refusal("the gathered tokens, ids and weights have different row counts", gathers[0])
@@ -133,7 +134,7 @@ def gathered_routing(deps: Deps, candidate: Candidate, output: fx.Node, hidden_s
 def _gathered_role(value, source, K, E, hidden_sizes, from_ids, from_router) -> str | None:
     """"tokens" ([N, H], not from the router), "top-k ids" (integer [N, K] of the ids), "routing
     weights" (floating [N, K] from the router), Megatron's "routing map" (boolean [N, E] from the
-    router) or "dense weights" (its floating [N, E] probs): what an all-gather's result is to the experts."""
+    router) or "routing probs" (its floating [N, E] probs): what an all-gather's result is to the experts."""
     shape, dtype = shape_of(value), dtype_of(value)
     if shape is None or dtype is None or len(shape) != 2:
         return None
@@ -145,7 +146,7 @@ def _gathered_role(value, source, K, E, hidden_sizes, from_ids, from_router) -> 
     if per_slot and source in from_router:
         return "routing weights"
     if per_expert and source in from_router:
-        return "dense weights"
+        return "routing probs"
     if any(region_mod._same(shape[1], h) for h in hidden_sizes) and source not in from_router:
         return "tokens"
     return None

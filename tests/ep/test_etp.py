@@ -32,6 +32,8 @@ WORLD2_CASES = [
     {"name": "Megatron's dispatcher: dense routing map, permute / unpermute", "kind": "all_gather",
      "kwargs": {"routing": "map"}},
     {"name": "all-gather dispatcher in bf16", "kind": "all_gather", "dtype": "bfloat16"},
+    {"name": "Megatron's autograd.Function gathers, dense map (inference)", "kind": "all_gather",
+     "kwargs": {"collectives": "autograd_function", "routing": "map"}},
 ]
 WORLD2_GRADS = [
     {"name": "all-gather dispatcher, autograd funcol", "kind": "all_gather", "kwargs": {"differentiable": True}},
@@ -55,6 +57,7 @@ EXPECTED = {
     "two all-gather layers in one graph": ("all_gather", 4, F),
     "Megatron's dispatcher: dense routing map, permute / unpermute": ("all_gather", 4, F),
     "all-gather dispatcher in bf16": ("all_gather", 4, F),
+    "Megatron's autograd.Function gathers, dense map (inference)": ("all_gather", 4, F),
     "EP x ETP, Megatron's dense routing map over the tp_ep group": ("all_gather", 4, F // 2),
     "EP x ETP, all-to-all over EP, all_reduce over ETP": ("all_to_all", 4, F // 2),
     "EP x ETP, all-gather over the tp_ep group": ("all_gather", 4, F // 2),
@@ -101,6 +104,14 @@ def test_training_step_gradients_equal(world2):
 
 WHY = {"tanh": "could not prove the expert-parallel region",
        "dense_probs_only": "that is neither tokens nor routing from the top-k"}
+
+
+def test_gathers_hidden_in_autograd_functions_left_alone_in_training(world2):
+    for value in world2.values():
+        got = value["hidden"]
+        assert got["rewritten"] == [], got["text"]
+        assert any("autograd.Function" in r for r in got["skipped"]), got["skipped"]
+        assert max(got["errs"].values()) <= FP32_TOL, got["errs"]  # and the model still trains right
 
 
 def test_unprovable_gathered_regions_left_alone_with_reason(world2):
