@@ -25,6 +25,9 @@ Shapes:  B batch, S sequence, T = B*S tokens per rank, H hidden, F expert FFN wi
   its own tokens' sums back.  ``tp > 1``: expert tensor parallel inside the group (Megatron's
   tp_ep group, expert-TP ranks adjacent): rank r holds experts of EP rank r // tp and the F-shard
   r % tp of their FC1 / FC1-up / FC2, so the reduce-scatter also sums the F-shards.
+  ``routing="map"``: Megatron's own form (a [T, E] routing map and probs gathered, permute by
+  ``masked_select``, experts on ``split`` by counts, unpermute by ``scatter_add``);
+  ``collectives="autograd_function"``: its gather / reduce-scatter autograd.Functions.
 * ``ETPMoE``  expert tensor parallel with tokens already replicated over the ETP group (after a
   TP attention without sequence parallel): every expert on every rank, F-sharded; the partial
   outputs are summed by ``all_reduce`` over the ETP group.

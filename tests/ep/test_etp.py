@@ -94,8 +94,12 @@ def test_all_gather_dispatcher_and_etp_rewritten_and_equal(world2):
 
 
 def test_training_step_gradients_equal(world2):
-    for rank, value in world2.items():
-        for case, got in zip(WORLD2_GRADS, value["grads"]):
+    _check_grads(world2, WORLD2_GRADS)
+
+
+def _check_grads(per_rank: dict, grad_cases: list[dict]) -> None:
+    for rank, value in per_rank.items():
+        for case, got in zip(grad_cases, value["grads"], strict=True):
             where = f"rank {rank} case {case['name']}:\n{got['text']}"
             assert got["rewritten"] == [("expert_parallel", "all_gather")], where
             assert {"y", "x"} <= set(got["errs"]) and len(got["errs"]) >= 4, got["errs"]  # x and weight grads
@@ -134,9 +138,16 @@ def test_single_device_moe_before_an_all_reduce_stays_with_its_family(world2):
         assert got["rewritten"] == ["gathered"] and got["err"] <= FP32_TOL, got["text"]
 
 
+WORLD4_GRADS = [
+    {"name": "EP x ETP all-gather over the tp_ep group, autograd funcol", "kind": "all_gather", "tp": 2,
+     "kwargs": {"differentiable": True, "local_experts": "stacked"}},
+]
+
+
 def test_ep_x_etp_on_four_ranks_rewritten_and_equal():
-    per_rank = _ok(run_world(4, "tests.ep.etp_workers.run_cases", WORLD4_CASES, timeout=300.0))
-    _check_cases(per_rank, 4, WORLD4_CASES)
+    per_rank = _ok(run_world(4, "tests.ep.etp_workers.world4", WORLD4_CASES, WORLD4_GRADS, timeout=300.0))
+    _check_cases({r: v["cases"] for r, v in per_rank.items()}, 4, WORLD4_CASES)
+    _check_grads(per_rank, WORLD4_GRADS)
 
 
 INDUCTOR_CASES = [
