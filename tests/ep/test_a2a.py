@@ -89,7 +89,7 @@ def test_window_path_and_slab_growth(env, monkeypatch):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_dispatch_by_token_index_and_combine_sum(world):
     """The fused op's pair: rows sent by token index, read in place (``idx``) equal to the model's
     dispatch of x[tokens], a per-slot field with them; the weighted sum back exact; slab growth."""

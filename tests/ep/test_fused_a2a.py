@@ -52,7 +52,8 @@ def test_forward_backward_equal_reference_without_scalar_reads(world):
 
 @pytest.mark.dist
 def test_dedup_forward_backward_equal_reference():
-    scenarios = _scenarios(2)
+    keep = ("uniform", "everything_to_rank0", "unequal_T", "T0_on_rank1", "bf16")  # the a2a test has the rest
+    scenarios = [s for s in _scenarios(2) if s[0] in keep]
     res = run_world(2, "tests.ep.a2a_workers.fused_scenarios", scenarios, "a2a-dedup", timeout=300)
     for rank, (status, out) in res.items():
         assert status == "ok", out
@@ -118,6 +119,7 @@ def test_in_place_forward_with_packed_experts_equals_reference():
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_copying_path_without_the_c_kernel(monkeypatch):
     """Without ep_copy.c (MOE_COMPILE_EP_COPY=0) the a2a op takes its copying path: still equal to
     the reference, and its backward sends [x | dy | g] (the forward kept nothing)."""
