@@ -36,14 +36,50 @@ def test_stops_and_pads_like_hf_generate_at_eos():
 
 
 def test_compiled_with_moe_backend_equal_to_eager_tokens():
+    # 18 tokens: the warm-up steps with every guard, steps that skip guard evaluation and a
+    # checking step (decoding.CHECK_EVERY) all run; every one must give eager's token
     model = _model()
     ids = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(3))
-    want = moe_compile.generate(model, ids, 5)
+    n = moe_compile.decoding.CHECK_EVERY + 2
+    want = moe_compile.generate(model, ids, n, stop_at_eos=False)
     torch._dynamo.reset()
     model.forward = torch.compile(model.forward, backend="moe", options={"inner": "eager"})
-    got = moe_compile.generate(model, ids, 5)
+    got = moe_compile.generate(model, ids, n, stop_at_eos=False)
     assert torch.equal(got, want)
     assert moe_compile.last_report().rewritten  # the experts ran fused
+    assert torch.equal(moe_compile.generate(model, ids, n, stop_at_eos=False, check_guards=True), want)
+
+
+class _Drifting(torch.nn.Module):
+    """An LM whose Python state changes during generation: after `turn` calls its logits flip, a
+    branch Dynamo guards on (a graph compiled before the turn no longer fits after it)."""
+
+    def __init__(self, lm, turn: int):
+        super().__init__()
+        self.lm, self.config, self.turn, self.calls = lm, lm.config, turn, 0
+
+    def forward(self, input_ids, past_key_values=None, use_cache=True, logits_to_keep=None):
+        self.calls += 1
+        out = self.lm(input_ids=input_ids, past_key_values=past_key_values, use_cache=use_cache,
+                      logits_to_keep=logits_to_keep)
+        if self.calls > self.turn:
+            out.logits = out.logits.flip(-1)
+        return out
+
+
+def test_python_state_changing_during_generation_is_refused_not_decoded_on():
+    # the flip comes after the warm-up steps: steps that skip guard evaluation would run the
+    # unflipped graph, so the next checking step must raise and say what to pass instead
+    ids = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(4))
+    model = _Drifting(_model(), turn=moe_compile.decoding.WARMUP_STEPS + 3)
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend="eager")
+    with pytest.raises(RuntimeError, match="check_guards=True"):
+        moe_compile.generate(model, ids, moe_compile.decoding.CHECK_EVERY + 1, stop_at_eos=False)
+    model.calls = 0  # with every guard checked the same model decodes, flipping where eager does
+    got = moe_compile.generate(model, ids, moe_compile.decoding.CHECK_EVERY + 1, stop_at_eos=False, check_guards=True)
+    eager = _Drifting(model.lm, model.turn)
+    assert torch.equal(got, moe_compile.generate(eager, ids, moe_compile.decoding.CHECK_EVERY + 1, stop_at_eos=False))
 
 
 def test_bad_input_says_what_to_change():
