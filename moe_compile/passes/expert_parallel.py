@@ -138,14 +138,14 @@ def router_width(topk: fx.Node) -> int | None:
 def style(candidate: Candidate) -> str | None:
     """"all_to_all", "all_gather", "all_reduce", "reduce_scatter" or None: is this candidate an
     expert-parallel MoE, and how are its tokens dispatched and its outputs reduced?"""
-    if not any(collective(n) in (A2A, *REDUCING, ALL_GATHER) for n in candidate.topk.graph.nodes):
+    if not any(gathered.runs_collective(n) for n in candidate.topk.graph.nodes):
         return None
     deps = _deps(candidate.topk.graph)
     downs = [c.down for c in candidate.clusters]
     between = deps.ancestors(downs) & deps.descendants([candidate.topk])
     if any(collective(n) == A2A for n in between):
         return "all_to_all"
-    if any(collective(n) == ALL_GATHER for n in between):
+    if any(gathered.gathered_at(n) is not None for n in between):
         return "all_gather"  # Megatron's all-gather dispatcher, ETP on sequence-parallel tokens
     # Styles (b): experts selected by ``ids == i`` masks (a local slice, or with ETP every expert
     # F-sharded) whose sum a collective reduces.  Experts in other spellings (grouped or gathered

@@ -35,6 +35,9 @@ gathered tokens are stand-ins built from this rank's tokens (``proof_values``).
 
 from __future__ import annotations
 
+import dataclasses
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -71,28 +74,82 @@ def gathered_value(wait: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     return wait, []
 
 
+@dataclasses.dataclass(frozen=True)
+class Gathered:
+    """One all-gathered tensor the experts may read."""
+
+    value: fx.Node  # what readers see: the wait, the legacy ``out`` buffer, a custom Function's output
+    source: fx.Node  # this rank's tensor that was gathered
+    gather: fx.Node  # the all_gather_into_tensor (in a custom autograd.Function's body for those)
+    node: fx.Node  # the node of this graph that gathers: the collective, or the Function's call
+    writers: tuple = ()  # the wait / copy_ nodes writing value (the region stops at them)
+
+
+# What the forward of a custom autograd.Function that only all-gathers its input holds
+# (Megatron's ``_GatherFromSequenceParallelRegion``: new_empty + all_gather_into_tensor + copy_).
+_GATHER_BODY = {"new_empty", "contiguous", "copy_", "_set_grad_enabled", "view", "reshape"}
+
+
+def gathered_at(node: fx.Node) -> Gathered | None:
+    """The gathered tensor ``node`` produces: an all_gather_into_tensor (functional or legacy), or
+    output 0 of a custom autograd.Function (Dynamo's ``autograd_function_apply``, when the graph is
+    traced for training) whose forward is one all-gather of its input."""
+    if collective(node) == AG:
+        waits = [u for u in node.users if collective(u) == WAIT]
+        if len(waits) != 1:
+            return None
+        value, copies = gathered_value(waits[0])
+        return Gathered(value, node.args[0], node, node, (waits[0], *copies))
+    if not (node.op == "call_function" and node.target is operator.getitem and node.args[1] == 0):
+        return None
+    call = node.args[0]
+    body = _function_forward(call)
+    if body is None or len(call.args) < 3 or not isinstance(call.args[2], fx.Node):
+        return None
+    calls = [n for n in body.graph.nodes if n.op in ("call_function", "call_method")]
+    gathers = [n for n in calls if collective(n) == AG]
+    if len(gathers) != 1 or any(collective(n) not in (AG, WAIT) and target_name(n) not in _GATHER_BODY
+                                for n in calls):
+        return None
+    return Gathered(node, call.args[2], gathers[0], call)
+
+
+def _function_forward(call) -> fx.GraphModule | None:
+    """The forward body of an ``autograd_function_apply`` call (a submodule of the graph's module)."""
+    if not (isinstance(call, fx.Node) and call.op == "call_function" and "autograd_function_apply" in str(call.target)):
+        return None
+    ref = call.args[0] if call.args else None
+    if not (isinstance(ref, fx.Node) and ref.op == "get_attr"):
+        return None
+    body = getattr(call.graph.owning_module, ref.target, None)
+    return body if isinstance(body, fx.GraphModule) else None
+
+
+def runs_collective(node: fx.Node) -> bool:
+    """A collective, or a custom autograd.Function call whose forward runs one."""
+    if collective(node) is not None:
+        return True
+    body = _function_forward(node)
+    return body is not None and any(collective(n) is not None for n in body.graph.nodes)
+
+
 def gathered_rows(deps: Deps, candidate: Candidate):
-    """N: the row count of the gathered top-k ids the experts' masks read."""
+    """N: the row count of the gathered top-k ids (or routing map) the experts' masks read."""
     downs = [c.down for c in candidate.clusters]
     between = deps.ancestors(downs) & deps.descendants([candidate.topk])
-    ids = [n for n in between if collective(n) == AG and dtype_of(n) is not None
-           and not dtype_of(n).is_floating_point]
-    if len(ids) != 1 or shape_of(ids[0]) is None:
-        raise Refusal("expected one all-gather of the top-k ids before the experts", candidate.topk)
-    return shape_of(ids[0])[0]
+    found = [g for g in map(gathered_at, between) if g is not None and dtype_of(g.value) is not None
+             and not dtype_of(g.value).is_floating_point]
+    if len(found) != 1 or shape_of(found[0].value) is None:
+        raise Refusal("expected one all-gather of the top-k ids (or routing map) before the experts", candidate.topk)
+    return shape_of(found[0].value)[0]
 
 
-def latest_gathers(deps: Deps, output: fx.Node) -> list[fx.Node]:
-    """The all-gathers output depends on that no other such gather feeds (an earlier layer's
-    gathers reach this layer's through its tokens), in graph order."""
-    gathers = [n for n in deps.ancestors([output]) if collective(n) == AG]
-    earlier = deps.ancestors([a for g in gathers for a in deps.inputs(g)])
-    return sorted((g for g in gathers if g not in earlier), key=deps.order.get)
-
-
-def _wait_of(node: fx.Node) -> fx.Node | None:
-    waits = [u for u in node.users if collective(u) == WAIT]
-    return waits[0] if len(waits) == 1 else None
+def latest_gathers(deps: Deps, output: fx.Node) -> list[Gathered]:
+    """The gathered tensors output depends on that no other gathered tensor feeds (an earlier
+    layer's gathers reach this layer's through its tokens), in graph order."""
+    found = [g for g in map(gathered_at, deps.ancestors([output])) if g is not None]
+    earlier = deps.ancestors([g.source for g in found])
+    return sorted((g for g in found if g.node not in earlier), key=lambda g: deps.order[g.node])
 
 
 def gathered_routing(deps: Deps, candidate: Candidate, output: fx.Node, hidden_sizes, E: int):
@@ -104,31 +161,27 @@ def gathered_routing(deps: Deps, candidate: Candidate, output: fx.Node, hidden_s
     from_ids, from_router = deps.descendants([ids]), deps.descendants([candidate.topk])
     found: dict[str, fx.Node] = {}
     writers, gathers = [], latest_gathers(deps, output)
-    for gather in gathers:
-        wait = _wait_of(gather)
-        if wait is None:
-            raise Refusal("an all_gather_into_tensor on the experts' path is not waited on exactly once", gather)
-        value, copies = gathered_value(wait)
-        role = _gathered_role(value, gather.args[0], K, E, hidden_sizes, from_ids, from_router)
+    for item in gathers:
+        value = item.value
+        role = _gathered_role(value, item.source, K, E, hidden_sizes, from_ids, from_router)
         if role is None or role in found:
             why = f"a second gathered {role}" if role else f"a gathered tensor of shape {shape_of(value)} " \
                 f"({dtype_of(value)}) that is neither tokens nor routing from the top-k (ids and weights [N, K], or " \
                 f"a routing map and probs [N, E] zero outside it)"
-            raise Refusal(f"the experts read {why}", gather)
+            raise Refusal(f"the experts read {why}", item.node)
         found[role] = value
-        writers += [wait, *copies]
+        writers += item.writers
     dense = ("routing map" in found or "routing probs" in found) and "top-k ids" not in found
     roles = ("tokens", "routing map", "routing probs") if dense else ("tokens", "top-k ids", "routing weights")
     x_g, ids_g, w_g = (found.get(r) for r in roles)
     missing = [r for r in roles if r not in found]
+    at = gathers[0].node if gathers else output
     if missing:
-        raise Refusal(f"the experts read gathered rows but no gathered {', '.join(missing)} in this graph (a "
-                      f"gather inside a custom autograd.Function, as Megatron's, is hidden in a higher-order op when "
-                      f"the graph is traced for training)", gathers[0] if gathers else output)
+        raise Refusal(f"the experts read gathered rows but no gathered {', '.join(missing)} in this graph", at)
     if not (region_mod._same(shape_of(x_g)[0], shape_of(ids_g)[0])
             and region_mod._same(shape_of(ids_g)[0], shape_of(w_g)[0])):
-        raise Refusal("the gathered tokens, ids and weights have different row counts", gathers[0])
-    return x_g, ids_g, w_g, dense, writers, gathers
+        raise Refusal("the gathered tokens, ids and weights have different row counts", at)
+    return x_g, ids_g, w_g, dense, writers, [g.gather for g in gathers]
 
 
 def _gathered_role(value, source, K, E, hidden_sizes, from_ids, from_router) -> str | None:
@@ -199,7 +252,7 @@ def reduced_directly(deps: Deps, downs, node: fx.Node) -> bool:
 
 def _has_collective_ancestor(deps: Deps, node: fx.Node) -> bool:
     """Whether node's value (a buffer's: after its in-place writes) is computed from a collective."""
-    return any(collective(n) is not None for n in deps.ancestors([node, *deps.mutations_of(node)]))
+    return any(runs_collective(n) for n in deps.ancestors([node, *deps.mutations_of(node)]))
 
 
 def _concrete(shape) -> list[int]:
@@ -246,17 +299,16 @@ def proof_values(values, deps: Deps, nodes) -> list:
 
 
 def _gather_input(node: fx.Node) -> fx.Node | None:
-    """The tensor an all-gather gathered into node (the wait, or the legacy ``out`` buffer)."""
-    wait = node
-    if collective(node) != WAIT:
-        copies = [u for u in node.users if target_name(u) == "copy_" and u.args[0] is node]
-        if len(copies) != 1 or not isinstance(copies[0].args[1], fx.Node):
-            return None
-        wait = copies[0].args[1]
-    if collective(wait) != WAIT or not isinstance(wait.args[0], fx.Node) or collective(wait.args[0]) != AG:
-        return None
-    source = wait.args[0].args[0]
-    return source if isinstance(source, fx.Node) else None
+    """The tensor an all-gather gathered into node (the wait, the legacy ``out`` buffer, a custom
+    Function's output)."""
+    candidates = [node, *(c.args[1] for c in node.users if target_name(c) == "copy_" and c.args[0] is node)]
+    for value in candidates:
+        if not isinstance(value, fx.Node):
+            continue
+        item = gathered_at(value.args[0]) if collective(value) == WAIT and value.args else gathered_at(value)
+        if item is not None and isinstance(item.source, fx.Node):
+            return item.source
+    return None
 
 
 def run_local_proof(region: Region, inputs, params_values, hyps, K: int, E: int, lo: int, op_dtype,

@@ -195,14 +195,8 @@ def world2(rank: int, world: int, cases: list[dict], grad_cases: list[dict]) -> 
     """Everything the world-2 tests check, in one spawn (spawning costs seconds on 2 cores)."""
     return {"cases": run_cases(rank, world, cases), "grads": [grads(rank, world, c) for c in grad_cases],
             "refused": refused(rank, world), "simulated": simulated_vs_real(rank, world),
-            "single_device": reduced_single_device(rank, world), "hidden": grads(rank, world, MEGATRON_TRAINING)}
+            "single_device": reduced_single_device(rank, world)}
 
 
 def world4(rank: int, world: int, cases: list[dict], grad_cases: list[dict]) -> dict:
     return {"cases": run_cases(rank, world, cases), "grads": [grads(rank, world, c) for c in grad_cases]}
-
-
-# Megatron's gathers inside custom autograd.Functions, traced for training: Dynamo hides them in a
-# higher-order op, so the matcher sees no gathered tokens — left alone, with the reason.
-MEGATRON_TRAINING = {"name": "Megatron's autograd.Function gathers, training", "kind": "all_gather",
-                     "kwargs": {"collectives": "autograd_function", "routing": "map"}}
