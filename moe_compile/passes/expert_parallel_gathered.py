@@ -14,6 +14,13 @@ legacy in-place ``dist.all_gather_into_tensor(out, inp)`` / ``dist.reduce_scatte
     y = zeros_like(x_g); per local expert e in [lo, lo + E_l): rows of ids_g == e -> y   # [N, H]
     out = wait_tensor(reduce_scatter_tensor(y, "sum", R, g))  # [T, H]  (or all_reduce(y))
 
+Megatron's own spelling gathers a [T, E] boolean routing map and [T, E] probs instead of the
+top-k ids and weights, permutes with ``masked_select`` and splits by the map's counts: the op then
+gets ids ``lo + e`` where the map routes a row to local expert e (an id past the slice elsewhere) and
+the probs' columns [N, E_l].  Megatron's gathers are custom autograd.Functions around the in-place
+collectives; traced for training, Dynamo records each as ``autograd_function_apply(fwd_body, ...)``,
+whose forward body (one all_gather_into_tensor of its input) is read here (``gathered_at``).
+
 With ETP the local experts are F-shards (Megatron's tp_ep group: rank r serves the experts of EP
 rank r // tp, F-shard r % tp) and the reduce-scatter sums the shards as well: SwiGLU is elementwise
 in F, so an F-shard's partial output is ``fused_moe`` on the sharded weights, exactly.
