@@ -33,7 +33,8 @@ Shapes:  B batch, S sequence, T = B*S tokens per rank, H hidden, F expert FFN wi
   outputs are summed by ``all_reduce`` over the ETP group.
 * ``AllToAllEPMoE(etp_group=...)``  EP x ETP: the all-to-all dispatch over the EP group with
   F-sharded local experts (tokens replicated over the ETP group) and an ``all_reduce`` of the
-  partial outputs over the ETP group.
+  partial outputs over the ETP group; ``etp_tokens="sequence"``: sequence-parallel tokens
+  all-gathered over the ETP group before the router and reduce-scattered back after the combine.
 
 Expert tensor parallel is exact: SwiGLU is elementwise in F, so FC2 over an F-shard of the
 activations is a partial sum of the full FC2, and the F-shards' partial outputs add up to it.
@@ -145,6 +146,22 @@ class _ReduceScatterToRegion(torch.autograd.Function):
         return _GatherFromRegion.apply(grad, ctx.group), None
 
 
+def _gather_rows(t, group, collectives):  # [T, ...] -> [R*T, ...]
+    if collectives == "functional":
+        return _funcol("all_gather", False)(t, 0, group)
+    out = t.new_empty((dist.get_world_size(group) * t.shape[0], *t.shape[1:]))
+    dist.all_gather_into_tensor(out, t, group=group)
+    return out
+
+
+def _reduce_scatter_rows(y, group, collectives):  # [R*T, ...] -> [T, ...], summed
+    if collectives == "functional":
+        return _funcol("reduce_scatter", False)(y, "sum", 0, group)
+    out = y.new_empty((y.shape[0] // dist.get_world_size(group), *y.shape[1:]))
+    dist.reduce_scatter_tensor(out, y, group=group)
+    return out
+
+
 def _all_reduce(y, group, collectives):
     if collectives == "functional":
         return funcol.all_reduce(y, "sum", group)
@@ -156,7 +173,7 @@ class AllToAllEPMoE(nn.Module):
     """torchtitan / Megatron expert parallelism: all-to-all dispatch and combine around local experts."""
 
     def __init__(self, hidden=64, ffn=96, experts=8, top_k=2, group=None, collectives="functional",
-                 local_experts="stacked", seed=0, route_bias=None, etp_group=None):
+                 local_experts="stacked", seed=0, route_bias=None, etp_group=None, etp_tokens="replicated"):
         super().__init__()
         if collectives not in COLLECTIVES or local_experts not in LOCAL_EXPERTS:
             raise ValueError(f"collectives in {COLLECTIVES}, local_experts in {LOCAL_EXPERTS}")
@@ -167,6 +184,9 @@ class AllToAllEPMoE(nn.Module):
         self.num_experts, self.top_k, self.local = experts, top_k, experts // self.world
         self.collectives, self.local_style = collectives, local_experts
         self.etp_group = etp_group  # EP x ETP: F-sharded local experts, partial outputs summed over it
+        if etp_tokens not in ("replicated", "sequence"):
+            raise ValueError("etp_tokens is 'replicated' (all_reduce after) or 'sequence' (gather / reduce-scatter)")
+        self.etp_tokens = etp_tokens
         self.gate = _router(hidden, experts, top_k, seed, route_bias)
         w1, w3, w2 = (w[self.rank * self.local:(self.rank + 1) * self.local] for w in
                       _global_experts(hidden, ffn, experts, seed))
@@ -200,6 +220,9 @@ class AllToAllEPMoE(nn.Module):
     def forward(self, hidden_states):  # [B, S, H]
         shape = hidden_states.shape
         x = hidden_states.view(-1, shape[-1])  # [T, H]
+        sequence = self.etp_group is not None and self.etp_tokens == "sequence"
+        if sequence:  # sequence-parallel tokens: the ETP group's rows, routed and dispatched together
+            x = _gather_rows(x, self.etp_group, self.collectives)  # [tp*T, H]
         weights, ids = self.gate(x)  # [T, K], [T, K]
         flat = ids.reshape(-1)  # [S_k]
         order = torch.argsort(flat, stable=True)  # slots sorted by global expert = by owner rank
@@ -222,6 +245,8 @@ class AllToAllEPMoE(nn.Module):
         back = self._all_to_all(unperm, send_splits, recv_splits)  # [S_k, H] in `order`
         back = back * weights.reshape(-1)[order, None]
         y = torch.zeros_like(x).index_add_(0, order // self.top_k, back.to(x.dtype))
+        if sequence:  # the F-shards summed, each rank its own rows back
+            return _reduce_scatter_rows(y, self.etp_group, self.collectives).view(shape)
         if self.etp_group is not None:  # this rank's F-shard of every token's output: sum the shards
             y = _all_reduce(y, self.etp_group, self.collectives)
         return y.view(shape)

@@ -540,14 +540,18 @@ def _find_all_to_all(graph, deps: Deps, candidate: Candidate, values) -> EPMatch
     downs = [c.down for c in ordered]
     region = _cut_first_closed(graph, deps, ids, downs, hidden_sizes, params)
     skeleton = _skeleton(deps, region, downs, E, local)
-    values.compute([region.x, region.ids, region.weights, *region.extra_inputs])
+    # x may come after a collective (EP x ETP tokens gathered over the ETP group before the router):
+    # stand-ins, never a collective run at compile time
+    inputs = [region.x, region.ids, region.weights, *region.extra_inputs]
+    known = dict(zip(inputs, gathered.proof_values(values, deps, inputs)))
+    known.update((p, values[p]) for p in params)
     op_dtype = lift_mod.op_dtype_of(ordered, region.x, params)
     hyps = lift_mod.uniform_hypotheses(deps, region, ordered, roles, values, op_dtype)
     hyps.sort(key=lambda h: h.attrs.weight_on != "output")  # the combine weights after the reverse all-to-all
     if not hyps:
         raise Refusal("the expert weight shapes fit no supported gate/up layout", downs[0])
     try:
-        best, err, tol = prove_simulated(region, values, params, hyps, K, E, skeleton.world, local, op_dtype)
+        best, err, tol = prove_simulated(region, known, params, hyps, K, E, skeleton.world, local, op_dtype)
     except Refusal:
         raise
     except Exception as exc:  # noqa: BLE001

@@ -38,7 +38,8 @@ def build(rank: int, world: int, case: dict):
         return zoo_ep.ETPMoE(**kwargs), 0
     if kind == "ep_etp_all_to_all":  # tokens replicated over each ETP group, dispatched over EP
         ep_group, etp_group = groups(rank, world, tp)
-        return zoo_ep.AllToAllEPMoE(group=ep_group, etp_group=etp_group, **kwargs), rank // tp
+        replicated = kwargs.get("etp_tokens", "replicated") == "replicated"
+        return zoo_ep.AllToAllEPMoE(group=ep_group, etp_group=etp_group, **kwargs), rank // tp if replicated else rank
     raise ValueError(kind)
 
 

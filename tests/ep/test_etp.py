@@ -47,6 +47,8 @@ WORLD2_GRADS = [
 WORLD4_CASES = [
     {"name": "EP x ETP, all-to-all over EP, all_reduce over ETP", "kind": "ep_etp_all_to_all", "tp": 2},
     {"name": "EP x ETP, all-gather over the tp_ep group", "kind": "all_gather", "tp": 2, "kwargs": {"top_k": 3}},
+    {"name": "EP x ETP, sequence-parallel tokens gathered over ETP, all-to-all over EP", "kind": "ep_etp_all_to_all",
+     "tp": 2, "kwargs": {"etp_tokens": "sequence", "collectives": "legacy"}},
     {"name": "EP x ETP, Megatron's dense routing map over the tp_ep group", "kind": "all_gather", "tp": 2,
      "kwargs": {"routing": "map", "local_experts": "stacked"}},
 ]
@@ -63,6 +65,7 @@ EXPECTED = {
     "EP x ETP, Megatron's dense routing map over the tp_ep group": ("all_gather", 4, F // 2),
     "EP x ETP, all-to-all over EP, all_reduce over ETP": ("all_to_all", 4, F // 2),
     "EP x ETP, all-gather over the tp_ep group": ("all_gather", 4, F // 2),
+    "EP x ETP, sequence-parallel tokens gathered over ETP, all-to-all over EP": ("all_to_all", 4, F // 2),
 }
 
 
