@@ -40,8 +40,9 @@ Three styles, two rewrites (``style`` names them; explain() prints it as ``ep_st
     every collective stays (``expert_parallel_gathered.py`` says why not the EP op).
 
 EP x ETP through the all-to-all (dispatch over the EP group, F-sharded local experts, the partial
-outputs ``all_reduce``d over the ETP group) is style (a) on narrower experts: the all_reduce lies
-after the region and stays.  An ETP all-gather / reduce-scatter *inside* an all-to-all region
+outputs ``all_reduce``d over the ETP group — or, on sequence-parallel tokens, all-gathered over it
+before the router and reduce-scattered after) is style (a) on narrower experts: the ETP collectives
+lie outside the region and stay.  An ETP all-gather / reduce-scatter *inside* an all-to-all region
 (Megatron's alltoall dispatcher with sequence-parallel ETP, uneven gathers of the received rows) is
 not rewritten: ``_skeleton`` refuses any collective but the three all-to-alls, naming it.
 
