@@ -202,7 +202,7 @@ def _gathered_role(value, source, K, E, hidden_sizes, from_ids, from_router) -> 
     if not dtype.is_floating_point:
         if per_slot and source in from_ids:
             return "top-k ids"
-        return "routing map" if dtype == torch.bool and per_expert and source in from_router else None
+        return "routing map" if per_expert and source in from_router else None  # bool, or int 0 / 1
     if per_slot and source in from_router:
         return "routing weights"
     if per_expert and source in from_router:
@@ -324,13 +324,14 @@ def run_local_proof(region: Region, inputs, params_values, hyps, K: int, E: int,
     ``dense``: the region reads a routing map and probs [N, E], scattered from the synthetic ids."""
     region_fn = region_mod.extract(region)
     x, ids, weights, *sizes = inputs
+    map_dtype, probs_dtype = ids.dtype, weights.dtype  # dense: the model's routing map and probs
 
     def on_global_ids(x, local_ids, g, *rest):  # synthetic ids in [0, E): local slice first
         glob = (local_ids + lo) % E  # [N, K]
         if not dense:
             return region_fn(x, glob, g, *rest)
-        probs = torch.zeros(glob.shape[0], E, dtype=weights.dtype).scatter(1, glob, g.to(weights.dtype))
-        routing_map = torch.zeros(glob.shape[0], E, dtype=torch.bool).scatter(1, glob, True)
+        probs = torch.zeros(glob.shape[0], E, dtype=probs_dtype).scatter(1, glob, g.to(probs_dtype))
+        routing_map = torch.zeros(glob.shape[0], E, dtype=map_dtype).scatter(1, glob, 1)
         return region_fn(x, routing_map, probs, *rest)  # [N, E] each, as the model gathers them
 
     if dense:  # the synthetic routing is [N, K]; the region is fed its dense form
