@@ -13,8 +13,9 @@ Why not by default: measured on a 4-layer Qwen3-MoE LM (2-core Xeon, 2026-12-02)
 made a 4-bit decode step 3x slower (26.5 vs 79 tok/s; its profile shows no fused-op time and 28 ms
 a step in aten ops, while a 1-layer model under the same setting runs the fused op at its usual
 ~1 ms a call: cause not found yet), and under CPU contention a toy model's step 10x slower; on a
-quiet machine the toy model gained 4%.  Until that is understood, the Python wrapper stays the
-default.
+quiet machine the toy model gained 4%.  Remeasured quiet the next day with a plain decode loop:
+11.54 vs 11.64 ms a step (the 3x not reproduced; Inductor's own kernels are 0.16 ms of the step,
+so there is little for the C++ wrapper to remove).  The Python wrapper stays the default.
 
 ``options={"cpp_wrapper": True}`` (an Inductor option, passed through) turns it on for any graph;
 where the C++ wrapper fails to build a graph, that graph compiles with the Python wrapper
