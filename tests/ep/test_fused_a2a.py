@@ -32,22 +32,29 @@ def _scenarios(world):
     ]
 
 
-@pytest.mark.dist
-@pytest.mark.parametrize("world", [2, 4])
-def test_forward_backward_equal_reference_without_scalar_reads(world):
-    scenarios = _scenarios(world)
-    res = run_world(world, "tests.ep.a2a_workers.fused_scenarios", scenarios, timeout=300)
+def _each_scenario_equal(res, scenarios):
+    """(rank, name, result) of every scenario, after asserting that its output and every gradient
+    are within the dtype's TOL of the reference."""
     for rank, (status, out) in res.items():
         assert status == "ok", out
         for name, _, _, dtype in scenarios:
             got = out[name]
             for key in ("y", "dx", "dg", "dw1", "dw2"):
                 assert got[key] <= TOL[dtype], f"rank {rank}, {name}: {key} off by {got[key]:.2e}"
-            zero = {"_local_scalar_dense": 0, "tolist": 0}
-            assert got["scalar_reads"] == (zero, zero), f"rank {rank}, {name}: scalar reads {got['scalar_reads']}"
-            # the forward kept its received rows: the backward sends [dy | g] (H + 1 wide), not [x | dy | g]
-            assert got["kept"], f"rank {rank}, {name}: the forward kept no rows"
-            assert got["bwd_dispatch_row_bytes"] == [got["H"] * got["itemsize"] + 4], (rank, name, got)
+            yield rank, name, got
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 4])
+def test_forward_backward_equal_reference_without_scalar_reads(world):
+    scenarios = _scenarios(world)
+    res = run_world(world, "tests.ep.a2a_workers.fused_scenarios", scenarios, timeout=300)
+    for rank, name, got in _each_scenario_equal(res, scenarios):
+        zero = {"_local_scalar_dense": 0, "tolist": 0}
+        assert got["scalar_reads"] == (zero, zero), f"rank {rank}, {name}: scalar reads {got['scalar_reads']}"
+        # the forward kept its received rows: the backward sends [dy | g] (H + 1 wide), not [x | dy | g]
+        assert got["kept"], f"rank {rank}, {name}: the forward kept no rows"
+        assert got["bwd_dispatch_row_bytes"] == [got["H"] * got["itemsize"] + 4], (rank, name, got)
 
 
 @pytest.mark.dist
@@ -55,11 +62,8 @@ def test_dedup_forward_backward_equal_reference():
     keep = ("uniform", "everything_to_rank0", "unequal_T", "T0_on_rank1", "bf16")  # the a2a test has the rest
     scenarios = [s for s in _scenarios(2) if s[0] in keep]
     res = run_world(2, "tests.ep.a2a_workers.fused_scenarios", scenarios, "a2a-dedup", timeout=300)
-    for rank, (status, out) in res.items():
-        assert status == "ok", out
-        for name, _, _, dtype in scenarios:
-            for key in ("y", "dx", "dg", "dw1", "dw2"):
-                assert out[name][key] <= TOL[dtype], f"rank {rank}, {name}: {key} off by {out[name][key]:.2e}"
+    for _ in _each_scenario_equal(res, scenarios):
+        pass
 
 
 def test_dedup_cuts_dispatch_bytes_at_k8_e64():
@@ -126,10 +130,5 @@ def test_copying_path_without_the_c_kernel(monkeypatch):
     monkeypatch.setenv("MOE_COMPILE_EP_COPY", "0")
     scenarios = [s for s in _scenarios(2) if s[0] in ("uniform", "T0_on_rank1")]
     res = run_world(2, "tests.ep.a2a_workers.fused_scenarios", scenarios, timeout=300)
-    for rank, (status, out) in res.items():
-        assert status == "ok", out
-        for name, _, _, dtype in scenarios:
-            got = out[name]
-            for key in ("y", "dx", "dg", "dw1", "dw2"):
-                assert got[key] <= TOL[dtype], f"rank {rank}, {name}: {key} off by {got[key]:.2e}"
-            assert not got["kept"] and got["bwd_dispatch_row_bytes"] == [2 * got["H"] * got["itemsize"] + 4], got
+    for _, _, got in _each_scenario_equal(res, scenarios):
+        assert not got["kept"] and got["bwd_dispatch_row_bytes"] == [2 * got["H"] * got["itemsize"] + 4], got

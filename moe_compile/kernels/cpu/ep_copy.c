@@ -200,6 +200,22 @@ void moe_ep_gather(char *dst, int64_t row_bytes, int64_t n, const char *const *s
  * per-call numpy work (tens of small-array ops, ~2 us each) was most of a decode exchange. */
 #define NMETA 6
 
+/* Whether every split of a header is >= 0, each dest's n rows fit (n * unit <= limit: unit 1 for a
+ * limit in rows, the row's bytes for one in bytes) and their total fits the input's rows_in. */
+static int64_t splits_fit(const int64_t *sp, int64_t R, int64_t ne, int64_t limit, int64_t unit, int64_t rows_in) {
+    int64_t total = 0, ok = 1;
+    for (int64_t d = 0; d < R; d++) {
+        int64_t n = 0;
+        for (int64_t e = 0; e < ne; e++) {
+            ok &= sp[d * ne + e] >= 0;
+            n += sp[d * ne + e];
+        }
+        ok &= n * unit <= limit;
+        total += n;
+    }
+    return ok & (total <= rows_in);
+}
+
 /* Send this rank's dispatch: header into every dest's slot, its rows for dest d (contiguous in x:
  * the input is rank-major) into its slab of d's window, none to itself (gathered from x by the
  * receive), then the flags.  Rows are sent only when every split is valid and fits its slab; else
@@ -209,17 +225,7 @@ int64_t moe_ep_dispatch_send(const int64_t *hdr, int64_t W, int64_t R, int64_t m
                              int64_t value, int64_t sleep_off) {
     int64_t ne = hdr[1], rows_in = hdr[2], row_bytes = hdr[4];
     const int64_t *sp = hdr + NMETA;
-    int64_t total = 0, ok = 1;
-    for (int64_t d = 0; d < R; d++) {
-        int64_t n = 0;
-        for (int64_t e = 0; e < ne; e++) {
-            ok &= sp[d * ne + e] >= 0;
-            n += sp[d * ne + e];
-        }
-        ok &= n * row_bytes <= slab_bytes;
-        total += n;
-    }
-    ok &= total <= rows_in;
+    int64_t ok = splits_fit(sp, R, ne, slab_bytes, row_bytes, rows_in);
     int64_t at = 0;
     for (int64_t d = 0; d < R; d++) {
         memcpy(hdr_dst[d], hdr, (size_t)(W * 8));
@@ -376,17 +382,8 @@ int64_t moe_ep_dispatch_send_idx(const int64_t *hdr, int64_t W, int64_t R, int64
                                  int64_t value, int64_t sleep_off) {
     int64_t ne = hdr[1], rows_in = hdr[2], row_bytes = hdr[4], by_token = OWN_BY_TOKEN(hdr);
     const int64_t *sp = hdr + NMETA;
-    int64_t total = 0, ok = row_bytes == x_bytes + extra_bytes && (!by_token || (!extra_bytes && hdr[3] <= slab_rows));
-    for (int64_t d = 0; d < R; d++) {
-        int64_t n = 0;
-        for (int64_t e = 0; e < ne; e++) {
-            ok &= sp[d * ne + e] >= 0;
-            n += sp[d * ne + e];
-        }
-        ok &= n <= slab_rows;
-        total += n;
-    }
-    ok &= total <= rows_in;
+    int64_t ok = row_bytes == x_bytes + extra_bytes && (!by_token || (!extra_bytes && hdr[3] <= slab_rows));
+    ok &= splits_fit(sp, R, ne, slab_rows, 1, rows_in);
     int64_t at = 0;
     for (int64_t d = 0; d < R; d++) {
         memcpy(hdr_dst[d], hdr, (size_t)(W * 8));
