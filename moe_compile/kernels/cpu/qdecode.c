@@ -400,13 +400,9 @@ static void quantize_int8_blocks(const float *x, int64_t n, int64_t pairing, int
         }
         float s = big / 127.f;
         s = s == 0.f ? 1.f : s;
-        int32_t total = 0, round[A8G_BLOCK];
-        /* x / s rounded by MXCSR (half to even; NaN -> INT_MIN), 8 at a time: the same IEEE division
-         * and conversion as one element at a time, so the same codes */
-        for (int j = 0; j < A8G_BLOCK; j += 8)
-            _mm256_storeu_si256((__m256i *)(round + j), _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(x + b + j), _mm256_set1_ps(s))));
+        int32_t total = 0;
         for (int j = 0; j < A8G_BLOCK; ++j) {
-            int v = round[j];
+            int v = _mm_cvtss_si32(_mm_set_ss(x[b + j] / s)); /* MXCSR's round half to even; NaN -> INT_MIN */
             v = v == (int)0x80000000 ? 0 : v > 127 ? 127 : v < -127 ? -127 : v;
             q[paired_index(b + j, P)] = (int8_t)v;
             total += v;
@@ -514,18 +510,9 @@ A8G_VNNI static void a8g_dot_vnni(const qweight_t *wt, const uint8_t *const *row
     for (int64_t r = 0; r < n; ++r) {
         __m512 t0 = _mm512_setzero_ps(), t1 = t0, sw0 = t0, sw1 = t0;
         int64_t left = 0, gi = 0; /* chunks left in group gi - 1 (no division in the loop) */
-        __m512 g0 = t0, g1 = t0; /* G = 32: 16 group scales (4 chunks) converted at once */
         for (int64_t c = 0; c < K / 128; ++c) {
             const int64_t k = 128 * c;
-            if (G == 32 && K % 512 == 0) { /* one permute a chunk from the 16 converted scales */
-                if (!(c & 3)) {
-                    g0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h0 + 4 * c)));
-                    g1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h1 + 4 * c)));
-                }
-                const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32(4 * (int)(c & 3)),
-                                                      _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
-                sw0 = _mm512_permutexvar_ps(pick, g0), sw1 = _mm512_permutexvar_ps(pick, g1);
-            } else if (!per) {
+            if (!per) {
                 sw0 = a8g_scales16(scales[0], c, G), sw1 = a8g_scales16(scales[1], c, G);
             } else if (left-- == 0) {
                 sw0 = _mm512_set1_ps(_cvtsh_ss(h0[gi])), sw1 = _mm512_set1_ps(_cvtsh_ss(h1[gi]));

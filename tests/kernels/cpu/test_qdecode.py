@@ -260,8 +260,7 @@ def test_a8_sums_at_their_bounds_are_exact(fmt, isa):
 
 # ---- group-wise a8w4-int: the loops alone (qdecode.a8w4_grouped_matmul), then whole steps ----
 # K = 416 = 3 x 128 + 32: the AVX-512 VNNI loop needs K % 128 == 0, so it runs the AVX2 loop with
-# its 32-element tail; 512 / 1024 / 384 take the VNNI loop where the CPU has it (group 32 with
-# K % 512 == 0: the row scales converted 16 at a time, four chunks of 128).
+# its 32-element tail; 512 / 1024 / 384 take the VNNI loop where the CPU has it.
 A8G_SHAPES = [(512, 32), (1024, 32), (416, 32), (512, 64), (384, 128), (512, 256)]
 
 
