@@ -90,6 +90,15 @@ static void flag_wake(int64_t *flag) {
  * system call.  Both sides use seq_cst (store, then load the other word): either the sender sees
  * the waiter asleep and wakes it, or the waiter sees the new flag and does not sleep. */
 
+/* flag[j] = value for every destination j, each followed by a wake of its waiter if it sleeps. */
+static void store_flags(int64_t *const *flag, int64_t n, int64_t value, int64_t sleep_off) {
+    for (int64_t j = 0; j < n; j++) {
+        __atomic_store_n(flag[j], value, __ATOMIC_SEQ_CST);
+        if (sleep_off && __atomic_load_n(flag[j] + sleep_off, __ATOMIC_SEQ_CST))
+            flag_wake(flag[j]);
+    }
+}
+
 /* One source's whole exchange step (the slab transport, ep/a2a_cpu.py): for each destination j its
  * header (hdr_bytes of hdr; none when 0) into hdr_dst[j] and its nblk[j] blocks into dst[j]; then,
  * only after every destination's rows, every flag[j] = value, each followed by a futex wake of its
@@ -106,11 +115,7 @@ void moe_ep_send(const char *src, char *const *dst, int64_t row_bytes, int64_t n
         copy_blocks(src, dst[j], row_bytes, nblk[j], src_row + at, dst_row + at, rows + at);
         at += nblk[j];
     }
-    for (int64_t j = 0; j < ndst; j++) {
-        __atomic_store_n(flag[j], value, __ATOMIC_SEQ_CST);
-        if (sleep_off && __atomic_load_n(flag[j] + sleep_off, __ATOMIC_SEQ_CST))
-            flag_wake(flag[j]);
-    }
+    store_flags(flag, ndst, value, sleep_off);
 }
 
 static int64_t now_ns(void) {
@@ -236,11 +241,7 @@ int64_t moe_ep_dispatch_send(const int64_t *hdr, int64_t W, int64_t R, int64_t m
             memcpy(slab_dst[d], x + at * row_bytes, (size_t)(n * row_bytes));
         at += n;
     }
-    for (int64_t d = 0; d < R; d++) {
-        __atomic_store_n(flag[d], value, __ATOMIC_SEQ_CST);
-        if (sleep_off && __atomic_load_n(flag[d] + sleep_off, __ATOMIC_SEQ_CST))
-            flag_wake(flag[d]);
-    }
+    store_flags(flag, R, value, sleep_off);
     return ok ? 0 : 1;
 }
 
@@ -354,11 +355,7 @@ void moe_ep_combine_after(const int64_t *hdrs, int64_t W, int64_t R, int64_t me,
             first += n;
         }
     }
-    for (int64_t s = 0; s < R; s++) {
-        __atomic_store_n(flag[s], value, __ATOMIC_SEQ_CST);
-        if (sleep_off && __atomic_load_n(flag[s] + sleep_off, __ATOMIC_SEQ_CST))
-            flag_wake(flag[s]);
-    }
+    store_flags(flag, R, value, sleep_off);
 }
 
 /* ---- the fused op's exchanges by token index (ep/a2a_cpu.py: dispatch_rows, combine_sum) -------
@@ -401,11 +398,7 @@ int64_t moe_ep_dispatch_send_idx(const int64_t *hdr, int64_t W, int64_t R, int64
             }
         at += n;
     }
-    for (int64_t d = 0; d < R; d++) {
-        __atomic_store_n(flag[d], value, __ATOMIC_SEQ_CST);
-        if (sleep_off && __atomic_load_n(flag[d] + sleep_off, __ATOMIC_SEQ_CST))
-            flag_wake(flag[d]);
-    }
+    store_flags(flag, R, value, sleep_off);
     return ok ? 0 : 1;
 }
 
