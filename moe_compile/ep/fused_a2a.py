@@ -37,6 +37,7 @@ The a2a forward is one exchange each way (no chunks), and so is its backward.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -245,17 +246,14 @@ def take_kept(x, topk_ids):
     return kept if kept.matches(x, topk_ids) else None
 
 
-class handed:
+@contextlib.contextmanager
+def handed(kept):
     """``with handed(kept): <the backward op>`` — the node's Kept for the backward op's body."""
-
-    def __init__(self, kept):
-        self.kept = kept
-
-    def __enter__(self):
-        if self.kept is not None:
-            _KEPT["backward"] = self.kept
-
-    def __exit__(self, *exc):
+    if kept is not None:
+        _KEPT["backward"] = kept
+    try:
+        yield
+    finally:
         _KEPT.pop("backward", None)
 
 

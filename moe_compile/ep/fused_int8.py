@@ -74,17 +74,27 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([q.view(torch.uint8), s.view(torch.uint8).reshape(-1, SCALE_BYTES)], dim=1)
 
 
-def _experts(window: torch.Tensor, tiles: list, w: ExpertWeights, attrs: FFNAttrs) -> torch.Tensor:
-    """[N, H] fp32 outputs of every tile's expert on its received int8 rows (zero elsewhere)."""
+def _codes_and_scales(rows: list[torch.Tensor], H: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [N, H] int8, s [N] fp32) copied out of byte rows [n_i, H + 4] (the kernel rewrites its
+    codes in place, so they cannot be read where they lie)."""
+    q = torch.cat([r[:, :H] for r in rows]).view(torch.int8)
+    s = torch.cat([r[:, H:] for r in rows]).view(torch.float32).reshape(-1)
+    return q, s
+
+
+def _run_experts(q, s, rows, scale, bounds, w: ExpertWeights, attrs: FFNAttrs) -> torch.Tensor:
+    """The layer's a8w8-int experts on int8 rows (``rows`` expert-major, ``bounds`` per expert)."""
     from moe_compile.kernels.cpu import qgemm, quant as cpu_quant
 
-    N, H = window.shape[0], window.shape[1] - SCALE_BYTES
-    q = window[:, :H].contiguous().view(torch.int8)  # [N, H] (a copy: the kernel rewrites it in place)
-    s = window[:, H:].contiguous().view(torch.float32).reshape(N)  # [N]
-    tokens, bounds = tile_rows(tiles)
     p = cpu_quant.layer_pack(w, attrs, FORMAT)
-    return qgemm.run_quantized_rows(q, s, tokens, torch.ones(tokens.shape[0]), bounds, p.w1, p.w2, attrs,
-                                    p.kernel_cache)
+    return qgemm.run_quantized_rows(q, s, rows, scale, bounds, p.w1, p.w2, attrs, p.kernel_cache)
+
+
+def _experts(window: torch.Tensor, tiles: list, w: ExpertWeights, attrs: FFNAttrs) -> torch.Tensor:
+    """[N, H] fp32 outputs of every tile's expert on its received int8 rows (zero elsewhere)."""
+    q, s = _codes_and_scales([window], window.shape[1] - SCALE_BYTES)
+    tokens, bounds = tile_rows(tiles)
+    return _run_experts(q, s, tokens, torch.ones(tokens.shape[0]), bounds, w, attrs)
 
 
 def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_name: str, num_experts: int,
@@ -112,14 +122,9 @@ def _experts_received(rcv, w: ExpertWeights, attrs: FFNAttrs) -> torch.Tensor:
     (region after region; this rank's own: its T tokens, their local outputs weighted and summed):
     the codes and scales copied out of the window's slabs once (the kernel rewrites its codes in
     place, so they cannot stay in the window), the experts' rows by ``rcv.idx``."""
-    from moe_compile.kernels.cpu import qgemm, quant as cpu_quant
-
-    H = w.hidden()
     slabs = [rcv.source_rows(s) for s in range(len(rcv.region))]  # [n_s, B] views of the window
-    q = torch.cat([r[:, :H] for r in slabs]).view(torch.int8)  # [N, H]
-    s = torch.cat([r[:, H:] for r in slabs]).view(torch.float32).reshape(-1)  # [N]
-    p = cpu_quant.layer_pack(w, attrs, FORMAT)
-    return qgemm.run_quantized_rows(q, s, rcv.idx, rcv.scale, rcv.bounds, p.w1, p.w2, attrs, p.kernel_cache)
+    q, s = _codes_and_scales(slabs, w.hidden())  # [N, H], [N]
+    return _run_experts(q, s, rcv.idx, rcv.scale, rcv.bounds, w, attrs)
 
 
 __all__ = ["FORMAT", "backward", "forward", "supports"]

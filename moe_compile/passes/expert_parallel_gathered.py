@@ -70,8 +70,6 @@ def collective(node: fx.Node) -> str | None:
     return name[: -len("_autograd")] if name.endswith("_autograd") else name
 
 
-
-
 def gathered_value(wait: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     """(the value readers see, the nodes writing it) of an all-gather's ``wait_tensor``: the wait
     itself, or the legacy form's ``out`` buffer with its ``out.copy_(wait)``."""

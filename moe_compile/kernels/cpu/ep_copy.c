@@ -205,6 +205,14 @@ void moe_ep_gather(char *dst, int64_t row_bytes, int64_t n, const char *const *s
  * per-call numpy work (tens of small-array ops, ~2 us each) was most of a decode exchange. */
 #define NMETA 6
 
+/* Rows a header's splits sp [R*ne] send to rank d: the sum of its ne expert blocks. */
+static int64_t dest_rows(const int64_t *sp, int64_t d, int64_t ne) {
+    int64_t n = 0;
+    for (int64_t e = 0; e < ne; e++)
+        n += sp[d * ne + e];
+    return n;
+}
+
 /* Whether every split of a header is >= 0, each dest's n rows fit (n * unit <= limit: unit 1 for a
  * limit in rows, the row's bytes for one in bytes) and their total fits the input's rows_in. */
 static int64_t splits_fit(const int64_t *sp, int64_t R, int64_t ne, int64_t limit, int64_t unit, int64_t rows_in) {
@@ -234,9 +242,7 @@ int64_t moe_ep_dispatch_send(const int64_t *hdr, int64_t W, int64_t R, int64_t m
     int64_t at = 0;
     for (int64_t d = 0; d < R; d++) {
         memcpy(hdr_dst[d], hdr, (size_t)(W * 8));
-        int64_t n = 0;
-        for (int64_t e = 0; e < ne; e++)
-            n += sp[d * ne + e];
+        int64_t n = dest_rows(sp, d, ne);
         if (ok && d != me && n > 0)
             memcpy(slab_dst[d], x + at * row_bytes, (size_t)(n * row_bytes));
         at += n;
@@ -384,9 +390,7 @@ int64_t moe_ep_dispatch_send_idx(const int64_t *hdr, int64_t W, int64_t R, int64
     int64_t at = 0;
     for (int64_t d = 0; d < R; d++) {
         memcpy(hdr_dst[d], hdr, (size_t)(W * 8));
-        int64_t n = 0;
-        for (int64_t e = 0; e < ne; e++)
-            n += sp[d * ne + e];
+        int64_t n = dest_rows(sp, d, ne);
         char *dst = win_dst[d] + me * slab_rows * row_bytes;
         if (ok && d == me && by_token)
             memcpy(dst, x, (size_t)(hdr[3] * row_bytes));
@@ -433,9 +437,7 @@ int64_t moe_ep_dispatch_index(const int64_t *hdrs, int64_t W, int64_t R, int64_t
     }
     int64_t N = 0, start_me = 0;  /* start_me: my slots to me begin after my slots to ranks < me */
     for (int64_t s = 0; s < R; s++) {
-        region[s] = 0;
-        for (int64_t e = 0; e < ne; e++)
-            region[s] += hdrs[s * W + NMETA + me * ne + e];
+        region[s] = dest_rows(hdrs + s * W + NMETA, me, ne);
         N += region[s];
     }
     for (int64_t i = 0; i < me * ne; i++)
@@ -486,9 +488,7 @@ void moe_ep_combine_sum(const int64_t *hdr, int64_t R, int64_t me, const float *
     if (by_token)
         memcpy(y, own, (size_t)(hdr[3] * h * 4));
     for (int64_t d = 0; d < R; d++) {
-        int64_t n = 0;
-        for (int64_t e = 0; e < ne; e++)
-            n += sp[d * ne + e];
+        int64_t n = dest_rows(sp, d, ne);
         for (int64_t j = 0; j < n && !(by_token && d == me); j++) {
             int64_t i = at + j;
             const float *src = d == me ? own + j * h : back + i * h;
