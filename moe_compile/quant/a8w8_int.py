@@ -1,6 +1,21 @@
-"""a8w8-int: int8 activations per token, int8 weights per output channel, int32 accumulation.
+"""a8w8-int: int8 activations, int8 weights, int32 sums — group-wise or per channel.
 
-Shapes:  E experts, N output rows, K reduction width, T rows of x.
+Shapes:  E experts, N output rows, K reduction width, G weight group, B = K / 32 activation blocks,
+         T rows of x.
+
+Group-wise, ``pack(w, group_size=G)``, G in 32 (ggml's q8_0 block), 64, or a multiple of 128:
+
+    weights      s_w[e, n, g] = fp16(max|w| / 127) per group of G along K (1 for an all-zero group,
+                 at least 2^-24), q_w = clamp(round_half_even(w / s_w), -127, 127): the bytes of
+                 w8-int at that group (``wint.group_scales`` / ``quantize_groups``), int8 [E, N, K],
+                 fp16 [E, N, K/G]
+    activations  (q_x [T, K] int8, s_x [T, B] fp32) = quantize_per_block_int8(x), as group-wise
+                 a8w4-int: per token and block of 32 along K
+    matmul       acc[t, n, b] = sum over block b of q_x q_w     int32, exact (|acc| <= 32 * 127^2)
+                 y[t, n] = sum_b (acc[t, n, b] * s_x[t, b]) * s_w[n, 32 b / G]     fp32
+                 (ggml's q8_0 x q8_0 dot: a block's sum scaled once)
+
+Per channel, ``pack(w, group_size=None)`` (the seed operator's form, ``QuantWeight.scale`` fp32):
 
     weights      s_w[e, n] = max_k |w[e, n, k]| / 127 (fp32; 1 for an all-zero row)
                  q_w = clamp(round_half_even(w / s_w), -127, 127)        int8 [E, N, K], fp32 [E, N, 1]
@@ -9,6 +24,8 @@ Shapes:  E experts, N output rows, K reduction width, T rows of x.
     matmul       acc [T, N] = q_x @ q_w[e]^T in int32 (exact: |acc| <= 127^2 K < 2^31 for K < 2^17)
                  y = (acc * s_x) * s_w[e]^T            fp32, in that order
 
+The two forms are told apart by the scale's dtype (``QuantWeight.grouped_activations``).  Which one
+``quant.pack("a8w8-int", w)`` and the op make: ``DEFAULT_GROUP`` (docs/quantization.md says why).
 In the MoE, FC2's input (the fp32 SwiGLU output) is re-quantized per row the same way.
 """
 
@@ -16,9 +33,20 @@ from __future__ import annotations
 
 import torch
 
-from moe_compile.quant.common import INT8_QMAX, QuantWeight, quantize_per_token_int8
+from moe_compile.quant import wint
+from moe_compile.quant.common import (INT8_QMAX, QuantRefusal, QuantWeight, check_group, quantize_per_block_int8,
+                                      quantize_per_token_int8)
 
 MAX_K = 1 << 17  # 127 * 127 * K must fit int32
+DEFAULT_GROUP = 32  # q8_0's block: 8.5 bits per weight, +3-4 dB over per channel on the e2e model
+
+
+def check_group_size(K: int, group: int) -> None:
+    """Grouped a8w8-int: G a multiple of the activation block that the kernels' vectors tile
+    (32, 64 or a multiple of 128) and dividing K."""
+    if group not in (32, 64) and (group <= 0 or group % 128):
+        raise QuantRefusal(f"a8w8-int: group_size must be 32, 64 or a multiple of 128, got {group}")
+    check_group(K, group, "a8w8-int")
 
 
 def channel_scales(w: torch.Tensor, qmax: float) -> torch.Tensor:
@@ -27,18 +55,26 @@ def channel_scales(w: torch.Tensor, qmax: float) -> torch.Tensor:
     return torch.where(amax > 0, amax / qmax, torch.ones_like(amax)).contiguous()
 
 
-def pack(w: torch.Tensor) -> QuantWeight:
-    """W [E, N, K] float -> QuantWeight("a8w8-int")."""
+def pack(w: torch.Tensor, group_size: int | None = DEFAULT_GROUP) -> QuantWeight:
+    """W [E, N, K] float -> QuantWeight("a8w8-int"): group-wise fp16 scales (``group_size`` G), or,
+    ``group_size=None``, one fp32 scale per output channel (the seed's form)."""
     E, N, K = w.shape
     if K >= MAX_K:
         raise ValueError(f"a8w8-int: K={K} could overflow the int32 accumulator (K < {MAX_K})")
+    if group_size is not None:
+        check_group_size(K, group_size)
+        s16 = wint.group_scales(w.detach(), group_size, "w8-int")  # [E, N, K/G] fp16
+        q = wint.quantize_groups(w.detach(), s16, group_size, "w8-int").to(torch.int8)
+        return QuantWeight("a8w8-int", q.contiguous(), s16, group_size, (E, N, K))
     s = channel_scales(w, INT8_QMAX)
     q = torch.round(w.detach().float() / s).clamp_(-INT8_QMAX, INT8_QMAX).to(torch.int8)
     return QuantWeight("a8w8-int", q.contiguous(), s, K, (E, N, K))
 
 
 def dequantize(qw: QuantWeight) -> torch.Tensor:
-    """-> [E, N, K] fp32 = q * s."""
+    """-> [E, N, K] fp32 = q * s (per group, or per channel)."""
+    if qw.grouped_activations:
+        return wint.dequantize(qw)
     return qw.data.float() * qw.scale
 
 
@@ -48,8 +84,26 @@ def int_matmul(qx: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return acc.to(torch.int32)
 
 
+def grouped_matmul(x: torch.Tensor, qw: QuantWeight, e: int) -> torch.Tensor:
+    """x [T, K] float -> [T, N] fp32 of a group-wise weight: y = sum_b (acc_b * s_x_b) * s_w, the
+    block sums and block scales of group-wise a8w4-int (``a8w4_int.block_sums``: exact in fp32
+    for int8 weights too, every partial sum an integer below 32 * 127^2 < 2^24)."""
+    from moe_compile.quant import a8w4_int  # it imports this module: imported here, no cycle
+
+    sw = a8w4_int.block_scales(qw, e)  # [N, B]
+    q = qw.data[e]  # [N, K] int8
+    out = []
+    for t0 in range(0, x.shape[0], a8w4_int._REFERENCE_ROWS):
+        qx, sx = quantize_per_block_int8(x[t0: t0 + a8w4_int._REFERENCE_ROWS])  # [t, K], [t, B]
+        out.append(((a8w4_int.block_sums(qx, q) * sx[:, None, :]) * sw[None]).sum(-1))
+    return torch.cat(out) if out else x.new_zeros(0, qw.shape[1], dtype=torch.float32)
+
+
 def matmul(x: torch.Tensor, qw: QuantWeight, e: int) -> torch.Tensor:
-    """x [T, K] float -> [T, N] fp32: per-token int8 x per-channel int8, int32 accumulation."""
+    """x [T, K] float -> [T, N] fp32: activations per block of 32 against group-wise weights (each
+    block's int32 sum scaled once, as group-wise a8w4-int), or per-token int8 x per-channel int8."""
+    if qw.grouped_activations:
+        return grouped_matmul(x, qw, e)
     qx, sx = quantize_per_token_int8(x)
     acc = int_matmul(qx, qw.data[e])  # [T, N] int32
     return acc.float() * sx * qw.scale[e].reshape(1, -1)

@@ -16,16 +16,18 @@ K = F.
 | w4-int   | uint8 [E, N, K/2]            | fp16 [E, N, K/G]      | G     | (nibble - 8) * s                   |
 | mxfp4    | uint8 [E, N, K/2] e2m1 codes | uint8 e8m0 [E,N,K/32] | 32    | e2m1(code) * 2^(scale - 127)       |
 | mxfp8    | uint8 [E, N, K] e4m3fn bits  | uint8 e8m0 [E,N,K/32] | 32    | e4m3(code) * 2^(scale - 127)       |
-| a8w8-int | int8 [E, N, K]               | fp32 [E, N, 1]        | K     | q * s                              |
+| a8w8-int | int8 [E, N, K]               | fp16 [E, N, K/G]      | G     | q * s  (group-wise, G = 32)        |
+| a8w8-int | int8 [E, N, K]               | fp32 [E, N, 1]        | K     | q * s  (per channel)               |
 | a8w4-int | uint8 [E, N, K/2]            | fp16 [E, N, K/G]      | G     | (nibble - 8) * s  (default, G = 32) |
 | a8w4-int | uint8 [E, N, K/2]            | fp32 [E, N, 1]        | K     | per channel (MSD): bias = 8 sum_k q |
 | a8w8-fp8 | uint8 [E, N, K] e4m3fn bits  | fp32 [E, N, 1]        | K     | e4m3(code) * s                     |
 
 Each format's module (``w16.py``, ``wint.py``, ``mx.py``, ``a8w8_int.py``, ``a8w4_int.py``,
 ``fp8.py``) states how the scales are chosen and gives pack, dequantize and a reference matmul.
-a8w4-int has two forms, told apart by the scale's dtype: group-wise (fp16 group scales, no bias;
-activations quantized per token in blocks of ``ACT_BLOCK``, torchao's "8da4w") and the seed's
-per-channel MSD form (fp32 scale per row, int32 bias).
+a8w4-int and a8w8-int have two forms each, told apart by the scale's dtype: group-wise (fp16 group
+scales, no bias; activations quantized per token in blocks of ``ACT_BLOCK``, torchao's "8da4w",
+ggml's q4_0 / q8_0 x q8_0) and the seed's per-channel form (fp32 scale per row; a8w4-int's MSD
+form with an int32 bias).
 
 Nibble order (every 4-bit format): byte j of a row holds element 2j in its low nibble and element
 2j + 1 in its high nibble (the GPT-OSS / OCP MX order).
@@ -43,7 +45,8 @@ ACTIVATION_QUANTIZED = ("a8w8-int", "a8w4-int", "a8w8-fp8")
 FOUR_BIT = ("w4-int", "mxfp4", "a8w4-int")
 MX_GROUP = 32  # OCP MX v1.0 block size
 INT8_QMAX = 127.0
-ACT_BLOCK = 32  # grouped a8w4-int: activations get one int8 scale per token per 32 elements of K
+ACT_BLOCK = 32  # grouped a8w4-int / a8w8-int: activations get one int8 scale per token per 32 elements of K
+GROUPED_A8 = ("a8w8-int", "a8w4-int")  # the a8 formats with a group-wise form (fp16 group scales)
 
 
 class QuantRefusal(ValueError):
@@ -130,9 +133,9 @@ class QuantWeight:
 
     @property
     def grouped_activations(self) -> bool:
-        """Group-wise a8w4-int (fp16 group scales): activations quantized per ``ACT_BLOCK`` elements.
-        The per-channel MSD form holds fp32 scales [E, N, 1]."""
-        return self.fmt == "a8w4-int" and self.scale.dtype == torch.float16
+        """Group-wise a8w4-int / a8w8-int (fp16 group scales): activations quantized per
+        ``ACT_BLOCK`` elements.  Their per-channel forms hold fp32 scales [E, N, 1]."""
+        return self.fmt in GROUPED_A8 and self.scale.dtype == torch.float16
 
     @property
     def num_experts(self) -> int:

@@ -14,7 +14,7 @@ _MODULES = {
     "w16": w16, "w8-int": wint, "w4-int": wint, "mxfp4": mx, "mxfp8": mx,
     "a8w8-int": a8w8_int, "a8w4-int": a8w4_int, "a8w8-fp8": fp8,
 }
-GROUPED = ("w8-int", "w4-int", "a8w4-int")  # the formats whose group is a parameter
+GROUPED = ("w8-int", "w4-int", "a8w4-int", "a8w8-int")  # the formats whose group is a parameter
 
 
 def module_of(fmt: str):
@@ -24,10 +24,12 @@ def module_of(fmt: str):
 
 
 def default_group(fmt: str, K: int) -> int:
-    """The group a format uses when none is given: wint's default, a8w4-int's (32), 32 for MX, K per
-    channel."""
+    """The group a format uses when none is given: wint's default, a8w4-int's (32), a8w8-int's (32,
+    or K where its default is per channel), 32 for MX, K per channel."""
     if fmt == "a8w4-int":
         return a8w4_int.DEFAULT_GROUP
+    if fmt == "a8w8-int":
+        return a8w8_int.DEFAULT_GROUP or K
     if fmt in GROUPED:
         return wint.DEFAULT_GROUP
     if fmt in ("mxfp4", "mxfp8"):
@@ -36,13 +38,16 @@ def default_group(fmt: str, K: int) -> int:
 
 
 def pack(fmt: str, w: torch.Tensor, group: int | None = None) -> QuantWeight:
-    """W [E, N, K] float -> QuantWeight in ``fmt``; ``group`` only for w8-int / w4-int / a8w4-int
-    (a8w4-int's per-channel MSD form: ``a8w4_int.pack(w, group_size=None)``)."""
+    """W [E, N, K] float -> QuantWeight in ``fmt``; ``group`` only for w8-int / w4-int / a8w4-int /
+    a8w8-int (the per-channel forms of the last two: ``a8w4_int.pack(w, group_size=None)``,
+    ``a8w8_int.pack(w, group_size=None)``)."""
     mod = module_of(fmt)
     if group is not None and fmt not in GROUPED and group != default_group(fmt, w.shape[-1]):
         raise ValueError(f"{fmt}: the group is fixed ({default_group(fmt, w.shape[-1])}), got {group}")
     if fmt == "a8w4-int":
         return mod.pack(w, group_size=group or a8w4_int.DEFAULT_GROUP)
+    if fmt == "a8w8-int":
+        return mod.pack(w, group_size=group or a8w8_int.DEFAULT_GROUP)
     if fmt in GROUPED:
         return mod.pack(w, bits=8 if fmt == "w8-int" else 4, group=group or wint.DEFAULT_GROUP)
     if fmt in ("mxfp4", "mxfp8"):

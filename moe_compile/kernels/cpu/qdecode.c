@@ -50,7 +50,7 @@
 #pragma GCC target("f16c")
 
 /* Weight formats (qdecode.py: _FORMATS). */
-enum { FMT_BF16 = 1, FMT_FP16, FMT_W8, FMT_W4, FMT_MXFP4, FMT_MXFP8, FMT_A8W8, FMT_A8W4, FMT_A8W4G, FMT_COUNT };
+enum { FMT_BF16 = 1, FMT_FP16, FMT_W8, FMT_W4, FMT_MXFP4, FMT_MXFP8, FMT_A8W8, FMT_A8W4, FMT_A8W4G, FMT_A8W8G, FMT_COUNT };
 enum { ISA_AVX2 = 2, ISA_AVX512 = 512 };
 /* Group scales of one weight row converted to fp32 SEG at a time (a stack buffer per row). */
 enum { SEG = 256 };
@@ -83,6 +83,7 @@ typedef struct {
     int64_t i16; /* against one row its input is read as int16 blocks (I16_BLOCK, below): 0 no,
                   * I16_PAIRED (4-bit: evens then odds) or I16_NATURAL (int8: in order) */
     int64_t pairing; /* FMT_A8W4G: its int8 input paired per 64 (AVX2 loop) or 128 (AVX-512 VNNI loop) */
+    int64_t vnni;    /* grouped a8 formats: the AVX-512 VNNI loop runs it (a8g_setup) */
 } qweight_t;
 
 /* How a weight's input rows (x for FC1, the activations for FC2) are held, see the header:
@@ -101,6 +102,10 @@ static int64_t row_bytes(const qweight_t *w) {
  * weights int8 / int4 per output channel with an fp32 scale, int32 sums (int8_dot below). */
 static int int8_activations(int64_t fmt) { return fmt == FMT_A8W8 || fmt == FMT_A8W4; }
 
+/* The group-wise a8 formats: activations int8 per row and block of 32, fp16 weight scales per group
+ * (quant/common.py: QuantWeight.grouped_activations), each block's int32 sum scaled once (a8g_rows). */
+static int a8g(int64_t fmt) { return fmt == FMT_A8W4G || fmt == FMT_A8W8G; }
+
 static int has_scales(int64_t fmt) { return fmt != FMT_BF16 && fmt != FMT_FP16; }
 
 static const uint8_t *row_at(const qweight_t *w, int64_t e, int64_t n) {
@@ -109,7 +114,7 @@ static const uint8_t *row_at(const qweight_t *w, int64_t e, int64_t n) {
 
 static const uint8_t *scales_at(const qweight_t *w, int64_t e, int64_t n) {
     int64_t per_row = w->k / w->group,
-            bytes = w->fmt == FMT_W8 || w->fmt == FMT_W4 || w->fmt == FMT_A8W4G ? 2 : int8_activations(w->fmt) ? 4 : 1;
+            bytes = w->fmt == FMT_W8 || w->fmt == FMT_W4 || a8g(w->fmt) ? 2 : int8_activations(w->fmt) ? 4 : 1;
     return has_scales(w->fmt) ? w->scale + (e * w->n + n) * per_row * bytes : NULL;
 }
 
@@ -357,7 +362,8 @@ static void int8_dot(int64_t fmt, int64_t K, const uint8_t *const *rows, const i
     }
 }
 
-/* ---- a8w4-int, group-wise (FMT_A8W4G: quant/a8w4_int.py's grouped form, torchao's "8da4w") ----
+/* ---- a8w4-int and a8w8-int, group-wise (FMT_A8W4G / FMT_A8W8G: the grouped forms of quant/a8w4_int.py
+ * and quant/a8w8_int.py, torchao's "8da4w", ggml's q4_0 / q8_0 x q8_0) ----
  * Activations quantized per row in blocks of 32 (quant/common.py: quantize_per_block_int8), 4-bit
  * weights u = q + 8 with an fp16 scale per group of G (32, 64 or a multiple of 128) along K.  Each
  * block's int32 sum is scaled once: y = sum_b (acc_b * s_x,b) * s_w,g.  The loops sum u x q_x with
@@ -366,8 +372,18 @@ static void int8_dot(int64_t fmt, int64_t K, const uint8_t *const *rows, const i
  * first lane: so acc_b = q_w . q_x exactly, held as 4 partial sums; each lane is converted to fp32
  * and scaled (acc * s_x) * s_w, summed in fp32 at the row's end.  The int32 sums are exact; the
  * result differs from the reference by the fp32 rounding of the 4 scaled partials of a block and
- * the order of the fp32 sum over blocks. */
-enum { A8G_BLOCK = 32, A8G_LANES = 4 };
+ * the order of the fp32 sum over blocks.
+ * a8w8 (int8 weights, elements in order): 8 int32 lanes per block of 32 (4 consecutive bytes each).
+ * AVX2 sums |q_w| x sign(q_x, q_w) with vpmaddubsw (pairs <= 2 * 127^2 < 2^15, exact), 32 a step;
+ * AVX-512 VNNI sums u = q_w + 128 (the sign bit flipped: unsigned) x q_x with vpdpbusd, 64 a step,
+ * from the block's offset -128 sum_b(q_x).  Same exactness and rounding as a8w4's.
+ * Per row the block scales and offsets are held per int32 lane, K / A8G_ROW_DIV of each (a8w8's 8
+ * lanes per block; a8w4 uses the first half of its row's). */
+enum { A8G_BLOCK = 32, A8G_ROW_DIV = 4 };
+
+/* int32 lanes per block of 32, and the activation offset's factor (u = q_w + bias), of a format. */
+static int a8g_lanes(int64_t fmt) { return fmt == FMT_A8W8G ? 8 : 4; }
+static int32_t a8g_bias(int64_t fmt) { return fmt == FMT_A8W8G ? 128 : 8; }
 
 static int a8g_vnni(void) {
     static int known = -1;
@@ -379,20 +395,29 @@ static int a8g_vnni(void) {
     return known;
 }
 
-/* Whether the loops take a grouped a8w4 role of reduction width K and group G. */
+/* Whether the loops take a grouped a8 role of reduction width K and group G. */
 static int a8g_ok(int64_t K, int64_t G) { return (G == 32 || G == 64 || (G > 0 && G % 128 == 0)) && K % G == 0; }
 
-static int64_t a8g_pairing(int64_t K, int64_t isa) { return isa == ISA_AVX512 && a8g_vnni() && K % 128 == 0 ? 128 : 64; }
+/* A role's loop on this ISA: a8w4's pairing (64, or 128 for its VNNI loop, K % 128 == 0); a8w8 reads
+ * its input in order and runs the VNNI loop where K % 64 == 0. */
+static void a8g_setup(qweight_t *w, int64_t isa) {
+    const int wide = isa == ISA_AVX512 && a8g_vnni();
+    w->pairing = w->fmt == FMT_A8W8G ? 0 : wide && w->k % 128 == 0 ? 128 : 64;
+    w->vnni = w->fmt == FMT_A8W8G ? wide && w->k % 64 == 0 : w->pairing == 128;
+}
 
-/* One row of n floats (n a multiple of 32) quantized per block as quantize_per_block_int8, bit for
- * bit: s = max|x| / 127 (1 where that is 0; a NaN or inf makes it non-finite), q = clamp(round half
- * to even(x / s), -127, 127), 0 where x / s is NaN; q stored paired per `pairing` elements (a last
- * 32 that does not fill one: paired per 32, the AVX2 loop's tail).  Per block b:
- * sxe[4b .. 4b+3] = s (one per int32 lane of the block), off[4b] = -8 sum_b(q), off[4b+1 .. 4b+3] = 0. */
-static void quantize_int8_blocks(const float *x, int64_t n, int64_t pairing, int8_t *q, float *sxe, int32_t *off) {
-    const int64_t whole = n - n % pairing;
+/* One input row of role w (n = w->k floats, a multiple of 32) quantized per block as
+ * quantize_per_block_int8, bit for bit: s = max|x| / 127 (1 where that is 0; a NaN or inf makes it
+ * non-finite), q = clamp(round half to even(x / s), -127, 127), 0 where x / s is NaN; q stored
+ * paired per w->pairing elements (a last 32 that does not fill one: paired per 32, the AVX2 loop's
+ * tail), in order for pairing 0.  Per block b, L = a8g_lanes lanes: sxe[L b / 32 + i] = s (one per
+ * int32 lane of the block), off[L b / 32] = -bias sum_b(q), the block's other lanes' offsets 0. */
+static void quantize_int8_blocks(const qweight_t *w, const float *x, int8_t *q, float *sxe, int32_t *off) {
+    const int64_t n = w->k, pairing = w->pairing, whole = pairing ? n - n % pairing : n;
+    const int lanes = a8g_lanes(w->fmt);
+    const int32_t bias = a8g_bias(w->fmt);
     for (int64_t b = 0; b < n; b += A8G_BLOCK) {
-        const int64_t P = b < whole ? pairing : A8G_BLOCK;
+        const int64_t P = b < whole ? pairing : A8G_BLOCK, at = b / A8G_BLOCK * lanes;
         float big = 0.f;
         for (int j = 0; j < A8G_BLOCK; ++j) {
             float a = x[b + j] < 0 ? -x[b + j] : x[b + j];
@@ -407,7 +432,7 @@ static void quantize_int8_blocks(const float *x, int64_t n, int64_t pairing, int
             q[paired_index(b + j, P)] = (int8_t)v;
             total += v;
         }
-        for (int i = 0; i < A8G_LANES; ++i) sxe[b / 8 + i] = s, off[b / 8 + i] = i ? 0 : -8 * total;
+        for (int i = 0; i < lanes; ++i) sxe[at + i] = s, off[at + i] = i ? 0 : -bias * total;
     }
 }
 
@@ -537,8 +562,77 @@ A8G_VNNI static void a8g_dot_vnni(const qweight_t *wt, const uint8_t *const *row
     }
 }
 
-/* out[w * nr + r] of two rows of a grouped a8w4 role and activation rows r0 .. r0 + n - 1 (through
- * `index` when given) of q [., ld], block scales and offsets [., ld / 8]. */
+/* out[w * nr + r] of two rows of a group-wise a8w8 role and n activation rows, AVX2: a block of 32
+ * a step, 8 exact int32 lanes (the sign trick), each scaled (acc * s_x) * s_w. */
+static void a8w8g_dot_avx2(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales,
+                           const int8_t *const *xq, const float *const *xs, const int32_t *const *xo, int64_t n, int nr,
+                           float *out) {
+    (void)xo; /* no offsets: the sign trick multiplies signed by signed */
+    const int64_t K = wt->k, per = wt->group / A8G_BLOCK; /* blocks per group */
+    const uint16_t *h0 = (const uint16_t *)scales[0], *h1 = (const uint16_t *)scales[1];
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t r = 0; r < n; ++r) {
+        __m256 t0 = _mm256_setzero_ps(), t1 = t0, sw0 = t0, sw1 = t0;
+        int64_t left = 0, gi = 0; /* blocks left in group gi - 1 (no division in the loop) */
+        for (int64_t b = 0; b < K / A8G_BLOCK; ++b) {
+            const int64_t k = A8G_BLOCK * b;
+            if (left-- == 0) {
+                sw0 = _mm256_set1_ps(_cvtsh_ss(h0[gi])), sw1 = _mm256_set1_ps(_cvtsh_ss(h1[gi]));
+                ++gi, left = per - 1;
+            }
+            if (r == 0 && !(b & 1)) {
+                _mm_prefetch((const char *)(rows[0] + k + PREFETCH_ELEMENTS), _MM_HINT_T0);
+                _mm_prefetch((const char *)(rows[1] + k + PREFETCH_ELEMENTS), _MM_HINT_T0);
+            }
+            __m256i q = _mm256_loadu_si256((const __m256i *)(xq[r] + k));
+            __m256 sx = _mm256_loadu_ps(xs[r] + 8 * b);
+            __m256i c0 = _mm256_loadu_si256((const __m256i *)(rows[0] + k));
+            __m256i c1 = _mm256_loadu_si256((const __m256i *)(rows[1] + k));
+            __m256i a0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(c0), _mm256_sign_epi8(q, c0)), ones);
+            __m256i a1 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(c1), _mm256_sign_epi8(q, c1)), ones);
+            t0 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a0), sx), sw0, t0);
+            t1 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a1), sx), sw1, t1);
+        }
+        out[r] = hsum8(t0), out[nr + r] = hsum8(t1);
+    }
+}
+
+/* As a8w8g_dot_avx2, AVX-512 VNNI, 64 elements (two blocks) a step from each block's offset; K a
+ * multiple of 64. */
+A8G_VNNI static void a8w8g_dot_vnni(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales,
+                                    const int8_t *const *xq, const float *const *xs, const int32_t *const *xo,
+                                    int64_t n, int nr, float *out) {
+    const int64_t K = wt->k, G = wt->group, per = G >= 64 ? G / 64 : 0; /* steps per group; 0: G = 32 */
+    const uint16_t *h0 = (const uint16_t *)scales[0], *h1 = (const uint16_t *)scales[1];
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t r = 0; r < n; ++r) {
+        __m512 t0 = _mm512_setzero_ps(), t1 = t0, sw0 = t0, sw1 = t0;
+        int64_t left = 0, gi = 0; /* steps left in group gi - 1 (no division in the loop) */
+        for (int64_t c = 0; c < K / 64; ++c) {
+            const int64_t k = 64 * c;
+            if (!per) { /* G = 32: lanes 0-7 take group 2c, lanes 8-15 group 2c + 1 (a8w4's G = 64 spread) */
+                sw0 = a8g_scales16(scales[0], c, 64), sw1 = a8g_scales16(scales[1], c, 64);
+            } else if (left-- == 0) {
+                sw0 = _mm512_set1_ps(_cvtsh_ss(h0[gi])), sw1 = _mm512_set1_ps(_cvtsh_ss(h1[gi]));
+                ++gi, left = per - 1;
+            }
+            if (r == 0) {
+                _mm_prefetch((const char *)(rows[0] + k + PREFETCH_ELEMENTS), _MM_HINT_T0);
+                _mm_prefetch((const char *)(rows[1] + k + PREFETCH_ELEMENTS), _MM_HINT_T0);
+            }
+            __m512i q = _mm512_loadu_si512(xq[r] + k), o = _mm512_loadu_si512(xo[r] + 16 * c);
+            __m512 sx = _mm512_loadu_ps(xs[r] + 16 * c);
+            __m512i a0 = _mm512_dpbusd_epi32(o, _mm512_xor_si512(_mm512_loadu_si512(rows[0] + k), flip), q);
+            __m512i a1 = _mm512_dpbusd_epi32(o, _mm512_xor_si512(_mm512_loadu_si512(rows[1] + k), flip), q);
+            t0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a0), sx), sw0, t0);
+            t1 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a1), sx), sw1, t1);
+        }
+        out[r] = _mm512_reduce_add_ps(t0), out[nr + r] = _mm512_reduce_add_ps(t1);
+    }
+}
+
+/* out[w * nr + r] of two rows of a grouped a8 role and activation rows r0 .. r0 + n - 1 (through
+ * `index` when given) of q [., ld], block scales and offsets [., ld / A8G_ROW_DIV]. */
 static void a8g_rows(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales, const int8_t *q,
                      int64_t ld, const float *sxe, const int32_t *off, const int64_t *index, int64_t r0, int64_t n,
                      int nr, float *out) {
@@ -547,9 +641,12 @@ static void a8g_rows(const qweight_t *wt, const uint8_t *const *rows, const uint
     const int32_t *xo[16];
     for (int64_t r = 0; r < n; ++r) {
         int64_t i = index ? index[r0 + r] : r0 + r;
-        xr[r] = q + i * ld, xs[r] = sxe + i * (ld / 8), xo[r] = off + i * (ld / 8);
+        xr[r] = q + i * ld, xs[r] = sxe + i * (ld / A8G_ROW_DIV), xo[r] = off + i * (ld / A8G_ROW_DIV);
     }
-    (wt->pairing == 128 ? a8g_dot_vnni : a8g_dot_avx2)(wt, rows, scales, xr, xs, xo, n, nr, out);
+    if (wt->fmt == FMT_A8W8G)
+        (wt->vnni ? a8w8g_dot_vnni : a8w8g_dot_avx2)(wt, rows, scales, xr, xs, xo, n, nr, out);
+    else
+        (wt->vnni ? a8g_dot_vnni : a8g_dot_avx2)(wt, rows, scales, xr, xs, xo, n, nr, out);
 }
 
 #define QDECODE_ISA 2
@@ -588,7 +685,7 @@ typedef struct {
     int8_t *x8, *a8;                   /* x [T, H] and a [S, F] quantized per row (a8 formats) */
     float *x8s, *a8s;                  /* their scales [T], [S] */
     int32_t *x8sum, *a8sum;            /* their sums of q [T], [S] */
-    float *x8b, *a8b;                  /* grouped a8w4: x8 / a8 per block of 32, scales [T, H / 8], [S, F / 8] */
+    float *x8b, *a8b;                  /* grouped a8: x8 / a8 per block of 32, lane scales [T, H / 4], [S, F / 4] */
     int32_t *x8o, *a8o;                /* and offsets, same shapes (quantize_int8_blocks) */
     float *xs, *as;                    /* their block scales [T, H / I16_BLOCK], [S, F / I16_BLOCK] */
     qweight_t w1, w2;
@@ -639,7 +736,7 @@ static void fc1_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t
         for (int64_t f = f0; f < f1; ++f) {
             const uint8_t *w[2] = {row_at(&s->w1, e, f), row_at(&s->w1, e, s->F + f)};
             const uint8_t *sc[2] = {scales_at(&s->w1, e, f), scales_at(&s->w1, e, s->F + f)};
-            if (s->w1.fmt == FMT_A8W4G) {
+            if (a8g(s->w1.fmt)) {
                 a8g_rows(&s->w1, w, sc, s->x8, s->H, s->x8b, s->x8o, s->tok, r0, n, nr, out);
             } else if (int8_activations(s->w1.fmt)) {
                 int8_rows(&s->w1, w, sc, s->x8, s->H, s->x8s, s->x8sum, s->tok, r0, n, nr, out);
@@ -683,7 +780,7 @@ static void fc2_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t
             int64_t c2 = c + 1 < n1 ? c + 1 : c; /* an odd count: the last row twice, once kept */
             const uint8_t *w[2] = {row_at(&s->w2, e, c), row_at(&s->w2, e, c2)};
             const uint8_t *sc[2] = {scales_at(&s->w2, e, c), scales_at(&s->w2, e, c2)};
-            if (s->w2.fmt == FMT_A8W4G)
+            if (a8g(s->w2.fmt))
                 a8g_rows(&s->w2, w, sc, s->a8, s->F, s->a8b, s->a8o, NULL, r0, n, nr, out);
             else if (int8_activations(s->w2.fmt))
                 int8_rows(&s->w2, w, sc, s->a8, s->F, s->a8s, s->a8sum, NULL, r0, n, nr, out);
@@ -707,13 +804,13 @@ static void run_parts(const step_t *s, float limit, int64_t part, int64_t parts)
     for (int64_t e = 0; e < s->E && f0 < f1; ++e)
         if (s->start[e + 1] > s->start[e]) fc1_part(s, e, s->start[e], s->start[e + 1], f0, f1, limit);
 #pragma omp barrier
-    if (int8_activations(s->w2.fmt) || s->w2.fmt == FMT_A8W4G) { /* FC2's input re-quantized per row: whole rows, after FC1 */
+    if (int8_activations(s->w2.fmt) || a8g(s->w2.fmt)) { /* FC2's input re-quantized per row: whole rows, after FC1 */
         int64_t r0, r1;
         split(s->S, 1, part, parts, &r0, &r1);
         for (int64_t r = r0; r < r1; ++r)
-            if (s->w2.fmt == FMT_A8W4G)
-                quantize_int8_blocks(s->a + r * s->F, s->F, s->w2.pairing, s->a8 + r * s->F, s->a8b + r * (s->F / 8),
-                                     s->a8o + r * (s->F / 8));
+            if (a8g(s->w2.fmt))
+                quantize_int8_blocks(&s->w2, s->a + r * s->F, s->a8 + r * s->F, s->a8b + r * (s->F / A8G_ROW_DIV),
+                                     s->a8o + r * (s->F / A8G_ROW_DIV));
             else
                 s->a8s[r] = quantize_int8_row(s->a + r * s->F, s->F, s->w2.fmt == FMT_A8W4 ? a8w4_block(s->F) : 0,
                                               s->a8 + r * s->F, s->a8sum + r);
@@ -747,11 +844,11 @@ int moe_qdecode_run(const int64_t *plan, float limit, int64_t nparts) {
         if (w->fmt < 1 || w->fmt >= FMT_COUNT || (has_scales(w->fmt) && (w->group % 32 || w->k % w->group)))
             return -2;
         if (int8_activations(w->fmt) && (w->k % 32 || w->group != w->k)) return -2; /* per channel, 32-wide blocks */
-        if (w->fmt == FMT_A8W4G && !a8g_ok(w->k, w->group)) return -2;
+        if (a8g(w->fmt) && !a8g_ok(w->k, w->group)) return -2;
     }
     s.v = isa == ISA_AVX512 ? 16 : 8;
     s.w1.layout = layout_of(s.w1.fmt, s.w1.group, isa), s.w2.layout = layout_of(s.w2.fmt, s.w2.group, isa);
-    s.w1.pairing = a8g_pairing(s.w1.k, isa), s.w2.pairing = a8g_pairing(s.w2.k, isa);
+    a8g_setup(&s.w1, isa), a8g_setup(&s.w2, isa);
     s.dot = isa == ISA_AVX512 ? dot_512 : dot_2;
     s.dot16 = dot16_2;
     s.rmax = isa == ISA_AVX512 ? RMAX_512 : RMAX_2;
@@ -767,14 +864,14 @@ int moe_qdecode_run(const int64_t *plan, float limit, int64_t nparts) {
     int64_t floats = s.T * s.H + 2 * s.S * s.F + s.S * s.F + (s.T * s.H + s.S * s.F) / I16_BLOCK + 16;
     int64_t rows8 = s.T + s.S + 16;
     float *xp = aligned_alloc(64, (size_t)((floats + 2 * rows8) * 4 + (s.T * s.H + s.S * s.F) * 3 + 128) / 64 * 64);
-    /* grouped a8w4: block scales and offsets of x and a, (T H + S F) / 8 of each */
-    int grouped = s.w1.fmt == FMT_A8W4G || s.w2.fmt == FMT_A8W4G;
-    float *blk = grouped ? malloc((size_t)(s.T * s.H + s.S * s.F) / 8 * 8 + 64) : NULL;
+    /* grouped a8: lane scales and offsets of x and a, (T H + S F) / A8G_ROW_DIV of each */
+    int grouped = a8g(s.w1.fmt) || a8g(s.w2.fmt);
+    float *blk = grouped ? malloc((size_t)(s.T * s.H + s.S * s.F) / A8G_ROW_DIV * 8 + 64) : NULL;
     int status = -1;
     if (!start || !tok || !xp || (grouped && !blk)) goto done;
     if (grouped) {
-        s.x8b = blk, s.a8b = blk + s.T * s.H / 8;
-        s.x8o = (int32_t *)(s.a8b + s.S * s.F / 8), s.a8o = s.x8o + s.T * s.H / 8;
+        s.x8b = blk, s.a8b = blk + s.T * s.H / A8G_ROW_DIV;
+        s.x8o = (int32_t *)(s.a8b + s.S * s.F / A8G_ROW_DIV), s.a8o = s.x8o + s.T * s.H / A8G_ROW_DIV;
     }
     const int64_t *ids = (const int64_t *)(intptr_t)plan[P_IDS];
     const float *x = (const float *)(intptr_t)plan[P_X];
@@ -798,9 +895,10 @@ int moe_qdecode_run(const int64_t *plan, float limit, int64_t nparts) {
         for (int64_t t = 0; t < s.T; ++t)
             s.x8s[t] = quantize_int8_row(x + t * s.H, s.H, s.w1.fmt == FMT_A8W4 ? a8w4_block(s.H) : 0, s.x8 + t * s.H,
                                          s.x8sum + t);
-    if (s.w1.fmt == FMT_A8W4G)
+    if (a8g(s.w1.fmt))
         for (int64_t t = 0; t < s.T; ++t)
-            quantize_int8_blocks(x + t * s.H, s.H, s.w1.pairing, s.x8 + t * s.H, s.x8b + t * (s.H / 8), s.x8o + t * (s.H / 8));
+            quantize_int8_blocks(&s.w1, x + t * s.H, s.x8 + t * s.H, s.x8b + t * (s.H / A8G_ROW_DIV),
+                                 s.x8o + t * (s.H / A8G_ROW_DIV));
     for (int64_t t = 0; t < s.T; ++t) layout_copy(s.xp + t * s.H, x + t * s.H, s.H, s.v, s.w1.layout);
     if (s.w1.i16)
         for (int64_t t = 0; t < s.T; ++t)
@@ -828,8 +926,8 @@ int moe_qdecode_linear(const int64_t *plan, int64_t nparts) {
     if ((isa != ISA_AVX2 && isa != ISA_AVX512) || isa > moe_qdecode_best_isa() || T < 1) return -2;
     if (w.fmt < 1 || w.fmt >= FMT_COUNT || (has_scales(w.fmt) && (w.group % 32 || K % w.group))) return -2;
     if (int8_activations(w.fmt) && (K % 32 || w.group != K)) return -2;
-    if (w.fmt == FMT_A8W4G && !a8g_ok(K, w.group)) return -2;
-    w.pairing = a8g_pairing(K, isa);
+    if (a8g(w.fmt) && !a8g_ok(K, w.group)) return -2;
+    a8g_setup(&w, isa);
     step_t s = {.T = T, .H = N, .F = K, .K = 1, .E = 1, .S = T, .between = 0, .y = (float *)(intptr_t)plan[L_Y]};
     s.v = isa == ISA_AVX512 ? 16 : 8;
     s.w2 = w, s.w2.layout = layout_of(w.fmt, w.group, isa);
@@ -844,10 +942,10 @@ int moe_qdecode_linear(const int64_t *plan, int64_t nparts) {
     /* a [T, K] in the weight's layout, its int16 blocks and block scales, its int8 rows, scales, sums */
     size_t bytes = (size_t)(T * K * 4 + T * K / I16_BLOCK * 4 + 64 + T * K * 2 + T * K + 2 * (T + 16) * 4 + 128);
     float *a = aligned_alloc(64, (bytes + 63) / 64 * 64);
-    float *blk = w.fmt == FMT_A8W4G ? malloc((size_t)(T * K) + 64) : NULL; /* grouped a8w4: block scales, offsets */
+    float *blk = a8g(w.fmt) ? malloc((size_t)(T * K / A8G_ROW_DIV) * 8 + 64) : NULL; /* grouped a8: lane scales, offsets */
     int status = -1;
-    if (!idx || !ones || !a || (w.fmt == FMT_A8W4G && !blk)) goto done;
-    s.a8b = blk, s.a8o = blk ? (int32_t *)(blk + T * K / 8) : NULL;
+    if (!idx || !ones || !a || (a8g(w.fmt) && !blk)) goto done;
+    s.a8b = blk, s.a8o = blk ? (int32_t *)(blk + T * K / A8G_ROW_DIV) : NULL;
     int64_t start[2] = {0, T};
     for (int64_t t = 0; t < T; ++t) idx[t] = t, ones[t] = 1.f;
     s.start = start, s.tok = idx, s.slot = idx, s.gates = ones;
@@ -860,8 +958,8 @@ int moe_qdecode_linear(const int64_t *plan, int64_t nparts) {
         if (s.w2.i16) quantize_i16(x + t * K, K, s.w2.i16 == I16_PAIRED, s.aq + t * K, s.as + t * K / I16_BLOCK);
         if (int8_activations(w.fmt))
             s.a8s[t] = quantize_int8_row(s.a + t * K, K, w.fmt == FMT_A8W4 ? a8w4_block(K) : 0, s.a8 + t * K, s.a8sum + t);
-        if (w.fmt == FMT_A8W4G)
-            quantize_int8_blocks(x + t * K, K, w.pairing, s.a8 + t * K, s.a8b + t * (K / 8), s.a8o + t * (K / 8));
+        if (a8g(w.fmt))
+            quantize_int8_blocks(&s.w2, x + t * K, s.a8 + t * K, s.a8b + t * (K / A8G_ROW_DIV), s.a8o + t * (K / A8G_ROW_DIV));
     }
     memset(s.y, 0, (size_t)(T * N) * sizeof(float));
 #pragma omp parallel num_threads(nparts)
@@ -876,22 +974,25 @@ done:
     return status;
 }
 
-/* Test entry: y [T, N] = x [T, K] . W^T of one group-wise a8w4 weight [N, K] (N even, T <= 16) by
- * the decode loops alone on one thread (quantize_int8_blocks, a8g_rows): no SwiGLU, no routing, so
- * tests hold the loops to quant/a8w4_int.py's grouped_matmul directly.  Returns 0, -2 for what the
- * loops do not take, -1 without memory. */
+/* Test entry: y [T, N] = x [T, K] . W^T of one group-wise a8 weight [N, K] (fmt FMT_A8W4G or
+ * FMT_A8W8G, N even, T <= 16) by the decode loops alone on one thread (quantize_int8_blocks,
+ * a8g_rows): no SwiGLU, no routing, so tests hold the loops to the format's grouped_matmul
+ * (quant/a8w4_int.py, quant/a8w8_int.py) directly.  Returns 0, -2 for what the loops do not take,
+ * -1 without memory. */
 int moe_qdecode_a8g_matmul(const float *x, int64_t T, int64_t K, const uint8_t *data, const uint8_t *scale, int64_t N,
-                           int64_t G, int64_t isa, float *y) {
-    if (T < 1 || T > 16 || N % 2 || !a8g_ok(K, G) || (isa != ISA_AVX2 && isa != ISA_AVX512) || isa > moe_qdecode_best_isa())
+                           int64_t G, int64_t isa, int64_t fmt, float *y) {
+    if (T < 1 || T > 16 || N % 2 || !a8g(fmt) || !a8g_ok(K, G) || (isa != ISA_AVX2 && isa != ISA_AVX512)
+        || isa > moe_qdecode_best_isa())
         return -2;
-    qweight_t w = {data, scale, FMT_A8W4G, N, K, G, LAYOUT_NATURAL};
-    w.pairing = a8g_pairing(K, isa);
+    qweight_t w = {data, scale, fmt, N, K, G, LAYOUT_NATURAL};
+    a8g_setup(&w, isa);
+    const int64_t lanes = K / A8G_ROW_DIV;
     int8_t *q = malloc((size_t)(T * K) + 64);
-    float *sxe = malloc((size_t)(T * K / 8) * 4 + 64);
-    int32_t *off = malloc((size_t)(T * K / 8) * 4 + 64);
+    float *sxe = malloc((size_t)(T * lanes) * 4 + 64);
+    int32_t *off = malloc((size_t)(T * lanes) * 4 + 64);
     int status = -1;
     if (q && sxe && off) {
-        for (int64_t t = 0; t < T; ++t) quantize_int8_blocks(x + t * K, K, w.pairing, q + t * K, sxe + t * K / 8, off + t * K / 8);
+        for (int64_t t = 0; t < T; ++t) quantize_int8_blocks(&w, x + t * K, q + t * K, sxe + t * lanes, off + t * lanes);
         float out[32];
         for (int64_t n = 0; n < N; n += 2) {
             const uint8_t *rows[2] = {row_at(&w, 0, n), row_at(&w, 0, n + 1)}, *sc[2] = {scales_at(&w, 0, n), scales_at(&w, 0, n + 1)};

@@ -11,7 +11,10 @@ Shapes:  T tokens, H hidden, F expert FFN width, E experts, K experts per token.
   w4-int   uint8 [E, N, K/2]           fp16 [E, N, K/G]        (nibble - 8) * scale
   mxfp4    uint8 [E, N, K/2] e2m1      uint8 e8m0 [E, N, K/32]  e2m1(code) * 2^(scale - 127)
   mxfp8    uint8 [E, N, K] e4m3fn      uint8 e8m0 [E, N, K/32]  e4m3(code) * 2^(scale - 127)
+  a8w8-int int8 [E, N, K]              fp16 [E, N, K/G]        q * scale, activations int8 per row
+                                                               and block of 32 (group-wise form)
   a8w8-int int8 [E, N, K]              fp32 [E, N, 1]          q * scale, activations int8 per row
+                                                               (per-channel form)
   a8w4-int uint8 [E, N, K/2] u = q + 8 fp16 [E, N, K/G]        (u - 8) * scale, activations int8 per
                                                                row and block of 32 (group-wise form)
   a8w4-int uint8 [E, N, K/2] u = q + 8 fp32 [E, N, 1]          (u - 8) * scale, activations int8 per
@@ -29,13 +32,13 @@ repacked copy, nothing kept in ``pack_cache``.
 ``a8w8-int`` / ``a8w4-int`` quantize the activations per row as their reference does (x per token,
 FC2's input per slot, ``quantize_per_token_int8``) and sum int8 x int8 / int4 exactly in int32
 (``vpmaddubsw``; the a8w4 nibbles u = q + 8 less 8 sum(q_x)), then scale in the reference's order
-(acc * s_x) * s_w.  Group-wise a8w4-int quantizes them per row and block of 32
-(``quantize_per_block_int8``) and scales each block's exact int32 sum once, (acc_b * s_x,b) * s_w,g:
-``vpdpbusd`` 128 elements a step where the CPU has AVX-512 VNNI and K is a multiple of 128,
-``vpmaddubsw`` 64 a step otherwise (and under ``MOE_COMPILE_FUSED_ISA=avx2``); G one of 32, 64
-or a multiple of 128.  Its results differ from the reference
-by fp32 rounding alone (each block's sum is scaled as 4 exact int32 partials, then summed in
-another order).  ``a8w8-fp8`` has no CPU kernel.
+(acc * s_x) * s_w.  Group-wise a8w4-int and a8w8-int quantize them per row and block of 32
+(``quantize_per_block_int8``) and scale each block's exact int32 sum once, (acc_b * s_x,b) * s_w,g:
+a8w4 ``vpdpbusd`` 128 elements a step where the CPU has AVX-512 VNNI and K is a multiple of 128,
+``vpmaddubsw`` 64 a step otherwise (and under ``MOE_COMPILE_FUSED_ISA=avx2``); a8w8 ``vpdpbusd``
+64 a step (K a multiple of 64, VNNI) or ``vpmaddubsw`` with the sign trick 32 a step; G one of 32,
+64 or a multiple of 128.  Their results differ from the reference by fp32 rounding alone (each
+block's sum is scaled as 4 (a8w4) or 8 (a8w8) exact int32 partials, then summed in another order).  ``a8w8-fp8`` has no CPU kernel.
 
 The C file is built on first use (``cpu_cc``); ``MOE_COMPILE_QDECODE=0`` turns it off.  It runs
 AVX-512 where the CPU has it, AVX2 otherwise; ``MOE_COMPILE_FUSED_ISA=avx2`` (the switch
@@ -58,7 +61,8 @@ ENV = "MOE_COMPILE_QDECODE"
 MAX_ROWS = 16  # tokens per call: decode (the prefill kernel takes more)
 GROUP_MULTIPLE = 32  # scale groups must span whole 32-element blocks (a 16-byte load of 4-bit codes)
 _FORMATS = {"w16-bf16": 1, "w16-fp16": 2, "w8-int": 3, "w4-int": 4, "mxfp4": 5, "mxfp8": 6, "a8w8-int": 7,
-            "a8w4-int": 8, "a8w4-int-grouped": 9}  # the C file's FMT_*
+            "a8w4-int": 8, "a8w4-int-grouped": 9, "a8w8-int-grouped": 10}  # the C file's FMT_*
+GROUPED_A8 = ("a8w4-int", "a8w8-int")  # formats with a group-wise form (activations per block of 32)
 SERVED = ("w16", "w8-int", "w4-int", "mxfp4", "mxfp8", "a8w8-int", "a8w4-int")
 _NO_KERNEL = ("a8w8-fp8",)
 _KERNEL = cpu_cc.Kernel("qdecode", ENV,
@@ -66,7 +70,7 @@ _KERNEL = cpu_cc.Kernel("qdecode", ENV,
                          "moe_qdecode_best_isa": ([], ctypes.c_int64),
                          "moe_qdecode_a8g_matmul": ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                                     ctypes.c_void_p], ctypes.c_int)},
+                                                     ctypes.c_int64, ctypes.c_void_p], ctypes.c_int)},
                         "quantized decode is not served by qdecode")
 
 
@@ -113,15 +117,18 @@ def _format_code(w) -> int:
         if w.data.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"qdecode: w16 data must be bf16 or fp16, got {w.data.dtype}")
         return _FORMATS["w16-bf16" if w.data.dtype == torch.bfloat16 else "w16-fp16"]
-    if w.fmt == "a8w4-int" and w.grouped_activations:
-        return _FORMATS["a8w4-int-grouped"]
+    if w.fmt in GROUPED_A8 and w.grouped_activations:
+        return _FORMATS[f"{w.fmt}-grouped"]
     return _FORMATS[w.fmt]
 
 
-def _grouped_a8w4(w, k: int) -> bool:
-    """A group-wise a8w4-int role (a QuantWeight says so; a bare shape, ``quant.py``'s check, by a
-    group smaller than K)."""
-    return w.fmt == "a8w4-int" and getattr(w, "grouped_activations", w.group != k)
+def _grouped_a8(w, k: int) -> bool:
+    """A group-wise a8w4-int / a8w8-int role (a QuantWeight says so; a bare shape, ``quant.py``'s
+    check, by its group: a8w4 one other than K, a8w8 one in (0, K), 0 or K its per-channel form)."""
+    if w.fmt not in GROUPED_A8:
+        return False
+    bare = w.group != k if w.fmt == "a8w4-int" else 0 < w.group < k
+    return getattr(w, "grouped_activations", bare)
 
 
 def _check_role(w, name: str, n: int, k: int) -> None:
@@ -133,8 +140,8 @@ def _check_role(w, name: str, n: int, k: int) -> None:
         raise ValueError(f"qdecode: {name} must be logically [E, {n}, {k}], got {tuple(w.shape)}")
     if w.fmt != "w16" and (w.group % GROUP_MULTIPLE or k % w.group):
         raise ValueError(f"qdecode: {name} group {w.group} must be a multiple of {GROUP_MULTIPLE} dividing {k}")
-    if _grouped_a8w4(w, k) and w.group not in (32, 64) and w.group % 128:
-        raise ValueError(f"qdecode: {name} group-wise a8w4-int needs a group of 32, 64 or a multiple of 128, "
+    if _grouped_a8(w, k) and w.group not in (32, 64) and w.group % 128:
+        raise ValueError(f"qdecode: {name} group-wise {w.fmt} needs a group of 32, 64 or a multiple of 128, "
                          f"got {w.group}")
 
 
@@ -217,15 +224,22 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, attrs
     return y
 
 
-def a8w4_grouped_matmul(x: torch.Tensor, w, e: int, isa: int | None = None) -> torch.Tensor:
-    """Test entry: y [T, N] = x [T, K] . W_e^T of a group-wise a8w4-int weight by the decode loops
-    alone (one thread), to compare with ``quant.a8w4_int.grouped_matmul``."""
+def grouped_matmul(x: torch.Tensor, w, e: int, isa: int | None = None) -> torch.Tensor:
+    """Test entry: y [T, N] = x [T, K] . W_e^T of a group-wise a8w4-int / a8w8-int weight by the
+    decode loops alone (one thread), to compare with the format's ``grouped_matmul``
+    (``quant.a8w4_int`` / ``quant.a8w8_int``)."""
+    if w.fmt not in GROUPED_A8 or not w.grouped_activations:
+        raise ValueError(f"qdecode.grouped_matmul: a group-wise a8w4-int / a8w8-int weight, got {w.fmt} "
+                         f"scale {w.scale.dtype}")
     x = x.float().contiguous()
     T, K = x.shape
     N = w.shape[1]
     y = torch.empty(T, N)
     status = _KERNEL.lib().moe_qdecode_a8g_matmul(x.data_ptr(), T, K, w.data[e].data_ptr(), w.scale[e].data_ptr(), N,
-                                                  w.group, isa or best_isa(), y.data_ptr())
+                                                  w.group, isa or best_isa(), _format_code(w), y.data_ptr())
     if status != 0:
-        raise ValueError(f"qdecode.a8w4_grouped_matmul refused T={T} K={K} N={N} group={w.group} (status {status})")
+        raise ValueError(f"qdecode.grouped_matmul refused {w.fmt} T={T} K={K} N={N} group={w.group} (status {status})")
     return y
+
+
+a8w4_grouped_matmul = grouped_matmul  # the name tests/kernels/cpu/test_qdecode.py calls it by
