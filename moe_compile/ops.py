@@ -322,3 +322,4 @@ def call_fused_moe(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs)
     )
 from moe_compile import autograd as _autograd  # noqa: E402,F401  registers the backward
 from moe_compile import dense_ops as _dense_ops  # noqa: E402,F401  registers moe_compile::dense_linear
+from moe_compile import attention_ops as _attention_ops  # noqa: E402,F401  registers moe_compile::decode_attention

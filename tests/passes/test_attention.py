@@ -1,10 +1,12 @@
 """passes/attention.py: SDPA on K/V heads repeated in the graph runs with enable_gqa=True on the
-K/V as they are — equal to eager — and other repeats (another head order) are left alone."""
+K/V as they are — equal to eager — and other repeats (another head order) are left alone; few-row
+(decode) SDPA calls run on moe_compile::decode_attention, equal to SDPA within fp32 rounding."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from moe_compile.passes.attention import MAX_ROWS
 from tests.conftest import run_compiled, tiny_qwen3_moe_lm
 
 B, G, R, S, D = 1, 2, 3, 7, 16
@@ -38,12 +40,47 @@ def _inputs(T=1):
 
 @pytest.mark.parametrize("spelling", SPELLINGS)
 def test_repeated_kv_runs_grouped(spelling):
-    fn, args = SPELLINGS[spelling], _inputs()
+    fn, args = SPELLINGS[spelling], _inputs(MAX_ROWS + 1)  # more rows than decode: SDPA stays
     want = fn(*args)
     with torch.no_grad():
         got, report = run_compiled(fn, *args)
     assert torch.equal(got, want)  # the same kernel and order of sums on CPU
     assert any("1 SDPA call(s) on repeated K/V heads" in n.line() for n in report.notes)
+
+
+def _reference(q, k, v, m):
+    """SDPA in float64 with the K/V heads repeated: what both kernels approximate."""
+    m = m if m is None or m.dtype == torch.bool else m.double()
+    r = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(r, 1),
+                                          v.double().repeat_interleave(r, 1), attn_mask=m).float()
+
+
+@pytest.mark.parametrize("mask", ["none", "float", "bool"])
+@pytest.mark.parametrize("spelling", ["repeat_kv", "enable_gqa"])
+def test_decode_sdpa_runs_on_decode_attention(spelling, mask):
+    from moe_compile.kernels.cpu import attention
+
+    q, k, v, m = _inputs(1)
+    m = {"none": None, "float": m, "bool": m == 0}[mask]
+    fn = SPELLINGS["repeat_kv"] if spelling == "repeat_kv" else (
+        lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True))
+    before = attention.fast_calls()
+    with torch.no_grad():
+        got, report = run_compiled(fn, q, k, v, m)
+    # fp32 with another order of sums than SDPA's (D = 16, S = 7): ~1e-7; a wrong head or mask is O(1)
+    torch.testing.assert_close(got, _reference(q, k, v, m), atol=1e-5, rtol=1e-5)
+    assert any("1 decode SDPA call(s)" in n.line() for n in report.notes)
+    assert attention.fast_calls() > before  # attention.c served it, not the SDPA fallback
+
+
+def test_causal_and_long_sdpa_are_left_alone():
+    q, k, v, _ = _inputs(1)
+    with torch.no_grad():
+        got, report = run_compiled(lambda q, k, v: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True), q, k, v)
+    assert torch.equal(got, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    assert not any("decode SDPA" in n.line() for n in report.notes)
 
 
 def test_other_head_orders_are_left_alone():
@@ -53,8 +90,8 @@ def test_other_head_orders_are_left_alone():
     args = _inputs(2)
     with torch.no_grad():
         got, report = run_compiled(fn, *args)
-    assert torch.allclose(got, fn(*args))
-    assert not any("SDPA" in n.line() for n in report.notes)
+    assert torch.allclose(got, fn(*args), atol=1e-6)  # decode_attention on the repeated heads
+    assert not any("repeated K/V" in n.line() for n in report.notes)
 
 
 def test_training_graphs_keep_their_repeats():

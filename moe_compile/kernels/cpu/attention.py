@@ -1,0 +1,63 @@
+"""Loading the decode attention kernel: ``attention.c`` (the arithmetic) behind
+``attention_op.cpp`` (the C++ CPU kernel of ``moe_compile::decode_attention``, no Python per call).
+
+Built and armed on the op's first CPU call, never at import.  ``MOE_COMPILE_ATTENTION=0`` turns it
+off (every call is torch's SDPA, ``moe_compile.attention_ops``); so does a CPU without AVX2 or a
+machine without a C/C++ compiler, with one warning saying why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import warnings
+
+import torch
+
+from moe_compile.kernels.cpu import cc as cpu_cc
+
+ENV = "MOE_COMPILE_ATTENTION"
+MAX_ROWS = 16  # query rows a call may have: decode, and a few speculative tokens
+_KERNEL = cpu_cc.Kernel("attention", ENV, {"moe_decode_attention": (
+    [ctypes.c_void_p, ctypes.c_double, ctypes.c_int64], ctypes.c_int)}, "decode attention runs torch's SDPA")
+# "installed": True, or "error": why not (asked once a process).
+_state: dict[str, object] = {}
+
+
+def install() -> bool:
+    """Build, load and arm ``attention_op.cpp`` once per process; whether it serves calls."""
+    if not _state:
+        try:
+            _state["installed"] = _install()
+        except (OSError, RuntimeError) as err:
+            _state["error"] = str(err)
+            warnings.warn(f"moe_compile: attention_op.cpp unavailable, decode attention runs torch's SDPA ({err})",
+                          RuntimeWarning, stacklevel=3)
+    return bool(_state.get("installed"))
+
+
+def _install() -> bool:
+    lib_c = _KERNEL.lib()
+    if lib_c is None or os.environ.get(ENV) == "0":
+        _state["error"] = _KERNEL.error() or f"turned off by {ENV}=0"
+        return False
+    path = str(cpu_cc.build_torch_library("attention_op"))
+    torch.ops.load_library(path)  # registers the CPU kernel; unarmed, it sends every call to SDPA
+    lib = ctypes.CDLL(path)
+    lib.moe_attention_op_set_kernel.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.moe_attention_op_fast_calls.restype = ctypes.c_int64
+    lib.moe_attention_op_set_kernel(ctypes.cast(lib_c.moe_decode_attention, ctypes.c_void_p).value, MAX_ROWS)
+    _state["lib"] = lib
+    return True
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel does not serve calls in this process (None when it does)."""
+    install()
+    return None if _state.get("installed") else str(_state.get("error"))
+
+
+def fast_calls() -> int:
+    """How many calls attention.c has served in this process (0 before it is installed)."""
+    lib = _state.get("lib")
+    return int(lib.moe_attention_op_fast_calls()) if lib is not None else 0
