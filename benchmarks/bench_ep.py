@@ -208,7 +208,7 @@ def _run_shapes(rank, world, cfg):
         plan = make_plan(ids, E, world)
         gp = gw.reshape(-1)[plan.order].float()
 
-        def copy_rows(rows, gg, counts, out):
+        def copy_rows(rows, gg, counts, out, at):
             out.copy_(rows)
 
         row["comm_symm"] = _timeit(lambda: dispatch.exchange(ctx, plan, x, gp, copy_rows, H, x.dtype, chunks=1,
@@ -273,7 +273,7 @@ def _run_exchange(rank, world, cfg):
     plan = make_plan(ids, E, world)
     gp = gw.reshape(-1)[plan.order].float()
 
-    def copy_rows(rows, gg, counts, out):
+    def copy_rows(rows, gg, counts, out, at):
         out.copy_(rows)
 
     ctx, rep, wu = get_context(g.group_name), cfg["repeats"], cfg["warmup"]

@@ -99,17 +99,19 @@ def _fused_moe_backward_fake(*args):
     return [t.new_empty(t.shape) if need else t.new_empty(0) for t, need in zip(inputs, needs)]
 
 
-def save_inputs(ctx, inputs, output, fc1_out=None) -> None:
+def save_inputs(ctx, inputs, output, fc1_out=None, kept=()) -> None:
     """setup_context shared by the fused ops (single-device and expert-parallel): save the inputs
     (references to tensors the caller holds anyway) and, from ``fused_moe_train``, FC1's output;
-    without it the backward recomputes FC1."""
+    without it the backward recomputes FC1.  ``kept``: more forward outputs the backward reads
+    (``fused_moe_ep_train``'s kept rows), saved last (``saved_kept``)."""
     x, topk_ids, topk_weights, *rest = inputs
     roles, statics = rest[:6], rest[6:]
     ctx.lengths = [len(role) for role in roles]
     ctx.statics = tuple(statics)  # gate_up, transposed, activation, limit, alpha, weight_on, [EP options]
     ctx.saves_fc1 = fc1_out is not None
+    ctx.kept_count = len(kept)
     extra = [fc1_out] if ctx.saves_fc1 else []
-    ctx.save_for_backward(x, topk_ids, topk_weights, *[t for role in roles for t in role], *extra)
+    ctx.save_for_backward(x, topk_ids, topk_weights, *[t for role in roles for t in role], *extra, *kept)
 
 
 def _save_inputs_and_fc1(ctx, inputs, output) -> None:
@@ -124,6 +126,7 @@ def unpack_saved(ctx):
     """(x, topk_ids, topk_weights, roles, needs): ``needs`` has one bool per gradient the backward
     op returns — x, topk_weights, then every tensor of every role."""
     x, topk_ids, topk_weights, *flat_w = ctx.saved_tensors
+    flat_w = flat_w[: len(flat_w) - getattr(ctx, "kept_count", 0)]  # the kept outputs are last (``saved_kept``)
     if ctx.saves_fc1:
         flat_w = flat_w[:-1]  # the last one is fc1_out (``saved_fc1``)
     roles, i = [], 0
@@ -145,9 +148,15 @@ def pack_grads(ctx, flat, needs) -> tuple:
     return (dx, None, dg, *role_grads, *([None] * len(ctx.statics)))
 
 
+def saved_kept(ctx) -> tuple:
+    """The forward outputs ``save_inputs(kept=...)`` saved, in their order."""
+    n = getattr(ctx, "kept_count", 0)
+    return tuple(ctx.saved_tensors[len(ctx.saved_tensors) - n :]) if n else ()
+
+
 def saved_fc1(ctx):
     """FC1's output saved by ``fused_moe_train``'s forward, or None."""
-    return ctx.saved_tensors[-1] if ctx.saves_fc1 else None
+    return ctx.saved_tensors[-1 - getattr(ctx, "kept_count", 0)] if ctx.saves_fc1 else None
 
 
 def _backward(ctx, grad_y, grad_fc1_out=None):

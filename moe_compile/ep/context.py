@@ -39,6 +39,9 @@ class EPContext:
     heaps: dict = dataclasses.field(default_factory=dict)  # key -> heap (transport state)
     calls: int = 0  # forward/backward exchanges on this group by this process
     checks: int = 0  # configuration checks done (one per distinct configuration)
+    # "forward" / "backward" -> (bytes of one dispatched row with its fp32 gate, rows sent to the
+    # peers, pieces per block) of the last symm / collectives exchange: what tests and bench_ep.py read
+    sent: dict = dataclasses.field(default_factory=dict)
 
     def key(self, *parts) -> str:
         return "moec_ep/" + "/".join(str(p) for p in parts)

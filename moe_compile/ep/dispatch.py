@@ -1,7 +1,8 @@
 """The "symm" transport: dispatch and combine through a symmetric heap (CPU: shared memory).
 
 Shapes:  R ranks, El local experts, S' slots this rank sends (sorted by dest, then local expert),
-         N rows this rank receives, P payload width (H forward, 2H backward), Q result width,
+         N rows this rank receives, P payload width (H: x forward, dy backward; 2H: [x | dy] when a
+         rank's forward kept no rows), Q result width,
          C chunks per (source, dest) block.
 
 Per call (one "epoch"; every buffer below exists twice and epoch parity picks one, so a fast rank
@@ -21,6 +22,12 @@ starting call e+1 never overwrites what a slow rank still reads from call e):
   4. combine: the source waits for its RET flags; its return window holds the results in its own
      send order, so the weighted combine is one ``index_add_`` (done by the caller).
 Every wait has a deadline: a rank that never signals is named in a ``TimeoutError``.
+
+Backward: the same four steps on a heap of its own, chunked like the forward.  The training op's
+forward copied each received piece to its row of the kept buffer (``ep/keep.py``: source-major,
+which is the window's own order), so when every rank kept (a flag beside its counts) the
+backward sends only dy (+ g) and the experts' rank reads x from its kept rows; otherwise
+[x | dy] rows travel, as before.
 
 Receive bound: ``max_tokens`` rows per rank when given (exceeding it raises on every rank);
 otherwise the window grows, collectively and in step on every rank, to the largest receive of
@@ -117,7 +124,7 @@ class _State:
         R = ctx.world
         self.flags = _Flags(R)
         self.kind, self.el = kind, el
-        self.counts_words = R * el + 1  # [R, El] counts + S'
+        self.counts_words = R * el + 2  # [R, El] counts + S' + kept flag
         self.control = allocate(ctx.store, ctx.rank, R, 2 * self.counts_words * 8, self.flags.total,
                                 f"{ctx.group_name}/{kind}/ctl", timeout_s)
         self.data, self.layout, self.gen, self.epoch = None, None, 0, 0
@@ -153,21 +160,29 @@ def auto_chunks(matrix: torch.Tensor) -> int:
 
 
 def exchange(ctx, plan, base, gpay, compute, q_width: int, q_dtype, *, chunks: int, timeout_s: float,
-             whole: bool = False, quant: bool = False, max_tokens: int = 0, top_k: int = 1):
+             quant: bool = False, max_tokens: int = 0, top_k: int = 1, keep=None, backward: bool = False,
+             kept=None, resend=None):
     """Send ``base[plan.tokens]`` rows (+ fp32 ``gpay``) to their experts' ranks through the heap,
-    run ``compute(rows, g, counts, out)`` there, return the [S', Q] results (a view of this rank's
-    return window, valid until the next exchange on this heap) in send order."""
+    run ``compute(rows, g, counts, out, at)`` there on each piece (``at``: its first row among
+    this rank's received rows, source-major), return the [S', Q] results (a view of this rank's
+    return window, valid until the next exchange on this heap) in send order.
+
+    ``keep`` (a forward; ``ep/keep.Buffers``): the received rows copied to ``keep.rows[at:]`` when
+    they fit.  ``backward``: its own heap; ``kept`` (``ep/keep.KeptRows`` or None) this rank's
+    forward rows — when every rank has them (a flag beside the counts) ``base`` (dy) goes alone,
+    else ``[resend | base]`` rows."""
     R, me, el = ctx.world, ctx.rank, plan.local_experts
-    kind = f"{'bwd' if whole else 'fwd'}{'q' if quant else ''}_el{el}"
+    kind = f"{'bwd' if backward else 'fwd'}{'q' if quant else ''}_el{el}"
     st = ctx.heaps.get(("symm", kind))
     if st is None:
         st = ctx.heaps[("symm", kind)] = _State(ctx, kind, el, timeout_s)
     st.epoch += 1
     ep, par, F = st.epoch, st.epoch % 2, st.flags
-    # 1. counts through the heap
+    # 1. counts through the heap, with this rank's S' and whether it kept its forward rows
     mine = st.counts_view(me, par)
     mine[: R * el].copy_(plan.counts.reshape(-1))
     mine[R * el] = plan.rows
+    mine[R * el + 1] = int(kept is not None)
     for r in range(R):
         st.control.signal(r, F.counts(me), ep)
     st.control.wait([F.counts(s) for s in range(R)], ep, timeout_s, F.who, "the counts exchange")
@@ -175,28 +190,30 @@ def exchange(ctx, plan, base, gpay, compute, q_width: int, q_dtype, *, chunks: i
     matrix = allc[:, : R * el].view(R, R, el)  # [R_src, R_dst, El]
     check_bound(matrix, max_tokens, top_k, me)
     recv = matrix.sum(2)  # [R_src, R_dst] rows
+    cnt = matrix.tolist()
+    if backward and not (allc[:, R * el + 1] == 1).all():  # some rank kept nothing: x travels again
+        base, kept = torch.cat([resend.to(base.dtype), base], dim=1), None  # [T, 2H]
+    if kept is not None:
+        check_kept(kept, [cnt[s][me] for s in range(R)], me)
     need = max_tokens if max_tokens > 0 else int(recv.sum(0).max())
     P, item = base.shape[1], base.element_size()
     row_bytes = P if quant else P * item
     q_bytes = q_width * torch.empty((), dtype=q_dtype).element_size()
     st.ensure(ctx, need, int(allc[:, R * el].max()), row_bytes, q_bytes, timeout_s)
     lay, data = st.layout, st.data
-    C = 1 if whole else min(CMAX, chunks if chunks > 0 else auto_chunks(matrix))
+    C = min(CMAX, chunks if chunks > 0 else auto_chunks(matrix))
     rl = recv.tolist()
     r_off = [[sum(rl[s2][d] for s2 in range(s)) for d in range(R)] for s in range(R)]  # dest window offsets
     p_off = [[sum(rl[s][d2] for d2 in range(d)) for d in range(R)] for s in range(R)]  # source return offsets
-    cnt = matrix.tolist()
+    received = sum(rl[s][me] for s in range(R))
+    ctx.sent["backward" if backward else "forward"] = (row_bytes + 4, sum(rl[me]) - rl[me][me], C)
+    keep = keep if keep is not None and received <= keep.cap else None
     pending = [(s, j) for s in range(R) for j in range(C)
                if piece_bounds(rl[s][me], C)[j + 1] > piece_bounds(rl[s][me], C)[j]]
     done = set()
 
     def serve(block: bool):
         """Run the experts on every arrived piece (all of them when ``block``)."""
-        if whole:
-            if block:
-                st.control.wait([F.data(s, 0) for s, _ in pending], ep, timeout_s, F.who, "the dispatch")
-                _serve_whole(ctx, st, ep, par, rl, r_off, p_off, cnt, compute, q_width, q_dtype, P, base.dtype)
-            return
         spins = 0
         while True:
             todo = [p for p in pending if p not in done]
@@ -213,9 +230,11 @@ def exchange(ctx, plan, base, gpay, compute, q_width: int, q_dtype, *, chunks: i
                     rows = dequantize(q, sc, base.dtype)
                 else:
                     rows = data.tensor(me, lay.rows_at(par, row0), (b - a, P), base.dtype)
+                if keep is not None:  # the window's rows are this rank's received rows, source-major
+                    keep.rows[row0 : row0 + b - a].copy_(rows)
                 g = data.tensor(me, lay.g_at(par, row0), (b - a,), torch.float32)
                 out = data.tensor(s, lay.ret_at(par, p_off[s][me] + a), (b - a, q_width), q_dtype)
-                compute(rows, g, [piece_counts(cnt[s][me], a, b)], out)
+                compute(rows, g, [piece_counts(cnt[s][me], a, b)], out, row0)
                 st.control.signal(s, F.ret(me, j), ep)
                 done.add((s, j))
             if not block or len(done) == len(pending):
@@ -247,11 +266,24 @@ def exchange(ctx, plan, base, gpay, compute, q_width: int, q_dtype, *, chunks: i
         serve(block=False)
     # 3. the rest of the experts
     serve(block=True)
+    if keep is not None:
+        keep.record(received, [cnt[s][me] for s in range(R)])
     # 4. wait for every result of this rank's rows
     rets = [F.ret(d, j) for d in range(R) for j in range(C)
             if piece_bounds(rl[me][d], C)[j + 1] > piece_bounds(rl[me][d], C)[j]]
     st.control.wait(rets, ep, timeout_s, F.who, "the combine (results from the experts' ranks)")
     return data.tensor(me, lay.ret_at(par, 0), (plan.rows, q_width), q_dtype)
+
+
+def check_kept(kept, recv_counts, me: int) -> None:
+    """The backward receives its rows in the forward's layout (the same routing): else a row
+    would meet another row's x.  ``recv_counts``: [R_src][El] rows from (source, local expert)."""
+    import numpy as np
+
+    got = np.asarray(recv_counts, dtype=np.int64).reshape(-1)
+    if kept.rows.shape[0] != got.sum() or not np.array_equal(kept.splits, got):
+        raise RuntimeError(f"fused_moe_ep backward: the rows arrive in another layout than the forward's "
+                           f"(rank {me}; {got.tolist()} vs {kept.splits.tolist()})")
 
 
 def _deadline_check(st, ep, todo, F, timeout_s, spins):
@@ -266,19 +298,3 @@ def _deadline_check(st, ep, todo, F, timeout_s, spins):
             f"fused_moe_ep: rank(s) {missing} did not deliver their token rows within timeout_s={timeout_s:g}s "
             f"(symm transport, dispatch; this is rank {st.control.rank})"
         )
-
-
-def _serve_whole(ctx, st, ep, par, rl, r_off, p_off, cnt, compute, q_width, q_dtype, P, dtype):
-    """Backward: the experts on every received row at once, results scattered to the sources."""
-    R, me = ctx.world, ctx.rank
-    lay, data = st.layout, st.data
-    n = sum(rl[s][me] for s in range(R))
-    rows = data.tensor(me, lay.rows_at(par, 0), (n, P), dtype)
-    g = data.tensor(me, lay.g_at(par, 0), (n,), torch.float32)
-    out = torch.empty(n, q_width, dtype=q_dtype)
-    compute(rows, g, [cnt[s][me] for s in range(R)], out)
-    for s in range(R):
-        m = rl[s][me]
-        if m:
-            data.tensor(s, lay.ret_at(par, p_off[s][me]), (m, q_width), q_dtype).copy_(out[r_off[s][me] : r_off[s][me] + m])
-            st.control.signal(s, st.flags.ret(me, 0), ep)

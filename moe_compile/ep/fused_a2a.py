@@ -24,26 +24,28 @@ Forward (each row copied once, into its expert's window; ``in_place``):
      without an FC2 bias — the two ``supports`` accepts).
   Without the C copy kernel (or with fp64) the copying path runs instead: a sorted copy of the
   rows, the compact receive window (``a2a_cpu.exchange(window=True)``), the combine to the source.
-Backward: when autograd records the forward, the forward keeps the rows it received (a copy of
-[N, H], expert-major: ``Kept``, held by the autograd node through ``ep/op.py``'s setup_context),
-and the backward sends only [dy | g] rows by token index (H * itemsize + 4 bytes, where the
-forward's rows were sent again as [x | dy | g]); the local experts' vjp on the kept rows
-(dg = dy . FFN(x) computed there too), and one combine of [dx | dg] rows back (no counts phase:
-the dispatch's layout) — two exchanges.  A call whose forward kept nothing (a traced forward, the
-copying path, the int8 transport) sends [x | dy | g] byte rows of the sorted slots instead; every
-rank takes the same branch (the row width is in the headers: a mismatch raises on every rank).
+Backward: the training op (``fused_moe_ep_train``, what autograd records: ``ep/op.py``) hands
+the forward buffers (``ep/keep.py``), and the forward copies the rows it received into them
+([N, H], expert-major) when every rank's buffer holds its rows; they are forward outputs, so
+eager autograd and AOTAutograd alike save them for the backward, which then sends only [dy | g]
+rows by token index (H * itemsize + 4 bytes, where the forward's rows were sent again as
+[x | dy | g]); the local experts' vjp on the kept rows (dg = dy . FFN(x) computed there too), and
+one combine of [dx | dg] rows back (no counts phase: the dispatch's layout) — two exchanges.  A
+call whose forward kept nothing (the plain op, the copying path, the int8 transport, a buffer
+too small on some rank) sends [x | dy | g] byte rows of the sorted slots instead; every rank takes
+the same branch (the verdict comes from every rank's header; the row width is in the headers: a
+mismatch raises on every rank).
 The a2a forward is one exchange each way (no chunks), and so is its backward.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import numpy as np
 import torch
 
-from moe_compile.ep import a2a_cpu
+from moe_compile.ep import a2a_cpu, keep as keep_mod
 from moe_compile.ep.context import get_context
 from moe_compile.ir import ExpertWeights, FFNAttrs
 from moe_compile.kernels.cpu import ep as cpu_ep
@@ -177,105 +179,59 @@ def in_place(cdt: torch.dtype) -> bool:
     return cdt == torch.float32 and cpu_ep.fast_lib() is not None
 
 
-def experts_in_place(rcv: a2a_cpu.Received, dtype, w: ExpertWeights, attrs: FFNAttrs, cdt, keep: bool = False):
+def experts_in_place(rcv: a2a_cpu.Received, dtype, w: ExpertWeights, attrs: FFNAttrs, cdt,
+                     kept_out: torch.Tensor | None = None):
     """(out [L, H] (cdt): every received row's expert output times ``rcv.scale``, added into its
     layout row of ``rcv`` (own rows by token: a token's local outputs summed, weighted), zero
-    elsewhere; the received rows [N, H] expert-major when ``keep`` or gathered anyway, else None).
-    Prepacked fp32 panels run the packed kernel once over every expert's rows where they lie in the
-    window (``rcv.idx``: its row list, expert-major); other FFNs gather the rows and run the loop."""
+    elsewhere; the received rows [N, H] expert-major, gathered into ``kept_out`` when given, else
+    None where the experts read them in place).  Prepacked fp32 panels run the packed kernel once
+    over every expert's rows where they lie in the window (``rcv.idx``: its row list,
+    expert-major); other FFNs gather the rows and run the loop."""
     from moe_compile.kernels.cpu import experts as cpu_experts, prepack as cpu_prepack
 
     used = rcv.handle[5]
     win = rcv.window[:used].view(dtype)  # [L, H] the window's rows, read in place
     N = rcv.idx.shape[0]
+    rows = None if kept_out is None else torch.index_select(win, 0, rcv.idx, out=kept_out)  # [N, H]
     packed = cpu_prepack.lookup(win, w, attrs) if dtype == torch.float32 and N else None
     if packed is not None and packed.fused:  # rcv.scale: 1 for the peers' rows (weighted at their source)
         out = cpu_experts.run(win, rcv.idx, rcv.scale, packed, w, attrs, rcv.bounds, torch.get_num_threads())
-        return out, (win.index_select(0, rcv.idx) if keep else None)
-    rows = win.index_select(0, rcv.idx)  # [N, H] expert-major
+        return out, rows
+    rows = win.index_select(0, rcv.idx) if rows is None else rows  # [N, H] expert-major
     out = _experts_loop(rows, list(zip(rcv.bounds[:-1], rcv.bounds[1:])), w, attrs, cdt)  # [N, H]
     return out.new_zeros(used, out.shape[1]).index_add_(0, rcv.idx, out * rcv.scale.to(cdt)[:, None]), rows
 
 
-@dataclasses.dataclass(frozen=True)
-class Kept:
-    """What an in-place forward keeps for its backward: the rows it received (so the backward sends
-    only dy), and what identifies the call (its x and topk_ids) and the layout they came in."""
-
-    x_ptr: int
-    x_version: int
-    ids_ptr: int
-    shapes: tuple
-    rows: torch.Tensor  # [N, H] received x rows, expert-major (x's dtype)
-    bounds: list  # ne + 1: expert e's rows [bounds[e], bounds[e+1])
-    splits: np.ndarray  # [ne*R] rows from each (expert, source)
-
-    def matches(self, x, topk_ids) -> bool:
-        return (self.x_ptr, self.x_version, self.ids_ptr, self.shapes) == (
-            x.data_ptr(), x._version, topk_ids.data_ptr(), (tuple(x.shape), tuple(topk_ids.shape)))
-
-
-# The hand-off of a Kept (the op's forward and backward are separate custom ops with fixed schemas):
-# "forward": the last in-place forward's, taken by ``moe_compile/ep/op.py``'s setup_context into the
-# autograd node (only when autograd records the call; a later forward replaces it), "backward":
-# the node's, handed to the backward op it calls.
-_KEPT: dict = {}
-
-
-def _keeps(x, topk_weights, w: ExpertWeights) -> bool:
-    """Whether autograd may record this call (the body cannot see grad mode: the op runs it with
-    grad off whether or not it records): some input requires grad, outside inference mode."""
-    if torch.is_inference_mode_enabled():
+def _keeps_everywhere(rcv: a2a_cpu.Received, kept: keep_mod.Buffers | None, R: int, ne: int) -> bool:
+    """Whether this call keeps its received rows: the training op gave buffers and every rank's
+    holds what it received (from every rank's header: its splits and its T; the same verdict on
+    every rank, so that every backward sends rows of one width)."""
+    if kept is None:
         return False
-    return x.requires_grad or topk_weights.requires_grad or any(
-        t.requires_grad for name in ROLES for t in getattr(w, name))
-
-
-def forget_kept() -> None:
-    """A forward that keeps nothing (another transport of the family) drops an older one."""
-    _KEPT.pop("forward", None)
-
-
-def take_kept(x, topk_ids):
-    """setup_context's part: the last forward's Kept when it was this call's (the same x and topk_ids
-    data; a traced call's tensors — fake, functional: subclasses — never match), else None; the
-    slot is emptied."""
-    kept = _KEPT.pop("forward", None)
-    if kept is None or any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in (x, topk_ids)):
-        return None
-    return kept if kept.matches(x, topk_ids) else None
-
-
-@contextlib.contextmanager
-def handed(kept):
-    """``with handed(kept): <the backward op>`` — the node's Kept for the backward op's body."""
-    if kept is not None:
-        _KEPT["backward"] = kept
-    try:
-        yield
-    finally:
-        _KEPT.pop("backward", None)
+    hdrs = rcv.handle[2]  # [R, W]: every rank's header of this dispatch
+    splits = hdrs[:, a2a_cpu.NMETA : a2a_cpu.NMETA + R * ne].reshape(R, R, ne)  # [R_src, R_dst, ne]
+    return kept.fits_everywhere(splits.sum(axis=(0, 2)), hdrs[:, 3])  # hdrs[:, 3]: T (own rows by token)
 
 
 def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_name: str, num_experts: int,
-            timeout_s: float = TIMEOUT_S) -> torch.Tensor:
-    """y [T, H] = sum_k g_{t,k} FFN_{e_{t,k}}(x_t) over the experts of every rank."""
+            timeout_s: float = TIMEOUT_S, kept: keep_mod.Buffers | None = None) -> torch.Tensor:
+    """y [T, H] = sum_k g_{t,k} FFN_{e_{t,k}}(x_t) over the experts of every rank.  ``kept``: the
+    training op's buffers, filled with the received rows where every rank's holds them."""
     R, ne = ranks_and_local_experts(group_name, w, num_experts)
     T = x.shape[0]
     cdt = compute_dtype(x.dtype)
     route = _route(topk_ids, topk_weights, num_experts, cdt)
-    forget_kept()
     if not in_place(cdt):  # no C copy kernel: the sorted copy, the compact window, the combine's copies
         window, oso, oso_np, handle = _dispatch(route, x, group_name, timeout_s)
         out = _experts_fast(window, _tiles(oso_np, R, ne), w, attrs, cdt)  # [N, H]
         return combine_to_tokens(out, route, oso, handle, group_name, T, cdt, timeout_s).to(x.dtype)
     # each row copied once: x[token] into its expert's window; the experts read it there
     rcv = a2a_cpu.dispatch_rows(x, route.tokens, route.in_splits, group_name, timeout_s, gates=route.gates)
-    keep = _keeps(x, topk_weights, w)
-    out, rows = experts_in_place(rcv, x.dtype, w, attrs, cdt, keep)  # [L, H] fp32 at rcv's layout rows
+    keep = _keeps_everywhere(rcv, kept, R, ne)
+    N = rcv.idx.shape[0]
+    out, _ = experts_in_place(rcv, x.dtype, w, attrs, cdt, kept.rows[:N] if keep else None)  # [L, H] fp32
     if keep:  # the received rows, for a backward that then sends only dy
-        _KEPT["forward"] = Kept(x.data_ptr(), x._version, topk_ids.data_ptr(),
-                                (tuple(x.shape), tuple(topk_ids.shape)), rows, rcv.bounds, rcv.oso[0].copy())
+        kept.record(N, rcv.oso[0], rcv.bounds)
     return a2a_cpu.combine_sum(out, rcv, route.tokens, route.gates, T, group_name, timeout_s).to(x.dtype)
 
 
@@ -298,12 +254,13 @@ def _leaf_weights(w: ExpertWeights, need_roles: dict):
     return dataclasses.replace(w, **roles), roles
 
 
-def _received_for_backward(route, x, grad_y, group_name: str, timeout_s: float, R: int, ne: int):
+def _received_for_backward(route, x, grad_y, group_name: str, timeout_s: float, R: int, ne: int,
+                           kept: keep_mod.KeptRows | None):
     """(x rows [N, H], dy rows [N, H], g [N, 1] fp32, tiles, out_splits_offsets, the combine's handle)
-    on the experts' rank: [dy | g] rows sent by token index when this call's forward kept its received rows (then
-    they are x's), else [x | dy | g] byte rows of the sorted slots (the forward's rows sent again)."""
+    on the experts' rank: [dy | g] rows sent by token index when this call's forward kept its received
+    rows (``kept``: then they are x's; every rank kept, or none), else [x | dy | g] byte rows of the
+    sorted slots (the forward's rows sent again)."""
     H, S = x.shape[1], route.order.shape[0]
-    kept = _KEPT.pop("backward", None)
     if kept is not None and in_place(compute_dtype(x.dtype)):
         g = route.gates.float()[:, None]  # [S, 1]
         rcv = a2a_cpu.dispatch_rows(grad_y.to(x.dtype), route.tokens, route.in_splits, group_name, timeout_s,
@@ -326,15 +283,16 @@ def _received_for_backward(route, x, grad_y, group_name: str, timeout_s: float, 
 
 
 def backward(grad_y, x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, need_roles: dict,
-             group_name: str, num_experts: int, timeout_s: float = TIMEOUT_S):
-    """(dx [T, H], dg [T, K], {role: [grad or None]}) — every rank takes part (it serves its peers)."""
+             group_name: str, num_experts: int, timeout_s: float = TIMEOUT_S, kept: keep_mod.KeptRows | None = None):
+    """(dx [T, H], dg [T, K], {role: [grad or None]}) — every rank takes part (it serves its peers).
+    ``kept``: what the training op's forward kept (``ep/keep.py``), or None."""
     R, ne = ranks_and_local_experts(group_name, w, num_experts)
     T, H = x.shape
     K = topk_ids.shape[1]
     cdt = compute_dtype(x.dtype)
     route = _route(topk_ids, topk_weights, num_experts, cdt)
     S = route.order.shape[0]
-    xw, dyw, gw, tiles, oso, handle = _received_for_backward(route, x, grad_y, group_name, timeout_s, R, ne)
+    xw, dyw, gw, tiles, oso, handle = _received_for_backward(route, x, grad_y, group_name, timeout_s, R, ne, kept)
     with _autograd_here(), torch.enable_grad():
         rows = xw.detach().to(cdt).requires_grad_()  # [N, H] (a leaf of its own: the kept rows stay as they are)
         wl, leaves = _leaf_weights(w, need_roles)
@@ -369,4 +327,4 @@ def backward_row_bytes(H: int, itemsize: int, kept: bool) -> tuple[int, int]:
     return (H * itemsize + 4 if kept else 2 * H * itemsize + 4), (H + 1) * 4
 
 
-__all__ = ["Kept", "backward", "backward_row_bytes", "forward", "handed", "supports", "take_kept"]
+__all__ = ["backward", "backward_row_bytes", "forward", "supports"]

@@ -24,7 +24,7 @@ import torch
 
 from moe_compile.ep import a2a_cpu
 from moe_compile.ep.fused_a2a import _columns as _split  # the received byte rows' fields, one tensor each
-from moe_compile.ep.fused_a2a import forget_kept, ranks_and_local_experts
+from moe_compile.ep.fused_a2a import ranks_and_local_experts
 from moe_compile.ir import ExpertWeights, FFNAttrs
 from moe_compile.kernels.cpu.backward import Needs, fused_moe_backward_cpu
 from moe_compile.kernels.cpu.forward import fused_moe_cpu
@@ -84,7 +84,6 @@ def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_
     T, H = x.shape
     K = topk_ids.shape[1]
     order, in_splits, local, gates = _pairs(topk_ids, topk_weights, R, ne)
-    forget_kept()  # its backward sends [x | dy | ids | g] pair rows, and drops an older a2a forward's
     xr = x.repeat_interleave(R, dim=0)  # [T*R, H] pair t*R + r
     send = _rows((xr, local, gates), order)
     window, oso, handle = _dispatch(send, in_splits, group_name, timeout_s)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from moe_compile.ep import a2a_cpu
-from moe_compile.ep.fused_a2a import (TIMEOUT_S, _dispatch, _route, _tiles, backward, combine_to_tokens, forget_kept,
+from moe_compile.ep.fused_a2a import (TIMEOUT_S, _dispatch, _route, _tiles, backward, combine_to_tokens,
                                       in_place, ranks_and_local_experts, tile_rows)
 from moe_compile.ir import ExpertWeights, FFNAttrs
 from moe_compile.kernels.reference import compute_dtype
@@ -104,7 +104,6 @@ def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_
     T = x.shape[0]
     cdt = compute_dtype(x.dtype)
     route = _route(topk_ids, topk_weights, num_experts, cdt)
-    forget_kept()  # int8 rows are no fp32 backward's: it sends [x | dy | g]
     rows = _rows(x.float())  # [T, B] byte rows: a token quantized once, sent K times
     if not in_place(cdt):  # no C copy kernel: the sorted copy, the compact window, the combine's copies
         window, oso, oso_np, handle = _dispatch(route, rows, group_name, timeout_s)

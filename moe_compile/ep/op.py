@@ -27,16 +27,23 @@ Contract (the graph matcher rewrites expert-parallel regions into exactly this c
 * ``chunks``: pieces per destination block for the compute/transfer overlap; 0 = auto
   (``dispatch.auto_chunks``).  ``timeout_s``: a missing peer raises ``TimeoutError`` naming it.
 * Backward (``register_autograd``): dispatch and combine are each other's transpose — the backward
-  sends [x | dy] rows to the experts' ranks ("a2a": only [dy | g], the forward's received rows
-  kept on the autograd node, ``fused_a2a.Kept``), runs the single-device backward
+  sends dy rows (+ g) to the experts' ranks, runs the single-device backward
   (``kernels/cpu/backward.py``) on them, and returns [dx | dg] rows; local weight gradients stay
-  on their rank.
+  on their rank.  ``fused_moe_ep`` itself keeps nothing, so its backward sends [x | dy] again;
+  ``fused_moe_ep_train`` (same arguments -> (y, kept rows, kept meta), static shapes: ``ep/keep.py``)
+  is what autograd should record — the passes emit it where the graph will be differentiated and
+  ``call_fused_moe_ep`` calls it when autograd records the call — and its forward keeps the rows it
+  received as outputs, so eager autograd and AOTAutograd alike hand them to the backward, which
+  then sends only dy (+ g), chunked like the forward (symm / collectives).
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
+from moe_compile.ep import keep as keep_mod
 from moe_compile.ep.context import config_tuple, get_context
 from moe_compile.ep.plan import make_plan
 from moe_compile.ir import ExpertWeights, FFNAttrs
@@ -44,9 +51,11 @@ from moe_compile.kernels.cpu.backward import ROLES
 from moe_compile.kernels.cpu.ep import experts_backward_on_rows, experts_on_rows
 from moe_compile.kernels.reference import compute_dtype
 from moe_compile.ops import attrs_from_args, check_inputs, weights_from_args
-from moe_compile.autograd import flat_grads, flat_inputs, needs_by_role, pack_grads, save_inputs, unpack_saved
+from moe_compile.autograd import (flat_grads, flat_inputs, needs_by_role, pack_grads, save_inputs, saved_kept,
+                                  unpack_saved)
 
 OP_NAME = "moe_compile::fused_moe_ep"
+TRAIN_OP_NAME = "moe_compile::fused_moe_ep_train"
 BACKWARD_OP_NAME = "moe_compile::fused_moe_ep_backward"
 TRANSPORTS = ("auto", "symm", "symm-int8", "collectives", "a2a", "a2a-dedup", "a2a-int8")
 A2A_TRANSPORTS = ("a2a", "a2a-dedup", "a2a-int8")
@@ -110,7 +119,11 @@ def _collectives():
 
 
 def ep_forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_name: str,
-               num_experts: int, max_tokens: int, transport: str, chunks: int, timeout_s: float):
+               num_experts: int, max_tokens: int, transport: str, chunks: int, timeout_s: float,
+               kept: keep_mod.Buffers | None = None):
+    """y [T, H]; ``kept``: the training op's buffers, which the forward fills with the rows it
+    received where the transport keeps them ("a2a", "symm", "collectives"; not the int8 and dedup
+    forms, whose backward sends its own rows)."""
     ctx = get_context(group_name)
     ctx.check_config(config_tuple(x, topk_ids, w, attrs, num_experts, transport, max_tokens, chunks), timeout_s)
     if w.num_experts * ctx.world != num_experts:
@@ -120,16 +133,18 @@ def ep_forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, gro
     transport = resolve_auto(group_name, transport, x, w, attrs, max_tokens, chunks)
     if transport in A2A_TRANSPORTS:
         mod = _a2a(x, w, attrs, transport)
-        return mod.forward(x, topk_ids, topk_weights, w, attrs, group_name, num_experts, timeout_s)
+        extra = {"kept": kept} if transport == "a2a" else {}
+        return mod.forward(x, topk_ids, topk_weights, w, attrs, group_name, num_experts, timeout_s, **extra)
     plan = make_plan(topk_ids, num_experts, ctx.world)  # [S'] order, [R, El] counts
     gpay = topk_weights.reshape(-1).index_select(0, plan.order).float()  # [S']
     mod, quant = _transport(ctx, transport, x)
 
-    def compute(rows, g, counts, out):
+    def compute(rows, g, counts, out, at):
         experts_on_rows(rows, g, counts, w, attrs, out)
 
     ret = mod.exchange(ctx, plan, x, gpay, compute, x.shape[1], x.dtype, chunks=chunks, timeout_s=timeout_s,
-                       quant=quant, max_tokens=max_tokens, top_k=topk_ids.shape[1])
+                       quant=quant, max_tokens=max_tokens, top_k=topk_ids.shape[1],
+                       keep=None if quant else kept)  # int8 rows are no backward's x
     y = torch.zeros(x.shape, dtype=compute_dtype(x.dtype), device=x.device)  # [T, H] fp32 accumulator
     y.index_add_(0, plan.tokens, ret.to(y.dtype))  # weighted combine: the K rows of each token
     return y.to(x.dtype)
@@ -160,6 +175,43 @@ def _fused_moe_ep_fake(x, topk_ids, topk_weights, fc1, fc1_up, fc2, fc1_bias, fc
     return x.new_empty(x.shape)
 
 
+def _kept_buffers(x, topk_ids, w: ExpertWeights, num_experts: int, max_tokens: int):
+    """(rows [CAP, H], meta [M]) of the training op (``ep/keep.py``), in the op and its fake alike."""
+    ne = w.num_experts
+    return keep_mod.buffers(x, topk_ids, max(num_experts // max(ne, 1), 1), ne, max_tokens)
+
+
+@torch.library.custom_op(TRAIN_OP_NAME, mutates_args=())
+def fused_moe_ep_train(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    fc1: list[torch.Tensor], fc1_up: list[torch.Tensor], fc2: list[torch.Tensor],
+    fc1_bias: list[torch.Tensor], fc1_up_bias: list[torch.Tensor], fc2_bias: list[torch.Tensor],
+    gate_up: str, transposed: bool, activation: str, limit: float, alpha: float, weight_on: str,
+    group_name: str, num_experts: int, max_tokens: int, transport: str, chunks: int, timeout_s: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fused_moe_ep`` for a forward whose backward will run: (y [T, H], kept rows [CAP, H], kept
+    meta [M] int64) — the rows this rank received, so that the backward sends only dy."""
+    w = weights_from_args(fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias, transposed)
+    attrs = attrs_from_args(gate_up, transposed, activation, limit, alpha, weight_on)
+    _check(x, topk_ids, topk_weights, w, num_experts, transport, max_tokens, chunks, timeout_s)
+    rows, meta = _kept_buffers(x, topk_ids, w, num_experts, max_tokens)
+    kept = keep_mod.Buffers(rows, meta, w.num_experts, topk_ids.shape[1], max_tokens)
+    y = ep_forward(x, topk_ids, topk_weights, w, attrs, group_name, num_experts, max_tokens, transport, chunks,
+                   timeout_s, kept)
+    return y, rows, meta
+
+
+@fused_moe_ep_train.register_fake
+def _fused_moe_ep_train_fake(x, topk_ids, topk_weights, fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias,
+                             gate_up, transposed, activation, limit, alpha, weight_on,
+                             group_name, num_experts, max_tokens, transport, chunks, timeout_s):
+    y = _fused_moe_ep_fake(x, topk_ids, topk_weights, fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias, gate_up,
+                           transposed, activation, limit, alpha, weight_on, group_name, num_experts, max_tokens,
+                           transport, chunks, timeout_s)
+    w = weights_from_args(fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias, transposed)
+    return (y, *_kept_buffers(x, topk_ids, w, num_experts, max_tokens))
+
+
 @torch.library.custom_op(BACKWARD_OP_NAME, mutates_args=())
 def fused_moe_ep_backward(
     grad_y: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -167,91 +219,121 @@ def fused_moe_ep_backward(
     fc1_bias: list[torch.Tensor], fc1_up_bias: list[torch.Tensor], fc2_bias: list[torch.Tensor],
     gate_up: str, transposed: bool, activation: str, limit: float, alpha: float, weight_on: str,
     group_name: str, num_experts: int, max_tokens: int, transport: str, chunks: int, timeout_s: float,
-    needs: list[bool],
+    needs: list[bool], kept_rows: Optional[torch.Tensor] = None, kept_meta: Optional[torch.Tensor] = None,
 ) -> list[torch.Tensor]:
-    """Gradients of [x, topk_weights, *fc1, ..., *fc2_bias]; an entry not needed is an empty [0]."""
+    """Gradients of [x, topk_weights, *fc1, ..., *fc2_bias]; an entry not needed is an empty [0].
+    ``kept_rows`` / ``kept_meta``: ``fused_moe_ep_train``'s kept outputs (None: resend x)."""
     roles = (fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias)
     w = weights_from_args(*roles, transposed)
     attrs = attrs_from_args(gate_up, transposed, activation, limit, alpha, weight_on)
     need_roles = needs_by_role(roles, needs)
     transport = resolve_auto(group_name, transport, x, w, attrs, max_tokens, chunks)
+    kept = keep_mod.KeptRows.from_tensors(kept_rows, kept_meta, w.num_experts)
     dx, dg, role_grads = ep_backward(grad_y, x, topk_ids, topk_weights, w, attrs, need_roles, group_name,
-                                     num_experts, max_tokens, transport, timeout_s)
+                                     num_experts, max_tokens, transport, timeout_s, chunks, kept)
     return flat_grads(dx, dg, role_grads, x, topk_weights, roles, needs)
 
 
 @fused_moe_ep_backward.register_fake
 def _fused_moe_ep_backward_fake(grad_y, x, topk_ids, topk_weights, fc1, fc1_up, fc2, fc1_bias, fc1_up_bias,
                                 fc2_bias, gate_up, transposed, activation, limit, alpha, weight_on,
-                                group_name, num_experts, max_tokens, transport, chunks, timeout_s, needs):
+                                group_name, num_experts, max_tokens, transport, chunks, timeout_s, needs,
+                                kept_rows=None, kept_meta=None):
     inputs = flat_inputs(x, topk_weights, (fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias))
     return [t.new_empty(t.shape) if need else t.new_empty(0) for t, need in zip(inputs, needs)]
 
 
 def ep_backward(grad_y, x, topk_ids, topk_weights, w, attrs, need_roles, group_name, num_experts,
-                max_tokens, transport, timeout_s):
-    """Transpose of dispatch/experts/combine.  Every rank takes part (it serves other ranks' rows)."""
+                max_tokens, transport, timeout_s, chunks=0, kept: keep_mod.KeptRows | None = None):
+    """Transpose of dispatch/experts/combine.  Every rank takes part (it serves other ranks' rows).
+    ``kept``: the rows the training op's forward received; with them (on every rank) only dy rows
+    travel, else [x | dy]; symm / collectives pieces as many as their forward's."""
     if transport in A2A_TRANSPORTS:
         mod = _a2a(x, w, attrs, transport)
-        return mod.backward(grad_y, x, topk_ids, topk_weights, w, attrs, need_roles, group_name, num_experts, timeout_s)
+        extra = {"kept": kept} if transport == "a2a" else {}
+        return mod.backward(grad_y, x, topk_ids, topk_weights, w, attrs, need_roles, group_name, num_experts,
+                            timeout_s, **extra)
     ctx = get_context(group_name)
     plan = make_plan(topk_ids, num_experts, ctx.world)
     T, H = x.shape
     K = topk_ids.shape[1]
     cdt = compute_dtype(x.dtype)
     gpay = topk_weights.reshape(-1).index_select(0, plan.order).float()  # [S']
-    base = torch.cat([x.to(cdt), grad_y.to(cdt)], dim=1)  # [T, 2H]: rows [x_t | dy_t]
     acc = {}
 
-    def compute(rows, g, counts, out):
-        dxr, dgr, roles = experts_backward_on_rows(rows[:, :H], rows[:, H:], g, counts, w, attrs, need_roles)
+    def compute(rows, g, counts, out, at):
+        """rows [n, H] dy (the forward kept x: rows [at, at + n) of ``kept``) or [n, 2H] [x | dy]."""
+        n = rows.shape[0]
+        if n == 0:
+            return
+        xr, dyr = (rows[:, :H], rows[:, H:]) if rows.shape[1] == 2 * H else (kept.rows[at : at + n], rows)
+        dxr, dgr, roles = experts_backward_on_rows(xr.to(cdt), dyr.to(cdt), g, counts, w, attrs, need_roles)
         out[:, :H] = dxr
         out[:, H] = dgr
-        acc.update(roles)
+        _accumulate(acc, roles)  # the weight gradients sum over every piece
 
     mod, _ = _transport(ctx, "symm" if transport == "symm-int8" else transport, x)  # backward rows unquantized
-    ret = mod.exchange(ctx, plan, base, gpay, compute, H + 1, cdt, chunks=1, timeout_s=timeout_s, whole=True,
-                       quant=False, max_tokens=max_tokens, top_k=K)  # [S', H+1]
+    ret = mod.exchange(ctx, plan, grad_y.to(x.dtype), gpay, compute, H + 1, cdt, chunks=chunks, timeout_s=timeout_s,
+                       backward=True, kept=kept, resend=x, quant=False, max_tokens=max_tokens, top_k=K)  # [S', H+1]
     dx = torch.zeros(T, H, dtype=cdt, device=x.device)
     dx.index_add_(0, plan.tokens, ret[:, :H])
     dg = torch.zeros(T * K, dtype=cdt, device=x.device)
     dg.index_copy_(0, plan.order, ret[:, H])
-    if not acc:  # no row arrived: zero gradients for the local experts that need one
-        acc = {r: [torch.zeros_like(t) if need else None for t, need in zip(getattr(w, r), need_roles[r])]
-               for r in ROLES}
+    for r in ROLES:  # zero gradients for the local experts that need one and saw no row
+        grads = acc.setdefault(r, [None] * len(getattr(w, r)))
+        acc[r] = [torch.zeros_like(t) if (need and g is None) else g
+                  for t, need, g in zip(getattr(w, r), need_roles[r], grads)]
     return dx.to(x.dtype), dg.view(T, K).to(topk_weights.dtype), acc
 
 
-def _backward(ctx, grad_y):
-    from moe_compile.ep import fused_a2a
+def _accumulate(acc: dict, roles: dict) -> None:
+    """acc[role][i] += roles[role][i] (None: no gradient yet / none computed)."""
+    for name, grads in roles.items():
+        have = acc.setdefault(name, [None] * len(grads))
+        for i, g in enumerate(grads):
+            if g is not None:
+                have[i] = g if have[i] is None else have[i] + g
 
+
+def _backward(ctx, grad_y, *_kept_grads):
+    """Both ops' backward: every rank must join the backward exchange (it serves its peers' rows)
+    even if it needs nothing.  The training op's kept outputs (non-differentiable) come last."""
     x, topk_ids, topk_weights, roles, needs = unpack_saved(ctx)
-    # Every rank must join the backward exchange (it serves its peers' rows) even if it needs nothing.
-    with fused_a2a.handed(ctx.ep_kept):  # the a2a forward's received rows: its backward then sends only dy
-        flat = torch.ops.moe_compile.fused_moe_ep_backward(grad_y, x, topk_ids, topk_weights, *roles, *ctx.statics,
-                                                           needs)
+    if grad_y is None:  # y unused by the loss on this rank: it still serves its peers
+        grad_y = torch.zeros_like(x)
+    flat = torch.ops.moe_compile.fused_moe_ep_backward(grad_y, x, topk_ids, topk_weights, *roles, *ctx.statics,
+                                                       needs, *saved_kept(ctx))
     return pack_grads(ctx, flat, needs)
 
 
-def _save(ctx, inputs, output):
-    """save_inputs, and the rows an "a2a" forward received (``fused_a2a.Kept``; None for any other
-    call): kept on the autograd node, so they live exactly as long as the graph that needs them."""
-    from moe_compile.ep import fused_a2a
+def _save_train(ctx, inputs, output):
+    """setup_context of the training op: its inputs and its kept outputs (no gradient of their own,
+    and none materialised for them)."""
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.set_materialize_grads(False)
+    save_inputs(ctx, inputs, output, kept=(output[1], output[2]))
 
-    save_inputs(ctx, inputs, output)
-    ctx.ep_kept = fused_a2a.take_kept(inputs[0], inputs[1])
+
+torch.library.register_autograd(OP_NAME, _backward, setup_context=save_inputs)
+torch.library.register_autograd(TRAIN_OP_NAME, _backward, setup_context=_save_train)
 
 
-torch.library.register_autograd(OP_NAME, _backward, setup_context=_save)
+def records_autograd(*tensors) -> bool:
+    """Whether autograd will record a call on these tensors (grad mode on — off in inference mode
+    too — and some input requiring grad): then ``call_fused_moe_ep`` calls the training op."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
 def call_fused_moe_ep(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group, num_experts: int, *,
                       max_tokens: int = 0, transport: str = "auto", chunks: int = 0, timeout_s: float = 60.0):
     """Python-friendly entry: the op from ``ExpertWeights`` (this rank's experts) and ``FFNAttrs``."""
     group_name = group if isinstance(group, str) else group.group_name
-    return torch.ops.moe_compile.fused_moe_ep(
-        x, topk_ids, topk_weights,
-        list(w.fc1), list(w.fc1_up), list(w.fc2), list(w.fc1_bias), list(w.fc1_up_bias), list(w.fc2_bias),
-        attrs.gate_up, attrs.transposed, attrs.activation, attrs.limit, attrs.alpha, attrs.weight_on,
-        group_name, int(num_experts), int(max_tokens), transport, int(chunks), float(timeout_s),
-    )
+    args = (x, topk_ids, topk_weights,
+            list(w.fc1), list(w.fc1_up), list(w.fc2), list(w.fc1_bias), list(w.fc1_up_bias), list(w.fc2_bias),
+            attrs.gate_up, attrs.transposed, attrs.activation, attrs.limit, attrs.alpha, attrs.weight_on,
+            group_name, int(num_experts), int(max_tokens), transport, int(chunks), float(timeout_s))
+    if records_autograd(x, topk_weights, *[t for name in ROLES for t in getattr(w, name)]):
+        return torch.ops.moe_compile.fused_moe_ep_train(*args)[0]  # its backward sends only dy
+    return torch.ops.moe_compile.fused_moe_ep(*args)

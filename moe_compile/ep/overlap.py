@@ -4,7 +4,7 @@ Shapes:  S' slots this rank sends, P payload width, Q result width, R ranks, El 
          C chunks.
 
 Plan (the same as the heap transport, on collectives):
-  1. one all_gather of the per-(dest, local expert) counts [R, El] (every rank sees the whole
+  1. one all_gather of the per-(dest, local expert) counts [R, El] and a kept flag (every rank sees the whole
      [R, R, El] matrix, so an overflow of ``max_tokens`` raises on every rank alike); the split
      sizes are read on the host (``.tolist()``) — collectives need host split sizes;
   2. every dest block is cut into C row pieces (``piece_bounds``); the all_to_all of all C chunks
@@ -12,7 +12,9 @@ Plan (the same as the heap transport, on collectives):
      thread runs the local experts on chunk j;
   3. each computed chunk goes back with its own async all_to_all; rows land in the send order, so
      the combine is one ``index_add_``.
-Every wait has a deadline (``timeout_s``); on expiry the ranks that are behind are named from a
+The backward runs the same plan, chunked like the forward; when every rank's forward kept the
+rows it received (``ep/keep.py``, the flag gathered with the counts) only dy rows travel, else
+[x | dy].  Every wait has a deadline (``timeout_s``); on expiry the ranks that are behind are named from a
 per-call "alive" key in the group's store.
 """
 
@@ -65,30 +67,45 @@ class _Deadline:
 
 
 def exchange(ctx: EPContext, plan, base, gpay, compute, q_width: int, q_dtype, *, chunks: int,
-             timeout_s: float, whole: bool = False, max_tokens: int = 0, top_k: int = 1, quant: bool = False):
+             timeout_s: float, max_tokens: int = 0, top_k: int = 1, quant: bool = False, keep=None,
+             backward: bool = False, kept=None, resend=None):
     """Send rows ``base[plan.tokens]`` (+ fp32 ``gpay`` [S']) to their experts' ranks, run
-    ``compute(rows, g, counts, out)`` there, and return the [S', Q] results in send order.
+    ``compute(rows, g, counts, out, at)`` there on each piece (``at``: its first row among this
+    rank's received rows, source-major), and return the [S', Q] results in send order.
 
-    ``whole=True`` (backward) calls ``compute`` once on every received row, counts [R, El].
-    """
+    ``keep`` / ``backward`` / ``kept`` / ``resend``: as ``dispatch.exchange``'s (the received rows
+    kept in the forward; the backward sends ``base`` alone when every rank kept, a flag gathered
+    with the counts, else ``[resend | base]``)."""
     ctx.calls += 1
     ctx.store.set(ctx.key("alive", ctx.group_name, ctx.rank), str(ctx.calls))
     dl = _Deadline(ctx, ctx.calls, timeout_s)
     R, g = ctx.world, ctx.group
-    allc = [torch.empty_like(plan.counts) for _ in range(R)]  # R x [R, El]: every rank's counts
-    dl.wait(dist.all_gather(allc, plan.counts.contiguous(), group=g, async_op=True), "the counts exchange")
-    matrix = torch.stack(allc)  # [R_src, R_dst, El]
+    el = plan.counts.shape[1]
+    mine = torch.cat([plan.counts.reshape(-1), plan.counts.new_tensor([int(kept is not None)])])  # [R*El + 1]
+    allc = [torch.empty_like(mine) for _ in range(R)]  # every rank's counts and kept flag
+    dl.wait(dist.all_gather(allc, mine, group=g, async_op=True), "the counts exchange")
+    matrix = torch.stack([c[:-1].view(R, el) for c in allc])  # [R_src, R_dst, El]
     check_bound(matrix, max_tokens, top_k, ctx.rank)  # the same verdict on every rank
     send_c, recv_c = matrix[ctx.rank].tolist(), matrix[:, ctx.rank].tolist()  # host split sizes
-    if chunks <= 0 and not whole:  # auto: the heap transport's rule (the same sweep), from the same matrix
+    if backward and not all(int(c[-1]) == 1 for c in allc):  # some rank kept nothing: x travels again
+        base, kept = torch.cat([resend.to(base.dtype), base], dim=1), None  # [T, 2H]
+    if kept is not None:
+        from moe_compile.ep.dispatch import check_kept
+
+        check_kept(kept, recv_c, ctx.rank)
+    if chunks <= 0:  # auto: the heap transport's rule (the same sweep), from the same matrix
         from moe_compile.ep.dispatch import auto_chunks
 
         chunks = auto_chunks(matrix)
-    C = 1 if whole else max(1, chunks)
-    send_off = [0]
+    C = max(1, chunks)
+    send_off, recv_off = [0], [0]
     for d in range(R):
         send_off.append(send_off[-1] + sum(send_c[d]))
+        recv_off.append(recv_off[-1] + sum(recv_c[d]))
+    keep = keep if keep is not None and recv_off[-1] <= keep.cap else None
     P, dev = base.shape[1], base.device
+    ctx.sent["backward" if backward else "forward"] = (P * base.element_size() + 4,
+                                                       send_off[-1] - sum(send_c[ctx.rank]), C)
     pending = []
     for j in range(C):
         idx = torch.cat([
@@ -110,16 +127,19 @@ def exchange(ctx: EPContext, plan, base, gpay, compute, q_width: int, q_dtype, *
         dl.wait(w1, f"the dispatch of chunk {j}")
         dl.wait(w2, f"the dispatch of chunk {j}")
         out = torch.empty(rrows.shape[0], q_width, dtype=q_dtype, device=dev)
-        if whole:
-            compute(rrows, rg, recv_c, out)
-        else:
-            lo = 0
-            for s in range(R):
-                a, b = piece_bounds(sum(recv_c[s]), C)[j : j + 2]
-                compute(rrows[lo : lo + b - a], rg[lo : lo + b - a], [piece_counts(recv_c[s], a, b)], out[lo : lo + b - a])
-                lo += b - a
+        lo = 0
+        for s in range(R):
+            a, b = piece_bounds(sum(recv_c[s]), C)[j : j + 2]
+            at = recv_off[s] + a  # source-major row of this piece among all received rows
+            if keep is not None:
+                keep.rows[at : at + b - a].copy_(rrows[lo : lo + b - a])
+            compute(rrows[lo : lo + b - a], rg[lo : lo + b - a], [piece_counts(recv_c[s], a, b)], out[lo : lo + b - a],
+                    at)
+            lo += b - a
         back = torch.empty(idx.numel(), q_width, dtype=q_dtype, device=dev)
         returns.append((idx, back, dist.all_to_all_single(back, out, in_split, out_split, group=g, async_op=True)))
+    if keep is not None:
+        keep.record(recv_off[-1], recv_c)
     for j, (idx, back, work) in enumerate(returns):
         dl.wait(work, f"the combine of chunk {j}")
         ret.index_copy_(0, idx, back)

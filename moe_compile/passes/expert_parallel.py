@@ -21,7 +21,9 @@ Three styles, two rewrites (``style`` names them; explain() prints it as ``ep_st
     expert's output with the [T, K] routing weights; it must hold exactly three all-to-alls on one
     group: the count exchange (integer, equal splits), the token dispatch and the reverse combine
     whose split lists are the dispatch's, swapped.  It is replaced by one call of
-    ``torch.ops.moe_compile.fused_moe_ep`` with the region's global ids and this rank's local experts.
+    ``torch.ops.moe_compile.fused_moe_ep`` with the region's global ids and this rank's local experts
+    (``fused_moe_ep_train``'s y where the graph will be differentiated: its forward keeps the rows
+    it received as outputs, so the backward sends only dy).
 
 (b) **all_reduce** — a per-expert loop over a slice [lo, lo + E_l) of the router's E experts
     (``ids == i``) whose accumulated output is read by an ``all_reduce``.  The region (the loop,
@@ -212,11 +214,13 @@ class EPMatch(Match):
                 local_ids = g.call_function(torch.sub, (ids, self.id_offset))  # [T, K]
                 out = lift_mod.emit_fused_moe(g, (x, local_ids, weights, *roles, *statics), save_fc1)
             else:
-                out = g.call_function(
-                    torch.ops.moe_compile.fused_moe_ep.default,
-                    (x, ids, weights, *roles, *statics, self.group_name, spec.num_experts, 0, "auto", 0,
-                     EP_TIMEOUT_S),
-                )
+                args = (x, ids, weights, *roles, *statics, self.group_name, spec.num_experts, 0, "auto", 0,
+                        EP_TIMEOUT_S)
+                if lift_mod.will_be_differentiated(args):  # (y, kept rows, meta): the backward sends only dy
+                    both = g.call_function(torch.ops.moe_compile.fused_moe_ep_train.default, args)
+                    out = g.call_function(operator.getitem, (both, 0))
+                else:
+                    out = g.call_function(torch.ops.moe_compile.fused_moe_ep.default, args)
             return lift_mod.cast_result(g, out, region, self.op_dtype)
 
         return region_mod.replace_region(graph, deps, region, make_call)

@@ -240,9 +240,11 @@ class _DispatchBytes:
         a2a_cpu.dispatch_rows, a2a_cpu.exchange = self._saved
 
 
-def fused_scenarios(rank, world, scenarios, transport="a2a"):
-    """For each (name, Ts, routing, dtype): the a2a fused op's y and every gradient vs the reference on
-    the whole problem; torch scalar reads counted on the forward and the backward."""
+def fused_scenarios(rank, world, scenarios, transport="a2a", chunks=0):
+    """For each (name, Ts, routing, dtype): the fused op's y and every gradient vs the reference on
+    the whole problem; torch scalar reads counted on the forward and the backward; what the
+    dispatches sent (a2a: row widths; symm / collectives: ``EPContext.sent``)."""
+    from moe_compile.ep.context import get_context
     from moe_compile.ep.op import call_fused_moe_ep
     from moe_compile.ir import ExpertWeights, FFNAttrs
     from moe_compile.kernels.reference import fused_moe_reference
@@ -266,18 +268,30 @@ def fused_scenarios(rank, world, scenarios, transport="a2a"):
         w2 = fc2[rank * el : (rank + 1) * el].clone().requires_grad_()
         with _Scalars() as fwd:
             y = call_fused_moe_ep(x, ids[rank], g, ExpertWeights((w1,), (), (w2,)), FFNAttrs(), dist.group.WORLD, E,
-                                  transport=transport)
-        kept = getattr(y.grad_fn, "ep_kept", None)  # the autograd node is the op's ctx
+                                  transport=transport, chunks=chunks)
+        kept = kept_flag(y)
         with _Scalars() as bwd, _DispatchBytes() as sent:
             (y.float() * dys[rank].float()).sum().backward()
         results[name] = {
-            "kept": kept is not None, "bwd_dispatch_row_bytes": sent.rows, "H": H, "itemsize": x.element_size(),
+            "kept": kept, "bwd_dispatch_row_bytes": sent.rows, "H": H, "itemsize": x.element_size(),
             "y": rel(y, ys[rank]), "dx": rel(x.grad, rx[rank].grad), "dg": rel(g.grad, rg[rank].grad),
             "dw1": rel(w1.grad, rw1.grad[rank * el : (rank + 1) * el]),
             "dw2": rel(w2.grad, rw2.grad[rank * el : (rank + 1) * el]),
-            "scalar_reads": (fwd.counts, bwd.counts),
+            "scalar_reads": (fwd.counts, bwd.counts), "sent": dict(get_context(dist.group.WORLD.group_name).sent),
         }
     return results
+
+
+def transports_scenarios(rank, world, scenarios, transports, chunks=0):
+    """``fused_scenarios`` for each transport, in one spawn: {transport: its results}."""
+    return {tr: fused_scenarios(rank, world, scenarios, tr, chunks) for tr in transports}
+
+
+def kept_flag(y) -> bool:
+    """Whether the forward that made y kept its received rows: the training op's kept meta, saved
+    last on its autograd node (``ep/keep.py``: meta[0])."""
+    saved = y.grad_fn.saved_tensors
+    return bool(saved[-1].numel() and saved[-1][0] == 1)
 
 
 def rel(a, b):
@@ -293,7 +307,7 @@ def rel(a, b):
 
 def fullgraph(rank, world):
     """A model calling the a2a fused op compiles with fullgraph=True (no capture_scalar_outputs) and
-    gives eager's result and input gradient."""
+    gives eager's result and input gradient: (the error, the row widths of each backward dispatch)."""
     import torch._dynamo
 
     from moe_compile.ep.op import call_fused_moe_ep
@@ -311,13 +325,15 @@ def fullgraph(rank, world):
 
     scores = torch.randn(6, E, generator=torch.Generator().manual_seed(rank))
     assert not torch._dynamo.config.capture_scalar_outputs
-    res = []
+    res, rows = [], []
     for fn in (layer, torch.compile(layer, fullgraph=True, backend="aot_eager")):
-        x = xs[rank].clone().requires_grad_()  # eager: the forward keeps its rows; compiled: the backward resends x
+        x = xs[rank].clone().requires_grad_()  # both: the training op's forward keeps its rows
         y = fn(x, scores)
-        y.sum().backward()
+        with _DispatchBytes() as sent:
+            y.sum().backward()
         res.append((y, x.grad))
-    return max(rel(got, want) for got, want in zip(res[1], res[0]))
+        rows.append(sent.rows)
+    return max(rel(got, want) for got, want in zip(res[1], res[0])), rows
 
 
 def window_paths(rank, world, seeds, ne, H, big_rows):
