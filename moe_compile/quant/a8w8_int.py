@@ -24,21 +24,41 @@ Per channel, ``pack(w, group_size=None)`` (the seed operator's form, ``QuantWeig
     matmul       acc [T, N] = q_x @ q_w[e]^T in int32 (exact: |acc| <= 127^2 K < 2^31 for K < 2^17)
                  y = (acc * s_x) * s_w[e]^T            fp32, in that order
 
-The two forms are told apart by the scale's dtype (``QuantWeight.grouped_activations``).  Which one
-``quant.pack("a8w8-int", w)`` and the op make: ``DEFAULT_GROUP`` (docs/quantization.md says why).
+The two forms are told apart by the scale's dtype (``QuantWeight.grouped_activations``).
+``quant.pack("a8w8-int", w)`` and the op make the per-channel form unless ``MOE_COMPILE_A8W8_GROUP``
+names a group (``default_group``; docs/quantization.md says why per channel stays the default).
 In the MoE, FC2's input (the fp32 SwiGLU output) is re-quantized per row the same way.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from moe_compile.quant import wint
-from moe_compile.quant.common import (INT8_QMAX, QuantRefusal, QuantWeight, check_group, quantize_per_block_int8,
-                                      quantize_per_token_int8)
+from moe_compile.quant.common import (INT8_QMAX, QuantRefusal, QuantWeight, check_group, group_view,
+                                      quantize_per_block_int8, quantize_per_token_int8)
 
 MAX_K = 1 << 17  # 127 * 127 * K must fit int32
-DEFAULT_GROUP = 32  # q8_0's block: 8.5 bits per weight, +3-4 dB over per channel on the e2e model
+GROUP = 32  # the group-wise form's group on CPU: q8_0's block, 8.5 bits per weight
+GROUP_ENV = "MOE_COMPILE_A8W8_GROUP"  # "32" / "64" / a multiple of 128 / "grouped" (= GROUP); unset: per channel
+
+
+def default_group() -> int | None:
+    """The group ``quant.pack("a8w8-int", w)`` and the op pack a8w8-int with: None (per channel)
+    unless ``MOE_COMPILE_A8W8_GROUP`` names one (read at each pack: set it before the first compile,
+    packs already made are kept).  Group-wise logits are 3-4 dB closer to fp32 on the e2e model;
+    its prefill runs w8-int's fp32 tiles (docs/quantization.md)."""
+    value = os.environ.get(GROUP_ENV, "").strip().lower()
+    if value in ("", "none", "0"):
+        return None
+    if value == "grouped":
+        return GROUP
+    if not value.isdigit():
+        raise ValueError(f"{GROUP_ENV}={value!r}: a group (32, 64 or a multiple of 128), 'grouped' ({GROUP}) "
+                         f"or unset (per channel)")
+    return int(value)
 
 
 def check_group_size(K: int, group: int) -> None:
@@ -55,7 +75,7 @@ def channel_scales(w: torch.Tensor, qmax: float) -> torch.Tensor:
     return torch.where(amax > 0, amax / qmax, torch.ones_like(amax)).contiguous()
 
 
-def pack(w: torch.Tensor, group_size: int | None = DEFAULT_GROUP) -> QuantWeight:
+def pack(w: torch.Tensor, group_size: int | None = None) -> QuantWeight:
     """W [E, N, K] float -> QuantWeight("a8w8-int"): group-wise fp16 scales (``group_size`` G), or,
     ``group_size=None``, one fp32 scale per output channel (the seed's form)."""
     E, N, K = w.shape
@@ -74,7 +94,8 @@ def pack(w: torch.Tensor, group_size: int | None = DEFAULT_GROUP) -> QuantWeight
 def dequantize(qw: QuantWeight) -> torch.Tensor:
     """-> [E, N, K] fp32 = q * s (per group, or per channel)."""
     if qw.grouped_activations:
-        return wint.dequantize(qw)
+        q = group_view(qw.data.float(), qw.group)  # [E, N, K/G, G]
+        return (q * qw.scale.float()[..., None]).reshape(qw.shape)
     return qw.data.float() * qw.scale
 
 

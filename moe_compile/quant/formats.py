@@ -24,12 +24,12 @@ def module_of(fmt: str):
 
 
 def default_group(fmt: str, K: int) -> int:
-    """The group a format uses when none is given: wint's default, a8w4-int's (32), a8w8-int's (32,
-    or K where its default is per channel), 32 for MX, K per channel."""
+    """The group a format uses when none is given: wint's default, a8w4-int's (32), a8w8-int's (K,
+    per channel, unless ``MOE_COMPILE_A8W8_GROUP`` names one), 32 for MX, K per channel."""
     if fmt == "a8w4-int":
         return a8w4_int.DEFAULT_GROUP
     if fmt == "a8w8-int":
-        return a8w8_int.DEFAULT_GROUP or K
+        return a8w8_int.default_group() or K
     if fmt in GROUPED:
         return wint.DEFAULT_GROUP
     if fmt in ("mxfp4", "mxfp8"):
@@ -47,7 +47,7 @@ def pack(fmt: str, w: torch.Tensor, group: int | None = None) -> QuantWeight:
     if fmt == "a8w4-int":
         return mod.pack(w, group_size=group or a8w4_int.DEFAULT_GROUP)
     if fmt == "a8w8-int":
-        return mod.pack(w, group_size=group or a8w8_int.DEFAULT_GROUP)
+        return mod.pack(w, group_size=group or a8w8_int.default_group())
     if fmt in GROUPED:
         return mod.pack(w, bits=8 if fmt == "w8-int" else 4, group=group or wint.DEFAULT_GROUP)
     if fmt in ("mxfp4", "mxfp8"):

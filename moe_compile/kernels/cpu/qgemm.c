@@ -9,8 +9,9 @@
  *             a8w8-int  int8 weights, fp32 scale per output channel
  *             a8w4-int  4-bit weights u = q + 8, fp32 scale per output channel
  *           y = acc * s_x * s_w; FC2's input (the SwiGLU output, fp32) re-quantized per row.
- *           Group-wise a8w4-int (activations int8 per token and block of 32, fp16 group scales:
- *           quant/a8w4_int.py) runs as w4-int's float panels (its bytes are w4-int's) on
+ *           Group-wise a8w4-int / a8w8-int (activations int8 per token and block of 32, fp16 group
+ *           scales: quant/a8w4_int.py, quant/a8w8_int.py) runs as w4-int's / w8-int's float panels
+ *           (its bytes are theirs) on
  *           activations quantized per block and dequantized (x by the host, FC2's input here:
  *           fake_quantize_blocks), so y equals its reference up to fp32 rounding: sum_k (q_x s_x)
  *           (q_w s_w) instead of sum_b (acc_b s_x) s_w.  (Integer tiles with per-block scaling: not
@@ -458,7 +459,7 @@ typedef struct {
     int8_t *qa;            /* FC2's input quantized [chunk, F], its scales and row sums */
     float *sa;
     int32_t *suma;
-    int act_blocks;        /* grouped a8w4-int: FC2's input quantized per block of 32 (fake_quantize_blocks) */
+    int act_blocks;        /* grouped a8w4-int / a8w8-int: FC2's input quantized per block of 32 (fake_quantize_blocks) */
 } Call;
 
 /* One expert's packed weights: codes, scales (fp32 per channel for integer formats, the format's
@@ -668,7 +669,7 @@ static void ffc2(const Call *cl, Shape s, int64_t lo, int64_t n, const Expert *e
     }
 }
 
-/* Grouped a8w4-int on float panels: this thread's share of FC2's input rows a [n, F] (in the shape's
+/* Grouped a8w4-int / a8w8-int on float panels: this thread's share of FC2's input rows a [n, F] (in the shape's
  * layout) quantized per block of 32 and dequantized in place, q * s, as quant/common.py's
  * quantize_per_block_int8: s = max|a| / 127 (1 where that is 0; non-finite stays so), q = round
  * half to even(a / s) in [-127, 127], 0 where a / s is NaN. */
@@ -720,7 +721,8 @@ static int isa_ok(int isa, int fmt) {
 
 /* Call fields, int64 each (pointers as integers):
  *   x, ldx, y, ldy, tok, scale, H, F, G1, G2, chunk, scratch, isa, fmt, between, qx, sx, sumx, qa, sa, suma,
- *   act_blocks (grouped a8w4-int on FMT_W4 panels: x already quantized per block by the host, F % 32 == 0)
+ *   act_blocks (grouped a8w4-int / a8w8-int on FMT_W4 / FMT_W8 panels: x already quantized per block by
+ *   the host, F % 32 == 0)
  * experts: E rows of (w1, w2, s1, s2, cs1, cs2) pointers; bounds: E + 1 slot offsets.  scratch:
  * FC1's output of two chunks, 2 * (chunk + MR_MAX) * F floats; qx [T, H] bytes, sx / sumx [T];
  * qa [chunk + MR_MAX, F] bytes, sa / suma [chunk + MR_MAX] (integer formats; sumx / suma used by
@@ -771,7 +773,7 @@ static int64_t run_call(const int64_t *f, const int64_t *experts, const int64_t 
     Shape s = shape_of((int)f[C_ISA], fmt);
     if (!isa_ok(s.isa, fmt) || f[C_F] % PANEL || f[C_H] % 32 || f[C_CHUNK] < 1) return -1;
     if (!is_int(fmt) && (f[C_G1] < 1 || f[C_G2] < 1 || f[C_H] % f[C_G1] || f[C_F] % f[C_G2])) return -1;
-    if (f[C_ACT_BLOCKS] && (fmt != FMT_W4 || f[C_F] % 32)) return -1;
+    if (f[C_ACT_BLOCKS] && ((fmt != FMT_W4 && fmt != FMT_W8) || f[C_F] % 32)) return -1;
     Call cl = {PTR(const float, f, C_X), f[C_LDX], PTR(float, f, C_Y), f[C_LDY], PTR(const int64_t, f, C_TOK),
                PTR(const float, f, C_SCALE), f[C_H], f[C_F], f[C_G1], f[C_G2], limit, (int)f[C_BETWEEN],
                PTR(int8_t, f, C_QX), PTR(float, f, C_SX), PTR(int32_t, f, C_SUMX), PTR(int8_t, f, C_QA),

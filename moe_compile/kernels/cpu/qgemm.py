@@ -5,7 +5,7 @@ Shapes:  T tokens, H hidden, F expert FFN width, E experts, K experts per token;
          FC2 [E, H, F] (``moe_compile.quant``'s contract).
 
 Formats:
-  a8w8-int / a8w4-int  (a8w4-int per channel) x quantized per token to int8 in the kernel (s =
+  a8w8-int / a8w4-int  (per channel) x quantized per token to int8 in the kernel (s =
                        max|x|/127, round half to even), int32 accumulation in an integer GEMM tile (AVX-512 VNNI
                        ``vpdpbusd`` where the CPU has it, AVX2 ``vpmaddubsw`` / ``vpmaddwd``
                        otherwise), y = acc * s_x * s_w, SwiGLU in fp32, FC2's input re-quantized
@@ -14,11 +14,12 @@ Formats:
                        fp32 activations; each thread dequantizes one 16-row weight panel at a
                        time into a [K][16] fp32 buffer and runs the fp32 tile over the chunk's rows
                        (never a dequantized copy of a whole weight).
-  a8w4-int group-wise  w4-int's float panels (the same bytes) on activations quantized per token
-                       and block of 32 and dequantized (x here, FC2's input in the kernel), so the
-                       result is the reference's up to fp32 rounding; integer tiles with per-block
-                       scaling are not built (prefill is compute-bound: the fp32 tile runs at the
-                       w4-int prefill's speed).
+  a8w4-int / a8w8-int group-wise
+                       w4-int's / w8-int's float panels (the same bytes) on activations quantized
+                       per token and block of 32 and dequantized (x here, FC2's input in the
+                       kernel), so the result is the reference's up to fp32 rounding; integer
+                       tiles with per-block scaling are not built (prefill is compute-bound: the
+                       fp32 tile runs at the w4-int / w8-int prefill's speed).
 
 Each canonical weight is repacked once (``pack``) into the tiles' panels (``QGemmPack``: the same
 bytes as the canonical tensors plus int32 column sums for a8w8) and kept in the caller's
@@ -55,6 +56,7 @@ MAX_TILE_ROWS = 8  # the C file's MR_MAX
 H_MULTIPLE, F_MULTIPLE = 32, 16  # FC2's widest unit spans 32 columns of y; FC1's 16 features
 FORMAT_CODES = {"a8w8-int": 1, "a8w4-int": 2, "w8-int": 3, "w4-int": 4, "mxfp4": 5, "mxfp8": 8}  # w16: 6 bf16, 7 fp16
 INTEGER = ("a8w8-int", "a8w4-int")
+GROUPED_PANELS = {"a8w4-int": "w4-int", "a8w8-int": "w8-int"}  # a group-wise a8 form's float panels
 FORMATS = (*FORMAT_CODES, "w16")
 # Rows of one expert per FC1 -> FC2 step (experts.py's reason: FC1's fp32 scratch is 2 x CHUNK_ROWS x F
 # whatever T is, and the weights re-read per extra chunk cost a few % of the arithmetic).
@@ -77,9 +79,10 @@ def unavailable_reason(fmt: str) -> str | None:
 
 
 def best_isa(fmt: str) -> int:
-    """The tile ``fmt`` runs on: ISA_AVX512 where the CPU has AVX-512F (float formats) or AVX-512
-    VNNI + BW (integer formats), else ISA_AVX2; ``MOE_COMPILE_FUSED_ISA=avx2`` forces AVX2."""
-    need = 2 if fmt in INTEGER and fmt != "a8w4-int-grouped" else 1
+    """The tile ``fmt`` runs on: ISA_AVX512 where the CPU has AVX-512F (float formats, and
+    ``"grouped"``: a group-wise a8 form's float panels) or AVX-512 VNNI + BW (integer formats), else
+    ISA_AVX2; ``MOE_COMPILE_FUSED_ISA=avx2`` forces AVX2."""
+    need = 2 if fmt in INTEGER else 1  # "grouped": the float tiles
     native = ISA_AVX512 if _features() & need == need else ISA_AVX2
     return cpu_isa.choose(native, f"{'AVX-512 VNNI' if fmt in INTEGER else 'AVX-512'} for {fmt}")
 
@@ -110,8 +113,12 @@ class QGemmPack:
 
 
 def _grouped(w) -> bool:
-    """Group-wise a8w4-int (``QuantWeight.grouped_activations``; a bare shape by its group < K)."""
-    return w.fmt == "a8w4-int" and getattr(w, "grouped_activations", w.group != w.shape[2])
+    """Group-wise a8w4-int / a8w8-int (``QuantWeight.grouped_activations``; a bare shape by its
+    group: a8w4 one other than K, a8w8 one in (0, K))."""
+    if w.fmt not in GROUPED_PANELS:
+        return False
+    K = w.shape[2]
+    return getattr(w, "grouped_activations", w.group != K if w.fmt == "a8w4-int" else 0 < w.group < K)
 
 
 def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -160,7 +167,7 @@ def pack(w) -> QGemmPack:
                                 .reshape(N // PANEL, -1) for d in w.data])
             scale = (torch.stack([_float_panels(s) for s in w.scale]) if w.fmt != "w16"
                      else torch.empty(0, dtype=torch.float16))
-    code = FORMAT_CODES["w4-int"] if grouped else FORMAT_CODES.get(w.fmt) or (6 if w.data.dtype == torch.bfloat16 else 7)
+    code = FORMAT_CODES[GROUPED_PANELS[w.fmt]] if grouped else FORMAT_CODES.get(w.fmt) or (6 if w.data.dtype == torch.bfloat16 else 7)
     return QGemmPack(w.fmt, code, data, scale, colsum, w.group, (E, N, K))
 
 
@@ -201,9 +208,9 @@ def check_call(x, w1, w2, attrs: FFNAttrs) -> None:
     if H % H_MULTIPLE or (N1 // 2) % F_MULTIPLE:
         raise ValueError(f"qgemm: H={H} must be a multiple of {H_MULTIPLE} and F={N1 // 2} of {F_MULTIPLE}")
     if _grouped(w1) != _grouped(w2):
-        raise ValueError("qgemm: FC1 and FC2 must both be group-wise a8w4-int or both per channel")
+        raise ValueError(f"qgemm: FC1 and FC2 must both be group-wise {w1.fmt} or both per channel")
     if _grouped(w1) and (N1 // 2) % 32:
-        raise ValueError(f"qgemm: group-wise a8w4-int quantizes FC2's input per 32: F={N1 // 2} must be a multiple of 32")
+        raise ValueError(f"qgemm: group-wise {w1.fmt} quantizes FC2's input per 32: F={N1 // 2} must be a multiple of 32")
     if (w1.fmt in INTEGER and not _grouped(w1)) or w1.fmt == "w16":
         return
     for w, K in ((w1, H), (w2, N1 // 2)):  # the panels' scales step a whole group (of byte pairs for 4 bits)
@@ -236,7 +243,7 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, attrs
     if T == 0 or ids.shape[1] == 0:
         return y
     grouped = _grouped(w1)
-    isa = isa or best_isa("a8w4-int-grouped" if grouped else w1.fmt)
+    isa = isa or best_isa("grouped" if grouped else w1.fmt)
     threads = threads or torch.get_num_threads()
     p1, p2 = packed(w1, pack_cache), packed(w2, pack_cache)
     x = x.contiguous()
@@ -249,7 +256,7 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, attrs
     scale = weights.reshape(-1).index_select(0, valid).float().contiguous()  # [S']
     rel = [b - bounds[0] for b in bounds]
     chunk = max(1, min(CHUNK_ROWS, max((b - a for a, b in zip(rel, rel[1:])), default=0)))
-    a, q = _scratch("w4-int" if grouped else w1.fmt, T, H, F, chunk)
+    a, q = _scratch(GROUPED_PANELS[w1.fmt] if grouped else w1.fmt, T, H, F, chunk)
     qptr = [t.data_ptr() for t in q] if q is not None else [0] * 6
     fields = (ctypes.c_int64 * 22)(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), tokens.data_ptr(),
                                    scale.data_ptr(), H, F, w1.group, w2.group, chunk, a.data_ptr(), isa, p1.code,
@@ -272,7 +279,8 @@ def run_quantized_rows(qx: torch.Tensor, sx: torch.Tensor, tokens: torch.Tensor,
     E + 1 host segment bounds.  Integer formats (a8w8-int, per-channel a8w4-int) only; the rows are
     never dequantized."""
     if w1.fmt not in INTEGER or _grouped(w1):
-        raise ValueError(f"qgemm.run_quantized_rows: integer per-channel formats only, got {w1.fmt}")
+        raise ValueError(f"qgemm.run_quantized_rows: integer per-channel formats only (rows quantized per token), got "
+                         f"{w1.fmt}{' group-wise (unset MOE_COMPILE_A8W8_GROUP)' if _grouped(w1) else ''}")
     N, H = qx.shape
     E, F = w1.shape[0], w1.shape[1] // 2
     if qx.dtype != torch.int8 or not qx.is_contiguous() or sx.dtype != torch.float32 or sx.numel() != N:
@@ -332,7 +340,7 @@ def dequantized_rows(p: QGemmPack, e: int, isa: int) -> torch.Tensor:
 
 def float_panels(w) -> bool:
     """Whether w (a canonical QuantWeight or its QGemmPack) packs into float-format panels (w16,
-    w8-int, w4-int, mxfp4, mxfp8, a8w4-int group-wise): those ``dequantized_weight`` reads."""
+    w8-int, w4-int, mxfp4, mxfp8, a8w4-int / a8w8-int group-wise): those ``dequantized_weight`` reads."""
     return w.fmt not in INTEGER or _grouped(w)
 
 
@@ -344,7 +352,8 @@ def dequantized_weight(p: QGemmPack, e: int, dtype: torch.dtype = torch.float32)
     E, N, K = p.shape
     out = torch.empty(N, K, dtype=dtype)
     scales = p.scale[e].data_ptr() if p.scale.numel() else None
-    status = _KERNEL.lib().moe_qgemm_dequant_rows(best_isa(p.fmt), p.code, p.data[e].data_ptr(), scales, N, K, p.group,
+    isa = best_isa("grouped" if _grouped(p) else p.fmt)
+    status = _KERNEL.lib().moe_qgemm_dequant_rows(isa, p.code, p.data[e].data_ptr(), scales, N, K, p.group,
                                                   out.data_ptr(), int(dtype == torch.bfloat16),
                                                   torch.get_num_threads())
     if status != 0:
