@@ -43,6 +43,7 @@ Usage: python benchmarks/bench_ep.py --out benchmarks/results/ep_cpu [--worlds 2
        python benchmarks/bench_ep.py --out /dev/null --exchange-only --worlds 2 --tokens 8 --repeats 200
        python benchmarks/bench_ep.py --out OUT --a2a-only --worlds 2 --tokens 8 512   (the a2a rows alone)
        python benchmarks/bench_ep.py --out /dev/null --overlap --worlds 2 --tokens 8 512 --repeats 20
+       python benchmarks/bench_ep.py --out /dev/null --backward-bytes --worlds 2 --tokens 64   (measured bytes)
 """
 
 from __future__ import annotations
@@ -151,10 +152,73 @@ def _rank_main(rank, world, store_path, cfg, queue):
 
         _SYNC.append(allocate(store, rank, world, 64, 2 * world, "bench_ep/sync", 60.0))
     try:
-        run = _run_overlap if cfg.get("overlap") else _run_exchange if cfg.get("exchange_only") else _run_shapes
+        run = (_run_overlap if cfg.get("overlap") else _run_exchange if cfg.get("exchange_only")
+               else _run_backward_bytes if cfg.get("backward_bytes") else _run_shapes)
         queue.put((rank, run(rank, world, cfg)))
     finally:
         dist.destroy_process_group()
+
+
+BWD_PATHS = ("fused_moe_ep", "train_op", "train_op_compiled")  # before / after, eager / AOTAutograd
+
+
+def _run_backward_bytes(rank, world, cfg):
+    """Bytes one backward's dispatch sends to the other ranks (rows x width, a rank's own rows never
+    cross), per transport and path, from ``EPContext.sent``: ``fused_moe_ep`` under autograd (keeps
+    nothing: [x | dy | g] / [x | dy] — what the compiled training path sent before), the training op
+    eager (``call_fused_moe_ep``) and compiled by AOTAutograd (``aot_eager``, fullgraph)."""
+    from moe_compile.ep.context import get_context
+    from moe_compile.ep.op import call_fused_moe_ep
+    from moe_compile.ir import ExpertWeights, FFNAttrs
+
+    results, g, attrs = {}, dist.group.WORLD, FFNAttrs()
+    ctx = get_context(g.group_name)
+    for name, H, F, E, K in cfg["shapes"]:
+        T, el = cfg["tokens"], E // world
+        gen = torch.Generator().manual_seed(1234 + rank)
+        w = ExpertWeights((torch.randn(el, 2 * F, H, generator=gen) * H**-0.5,), (),
+                          (torch.randn(el, H, F, generator=gen) * F**-0.5,))
+        x0 = torch.randn(T, H, generator=gen)
+        gw, ids = torch.rand(T, E, generator=gen).topk(K, dim=1)
+        gw = torch.softmax(gw, dim=1)
+        row = {}
+        for transport in ("a2a", "symm", "collectives"):
+            def plain(x, transport=transport):
+                return torch.ops.moe_compile.fused_moe_ep(
+                    x, ids, gw, list(w.fc1), [], list(w.fc2), [], [], [], attrs.gate_up, attrs.transposed,
+                    attrs.activation, attrs.limit, attrs.alpha, attrs.weight_on, g.group_name, E, 0, transport, 0, 60.0)
+
+            def train(x, transport=transport):
+                return call_fused_moe_ep(x, ids, gw, w, attrs, g, E, transport=transport)
+
+            fns = {"fused_moe_ep": plain, "train_op": train,
+                   "train_op_compiled": torch.compile(train, backend="aot_eager", fullgraph=True)}
+            for path, fn in fns.items():
+                x = x0.clone().requires_grad_()
+                y = fn(x)
+                ctx.sent.clear()
+                y.sum().backward()
+                width, rows = ctx.sent["a2a dispatch" if transport == "a2a" else "backward"][:2]
+                row[f"bytes_bwd_{transport}_{path}"] = [width * rows]
+                row[f"width_bwd_{transport}_{path}"] = width
+        results[name] = row
+    return results
+
+
+def _backward_bytes_table(results: dict, loads: dict) -> list:
+    lines = ["", "Backward dispatch bytes per call (the busiest rank's, to the other ranks; [dx | dg] rows come "
+             "back either way): `fused_moe_ep` keeps nothing (what the compiled training path sent before), "
+             "the training op eager and compiled (AOTAutograd).", "",
+             "| world | T | shape | transport | " + " | ".join(BWD_PATHS) + " | after / before |", "|---" * 8 + "|"]
+    for (world, T), res in results.items():
+        for shape, row in res.items():
+            for tr in ("a2a", "symm", "collectives"):
+                b = [sum(row[f"bytes_bwd_{tr}_{p}"]) for p in BWD_PATHS]
+                cells = " | ".join(f"{v / 1e6:.3f} MB ({row[f'width_bwd_{tr}_{p}']} B/row)" for v, p in zip(b, BWD_PATHS))
+                lines.append(f"| {world} | {T} | {shape} | {tr} | {cells} | {b[2] / max(b[0], 1):.2f} |")
+    lines.append("")
+    lines.append("Load (uptime 1, 5, 15 min): " + "; ".join(f"world {w} T {T}: {ld}" for (w, T), ld in loads.items()))
+    return lines
 
 
 def _run_shapes(rank, world, cfg):
@@ -458,11 +522,27 @@ def main(argv=None):
     ap.add_argument("--overlap", action="store_true",
                     help="the exchange with a shared-expert-sized dense GEMM alongside (64-expert shape): alone, "
                          "after, between send and wait, in a second thread; prints the medians in ms")
+    ap.add_argument("--backward-bytes", action="store_true",
+                    help="bytes one backward's dispatch sends, per transport: fused_moe_ep (keeps nothing) vs the "
+                         "training op, eager and compiled (AOTAutograd); measured, no timing")
     args = ap.parse_args(argv)
     cfg = {"repeats": 2 if args.quick else args.repeats, "warmup": 1, "chunks": [1, 2, 4], "shapes": SHAPES,
            "worlds": args.worlds, "exchange_only": args.exchange_only, "a2a_only": args.a2a_only,
-           "layers": args.layers, "pin": args.pin, "barrier": args.barrier, "overlap": args.overlap}
+           "layers": args.layers, "pin": args.pin, "barrier": args.barrier, "overlap": args.overlap,
+           "backward_bytes": args.backward_bytes}
     tokens = [64] if args.quick else args.tokens
+    if args.backward_bytes:
+        results, loads = {}, {}
+        for world in args.worlds:
+            for T in tokens:
+                loads[(world, T)] = _load()
+                results[(world, T)] = run_world(world, dict(cfg, tokens=T))
+        md = "\n".join(_backward_bytes_table(results, loads)) + "\n"
+        if args.out != "/dev/null":
+            with open(args.out + ".md", "w") as f:
+                f.write(md)
+        print(md)
+        return
     if args.exchange_only or args.overlap:
         cfg["warmup"] = 20
         for world in args.worlds:

@@ -386,6 +386,14 @@ class Received:
         return self.window[a : a + int(self.region[s])]
 
 
+def _record_sent(ctx, row: np.ndarray, me: int, ne: int, row_bytes: int) -> None:
+    """``EPContext.sent["a2a dispatch"]`` = (row bytes, rows to the peers) of this dispatch, from
+    its header's splits (numpy: no torch read); what the tests and bench_ep.py read."""
+    R = ctx.world
+    splits = row[NMETA : NMETA + R * ne]
+    ctx.sent["a2a dispatch"] = (row_bytes, int(splits.sum() - splits[me * ne : (me + 1) * ne].sum()))
+
+
 def dispatch_rows(x: torch.Tensor, tokens: torch.Tensor, in_splits: torch.Tensor, group_name: str,
                   timeout_s: float, extra: torch.Tensor | None = None, packed: bool = False,
                   gates: torch.Tensor | None = None, between=None) -> Received:
@@ -417,6 +425,7 @@ def dispatch_rows(x: torch.Tensor, tokens: torch.Tensor, in_splits: torch.Tensor
     gates = gates.float().contiguous() if by_token else None
     st.row[:NMETA] = _meta("dispatch", ne, tokens.numel(), x.shape[0] if by_token else -1, x_bytes + extra_bytes, None)
     st.row[NMETA : NMETA + R * ne] = in_splits.reshape(-1).numpy()
+    _record_sent(ctx, st.row, me, ne, x_bytes + extra_bytes)
     while True:
         ep, par = _next(st)
         slab_rows = st.slab // row_bytes
@@ -526,6 +535,8 @@ def exchange(kind: str, input: torch.Tensor, payload: torch.Tensor, group_name: 
     n_pay = payload.numel()
     st.row[:NMETA] = _meta(kind, ne, x.shape[0], -1 if window else out_rows, row_bytes, major_align)
     st.row[NMETA : NMETA + n_pay] = payload.reshape(-1).numpy()
+    if kind == "dispatch":
+        _record_sent(ctx, st.row, me, ne, row_bytes)
     if window and lib is not None:
         return _dispatch_window_c(ctx, st, lib, x, row_bytes, timeout_s)
     pre = _header_round(st, timeout_s) if kind == "combine_t" else None

@@ -46,10 +46,11 @@ def meta_len(R: int, ne: int) -> int:
 
 
 def buffers(x: torch.Tensor, topk_ids: torch.Tensor, R: int, ne: int, max_tokens: int):
-    """(rows [CAP, H] in x's dtype, unwritten; meta [M] int64, zero: nothing kept) — the same
-    shapes in the op and in its fake kernel."""
+    """(rows [CAP, H] in x's dtype on x's device, unwritten; meta [M] int64 on the CPU (read and
+    written as host numbers, also beside CUDA rows), zero: nothing kept) — the same shapes in the op
+    and in its fake kernel."""
     cap = capacity(x.shape[0], topk_ids.shape[1], R, ne, max_tokens)
-    return x.new_empty(cap, x.shape[1]), torch.zeros(meta_len(R, ne), dtype=torch.int64, device=x.device)
+    return x.new_empty(cap, x.shape[1]), torch.zeros(meta_len(R, ne), dtype=torch.int64)
 
 
 @dataclasses.dataclass(frozen=True)
