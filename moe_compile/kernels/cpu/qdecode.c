@@ -376,7 +376,7 @@ static void int8_dot(int64_t fmt, int64_t K, const uint8_t *const *rows, const i
  * a8w8 (int8 weights, elements in order): 8 int32 lanes per block of 32 (4 consecutive bytes each).
  * AVX2 sums |q_w| x sign(q_x, q_w) with vpmaddubsw (pairs <= 2 * 127^2 < 2^15, exact), 32 a step;
  * AVX-512 VNNI sums u = q_w + 128 (the sign bit flipped: unsigned) x q_x with vpdpbusd, 64 a step,
- * from the block's offset -128 sum_b(q_x).  Same exactness and rounding as a8w4's.
+ * from each lane's offset -128 (the sum of its 4 q_x): a lane's int32 is its 4 products alone.
  * Per row the block scales and offsets are held per int32 lane, K / A8G_ROW_DIV of each (a8w8's 8
  * lanes per block; a8w4 uses the first half of its row's). */
 enum { A8G_BLOCK = 32, A8G_ROW_DIV = 4 };
@@ -411,7 +411,8 @@ static void a8g_setup(qweight_t *w, int64_t isa) {
  * non-finite), q = clamp(round half to even(x / s), -127, 127), 0 where x / s is NaN; q stored
  * paired per w->pairing elements (a last 32 that does not fill one: paired per 32, the AVX2 loop's
  * tail), in order for pairing 0.  Per block b, L = a8g_lanes lanes: sxe[L b / 32 + i] = s (one per
- * int32 lane of the block), off[L b / 32] = -bias sum_b(q), the block's other lanes' offsets 0. */
+ * int32 lane of the block); a8w4: off[L b / 32] = -8 sum_b(q), its other lanes' 0; a8w8: each
+ * lane's off = -128 times the sum of its 4 elements' q. */
 static void quantize_int8_blocks(const qweight_t *w, const float *x, int8_t *q, float *sxe, int32_t *off) {
     const int64_t n = w->k, pairing = w->pairing, whole = pairing ? n - n % pairing : n;
     const int lanes = a8g_lanes(w->fmt);
@@ -425,14 +426,17 @@ static void quantize_int8_blocks(const qweight_t *w, const float *x, int8_t *q, 
         }
         float s = big / 127.f;
         s = s == 0.f ? 1.f : s;
-        int32_t total = 0;
+        int32_t total = 0, part[8] = {0}; /* part: the sums of q over each 4 consecutive elements */
         for (int j = 0; j < A8G_BLOCK; ++j) {
             int v = _mm_cvtss_si32(_mm_set_ss(x[b + j] / s)); /* MXCSR's round half to even; NaN -> INT_MIN */
             v = v == (int)0x80000000 ? 0 : v > 127 ? 127 : v < -127 ? -127 : v;
             q[paired_index(b + j, P)] = (int8_t)v;
-            total += v;
+            total += v, part[j / 4] += v;
         }
-        for (int i = 0; i < lanes; ++i) sxe[at + i] = s, off[at + i] = i ? 0 : -bias * total;
+        /* a8w8's lanes hold 4 consecutive elements each: each lane its own offset, so a lane's int32
+         * is its 4 products alone (no large offset cancelling in fp32); a8w4's paired lanes: lane 0 */
+        for (int i = 0; i < lanes; ++i)
+            sxe[at + i] = s, off[at + i] = lanes == 8 ? -bias * part[i] : i ? 0 : -bias * total;
     }
 }
 
@@ -597,7 +601,7 @@ static void a8w8g_dot_avx2(const qweight_t *wt, const uint8_t *const *rows, cons
     }
 }
 
-/* As a8w8g_dot_avx2, AVX-512 VNNI, 64 elements (two blocks) a step from each block's offset; K a
+/* As a8w8g_dot_avx2, AVX-512 VNNI, 64 elements (two blocks) a step from each lane's offset; K a
  * multiple of 64. */
 A8G_VNNI static void a8w8g_dot_vnni(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales,
                                     const int8_t *const *xq, const float *const *xs, const int32_t *const *xo,
