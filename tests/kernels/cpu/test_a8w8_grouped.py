@@ -114,7 +114,7 @@ def test_prefill_matches_the_reference(isa):
 
 def test_the_fused_op_runs_the_grouped_form_when_asked(monkeypatch):
     import moe_compile.ops  # noqa: F401  (registers the ops)
-    from moe_compile.kernels.cpu import quant as cpu_quant
+    from moe_compile.kernels.cpu import decode_op, quant as cpu_quant
 
     monkeypatch.setenv(a8w8_int.GROUP_ENV, "grouped")
     cpu_quant.clear()
@@ -128,6 +128,10 @@ def test_the_fused_op_runs_the_grouped_form_when_asked(monkeypatch):
                 20.0, f"a8w8-grouped-{T}")
         with torch.no_grad():
             got = torch.ops.moe_compile.fused_moe_quant(*args)
+            before = decode_op.fast_calls()
+            again = torch.ops.moe_compile.fused_moe_quant(*args)  # decode: from decode_op.cpp once registered
+        assert torch.equal(again, got)
+        assert decode_op.fast_calls() - before == int(T == 3 and decode_op.unavailable_reason() is None)
         p = cpu_quant.layer_pack(cpu_quant.ExpertWeights((W1,), (), (W2,)), FFNAttrs(), "a8w8-int")
         assert p.w1.grouped_activations and p.w1.group == a8w8_int.GROUP
         _assert_moe_close(got, reference_moe(x, ids, g, quant.pack("a8w8-int", W1), quant.pack("a8w8-int", W2),
