@@ -3,7 +3,9 @@
 Megatron's all-gather dispatcher, ETP (F-sharded experts, partial outputs summed by a
 reduce-scatter or an all_reduce) and EP x ETP on 4 ranks: each must be rewritten (family
 expert_parallel, the style named) and equal to the unfused eager model; where the model is
-differentiable, the input and weight gradients too.  One spawn per world size (tests/ep/harness.py).
+differentiable, the input and weight gradients too.  One spawn per world size (tests/ep/harness.py);
+the default run holds one case per mechanism (a spawn's cost is mostly its start and its first
+compile: ~5-7 s, then ~1-2 s a case on 2 loaded cores), the slow run the other spellings.
 fp32 tolerance 1e-5: the fused op sums the K experts in another order than the per-expert loop
 (observed <= 1e-6); a wrong expert, shard or routing weight errs by O(1).
 """
@@ -22,33 +24,42 @@ FP32_TOL = 1e-5
 BF16_TOL = 2e-2
 E, F = 8, 96  # zoo_ep's defaults
 
+# The default run: one case per mechanism (dispatcher spelling, ETP reduction, several layers,
+# routing-map form, training through each gather form); the slow runs hold the other spellings
+# and dtypes of the same mechanisms.
 WORLD2_CASES = [
-    {"name": "all-gather dispatcher, funcol, ModuleList, K=2", "kind": "all_gather"},
     {"name": "all-gather dispatcher, legacy in-place, stacked, K=1", "kind": "all_gather",
      "kwargs": {"collectives": "legacy", "local_experts": "stacked", "top_k": 1}},
     {"name": "ETP on all-gathered tokens, reduce-scatter", "kind": "all_gather", "tp": 2},
     {"name": "ETP on replicated tokens, all_reduce", "kind": "etp_all_reduce", "kwargs": {"collectives": "legacy"}},
     {"name": "two all-gather layers in one graph", "kind": "all_gather_two_layers"},
-    {"name": "Megatron's dispatcher: dense routing map, permute / unpermute", "kind": "all_gather",
-     "kwargs": {"routing": "map"}},
-    {"name": "all-gather dispatcher in bf16", "kind": "all_gather", "dtype": "bfloat16"},
     {"name": "Megatron's autograd.Function gathers, dense map (inference)", "kind": "all_gather",
      "kwargs": {"collectives": "autograd_function", "routing": "map"}},
 ]
+WORLD2_SLOW_CASES = [
+    {"name": "all-gather dispatcher, funcol, ModuleList, K=2", "kind": "all_gather"},
+    {"name": "Megatron's dispatcher: dense routing map, permute / unpermute", "kind": "all_gather",
+     "kwargs": {"routing": "map"}},
+    {"name": "all-gather dispatcher in bf16", "kind": "all_gather", "dtype": "bfloat16"},
+]
 WORLD2_GRADS = [
-    {"name": "all-gather dispatcher, autograd funcol", "kind": "all_gather", "kwargs": {"differentiable": True}},
     {"name": "ETP on all-gathered tokens, autograd funcol", "kind": "all_gather", "tp": 2,
      "kwargs": {"differentiable": True, "local_experts": "stacked"}},
-    {"name": "Megatron's dispatcher, dense routing map, autograd funcol", "kind": "all_gather",
-     "kwargs": {"differentiable": True, "routing": "map"}},
     {"name": "Megatron's autograd.Function gathers (a higher-order op when traced for training)",
      "kind": "all_gather", "kwargs": {"collectives": "autograd_function", "routing": "map"}},
 ]
+WORLD2_SLOW_GRADS = [
+    {"name": "all-gather dispatcher, autograd funcol", "kind": "all_gather", "kwargs": {"differentiable": True}},
+    {"name": "Megatron's dispatcher, dense routing map, autograd funcol", "kind": "all_gather",
+     "kwargs": {"differentiable": True, "routing": "map"}},
+]
 WORLD4_CASES = [
     {"name": "EP x ETP, all-to-all over EP, all_reduce over ETP", "kind": "ep_etp_all_to_all", "tp": 2},
-    {"name": "EP x ETP, all-gather over the tp_ep group", "kind": "all_gather", "tp": 2, "kwargs": {"top_k": 3}},
     {"name": "EP x ETP, sequence-parallel tokens gathered over ETP, all-to-all over EP", "kind": "ep_etp_all_to_all",
      "tp": 2, "kwargs": {"etp_tokens": "sequence", "collectives": "legacy"}},
+]
+WORLD4_SLOW_CASES = [
+    {"name": "EP x ETP, all-gather over the tp_ep group", "kind": "all_gather", "tp": 2, "kwargs": {"top_k": 3}},
     {"name": "EP x ETP, Megatron's dense routing map over the tp_ep group", "kind": "all_gather", "tp": 2,
      "kwargs": {"routing": "map", "local_experts": "stacked"}},
 ]
@@ -102,6 +113,15 @@ def test_training_step_gradients_equal(world2):
     _check_grads(world2, WORLD2_GRADS)
 
 
+@pytest.mark.slow
+def test_other_spellings_rewritten_and_equal():
+    """The default run's mechanisms in their other spellings (funcol, ModuleList, the map with
+    funcol, bf16) and their training steps."""
+    per_rank = _ok(run_world(2, "tests.ep.etp_workers.world4", WORLD2_SLOW_CASES, WORLD2_SLOW_GRADS, timeout=300.0))
+    _check_cases({r: v["cases"] for r, v in per_rank.items()}, 2, WORLD2_SLOW_CASES)
+    _check_grads(per_rank, WORLD2_SLOW_GRADS)
+
+
 def _check_grads(per_rank: dict, grad_cases: list[dict]) -> None:
     for rank, value in per_rank.items():
         for case, got in zip(grad_cases, value["grads"], strict=True):
@@ -145,6 +165,12 @@ def test_ep_x_etp_on_four_ranks_rewritten_and_equal():
     per_rank = _ok(run_world(4, "tests.ep.etp_workers.world4", WORLD4_CASES, WORLD4_GRADS, timeout=300.0))
     _check_cases({r: v["cases"] for r, v in per_rank.items()}, 4, WORLD4_CASES)
     _check_grads(per_rank, WORLD4_GRADS)
+
+
+@pytest.mark.slow
+def test_ep_x_etp_gathered_forms_on_four_ranks():
+    per_rank = _ok(run_world(4, "tests.ep.etp_workers.world4", WORLD4_SLOW_CASES, [], timeout=300.0))
+    _check_cases({r: v["cases"] for r, v in per_rank.items()}, 4, WORLD4_SLOW_CASES)
 
 
 INDUCTOR_CASES = [
