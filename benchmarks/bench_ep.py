@@ -159,6 +159,19 @@ def _rank_main(rank, world, store_path, cfg, queue):
         dist.destroy_process_group()
 
 
+def _layer_problem(rank, world, T, H, F, E, K):
+    """(generator, this rank's experts, x [T, H], gates [T, K], ids [T, K]) of one bench layer."""
+    from moe_compile.ir import ExpertWeights
+
+    el = E // world
+    gen = torch.Generator().manual_seed(1234 + rank)
+    w = ExpertWeights((torch.randn(el, 2 * F, H, generator=gen) * H**-0.5,), (),
+                      (torch.randn(el, H, F, generator=gen) * F**-0.5,))
+    x = torch.randn(T, H, generator=gen)
+    gw, ids = torch.rand(T, E, generator=gen).topk(K, dim=1)
+    return gen, w, x, torch.softmax(gw, dim=1), ids
+
+
 BWD_PATHS = ("fused_moe_ep", "train_op", "train_op_compiled")  # before / after, eager / AOTAutograd
 
 
@@ -169,18 +182,12 @@ def _run_backward_bytes(rank, world, cfg):
     eager (``call_fused_moe_ep``) and compiled by AOTAutograd (``aot_eager``, fullgraph)."""
     from moe_compile.ep.context import get_context
     from moe_compile.ep.op import call_fused_moe_ep
-    from moe_compile.ir import ExpertWeights, FFNAttrs
+    from moe_compile.ir import FFNAttrs
 
     results, g, attrs = {}, dist.group.WORLD, FFNAttrs()
     ctx = get_context(g.group_name)
     for name, H, F, E, K in cfg["shapes"]:
-        T, el = cfg["tokens"], E // world
-        gen = torch.Generator().manual_seed(1234 + rank)
-        w = ExpertWeights((torch.randn(el, 2 * F, H, generator=gen) * H**-0.5,), (),
-                          (torch.randn(el, H, F, generator=gen) * F**-0.5,))
-        x0 = torch.randn(T, H, generator=gen)
-        gw, ids = torch.rand(T, E, generator=gen).topk(K, dim=1)
-        gw = torch.softmax(gw, dim=1)
+        gen, w, x0, gw, ids = _layer_problem(rank, world, cfg["tokens"], H, F, E, K)
         row = {}
         for transport in ("a2a", "symm", "collectives"):
             def plain(x, transport=transport):
@@ -236,12 +243,7 @@ def _run_shapes(rank, world, cfg):
     attrs = FFNAttrs()
     for name, H, F, E, K in cfg["shapes"]:
         T, el = cfg["tokens"], E // world
-        gen = torch.Generator().manual_seed(1234 + rank)
-        w = ExpertWeights((torch.randn(el, 2 * F, H, generator=gen) * H**-0.5,), (),
-                          (torch.randn(el, H, F, generator=gen) * F**-0.5,))
-        x = torch.randn(T, H, generator=gen)
-        gw, ids = torch.rand(T, E, generator=gen).topk(K, dim=1)
-        gw = torch.softmax(gw, dim=1)
+        gen, w, x, gw, ids = _layer_problem(rank, world, T, H, F, E, K)
         rep, wu = cfg["repeats"], cfg["warmup"]
         row = {}
 

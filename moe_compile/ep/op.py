@@ -181,19 +181,29 @@ def _kept_buffers(x, topk_ids, w: ExpertWeights, num_experts: int, max_tokens: i
     return keep_mod.buffers(x, topk_ids, max(num_experts // max(ne, 1), 1), ne, max_tokens)
 
 
-@torch.library.custom_op(TRAIN_OP_NAME, mutates_args=())
-def fused_moe_ep_train(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-    fc1: list[torch.Tensor], fc1_up: list[torch.Tensor], fc2: list[torch.Tensor],
-    fc1_bias: list[torch.Tensor], fc1_up_bias: list[torch.Tensor], fc2_bias: list[torch.Tensor],
-    gate_up: str, transposed: bool, activation: str, limit: float, alpha: float, weight_on: str,
-    group_name: str, num_experts: int, max_tokens: int, transport: str, chunks: int, timeout_s: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``fused_moe_ep`` for a forward whose backward will run: (y [T, H], kept rows [CAP, H], kept
-    meta [M] int64) — the rows this rank received, so that the backward sends only dy."""
-    w = weights_from_args(fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias, transposed)
-    attrs = attrs_from_args(gate_up, transposed, activation, limit, alpha, weight_on)
+def _ep_args_schema() -> str:
+    """``fused_moe_ep``'s argument list as schema text: the training op takes the same arguments."""
+    schema = str(torch.ops.moe_compile.fused_moe_ep.default._schema)
+    return schema[schema.index("(") : schema.rindex(" -> ")]
+
+
+def _parsed(args):
+    """(x, topk_ids, topk_weights, w, attrs, EP options...) of ``fused_moe_ep``'s arguments, checked."""
+    x, topk_ids, topk_weights, *roles = args[:9]
+    w = weights_from_args(*roles, args[10])
+    attrs = attrs_from_args(*args[9:15])
+    group_name, num_experts, max_tokens, transport, chunks, timeout_s = args[15:21]
     _check(x, topk_ids, topk_weights, w, num_experts, transport, max_tokens, chunks, timeout_s)
+    return x, topk_ids, topk_weights, w, attrs, group_name, num_experts, max_tokens, transport, chunks, timeout_s
+
+
+@torch.library.custom_op(TRAIN_OP_NAME, mutates_args=(), schema=_ep_args_schema() + " -> (Tensor, Tensor, Tensor)")
+def fused_moe_ep_train(*args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fused_moe_ep`` for a forward whose backward will run: (y [T, H], kept rows [CAP, H], kept
+    meta [M] int64) — the rows this rank received, so that the backward sends only dy.  Arguments:
+    ``fused_moe_ep``'s."""
+    x, topk_ids, topk_weights, w, attrs, group_name, num_experts, max_tokens, transport, chunks, timeout_s = \
+        _parsed(args)
     rows, meta = _kept_buffers(x, topk_ids, w, num_experts, max_tokens)
     kept = keep_mod.Buffers(rows, meta, w.num_experts, topk_ids.shape[1], max_tokens)
     y = ep_forward(x, topk_ids, topk_weights, w, attrs, group_name, num_experts, max_tokens, transport, chunks,
@@ -202,14 +212,9 @@ def fused_moe_ep_train(
 
 
 @fused_moe_ep_train.register_fake
-def _fused_moe_ep_train_fake(x, topk_ids, topk_weights, fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias,
-                             gate_up, transposed, activation, limit, alpha, weight_on,
-                             group_name, num_experts, max_tokens, transport, chunks, timeout_s):
-    y = _fused_moe_ep_fake(x, topk_ids, topk_weights, fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias, gate_up,
-                           transposed, activation, limit, alpha, weight_on, group_name, num_experts, max_tokens,
-                           transport, chunks, timeout_s)
-    w = weights_from_args(fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias, transposed)
-    return (y, *_kept_buffers(x, topk_ids, w, num_experts, max_tokens))
+def _fused_moe_ep_train_fake(*args):
+    x, topk_ids, _, w, _, _, num_experts, max_tokens, *_ = _parsed(args)
+    return (x.new_empty(x.shape), *_kept_buffers(x, topk_ids, w, num_experts, max_tokens))
 
 
 @torch.library.custom_op(BACKWARD_OP_NAME, mutates_args=())
