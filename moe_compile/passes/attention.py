@@ -179,16 +179,19 @@ def _value(node):
 
 def decode_attention_of(node: fx.Node) -> DecodeAttention | None:
     """The decode-attention call for one SDPA node, or None where it is not one (a literal no-dropout,
-    non-causal call of <= MAX_ROWS fp32 CPU query rows with static shapes and a None / bool / fp32 mask)."""
+    non-causal call of <= MAX_ROWS fp32 CPU query rows and a None / bool / fp32 mask)."""
     named = _sdpa_arguments(node)
     if named is None or named["dropout_p"] != 0.0 or named["is_causal"] is not False:
         return None
     q, k, v, mask = (_value(named[n]) for n in ("query", "key", "value", "attn_mask"))
-    if q is None or k is None or v is None or not all(isinstance(d, int) for t in (q, k, v) for d in t.shape):
+    # heads, rows and head dim static; the batch and the cache length may be symbolic (a cache of
+    # another length on the next generate call recompiles with a dynamic S)
+    if q is None or k is None or v is None or q.dim() != 4 or k.dim() != 4 or \
+            not all(isinstance(d, int) for d in (*q.shape[1:], k.shape[1], k.shape[3])):
         return None
     if q.device.type != "cpu" or q.dtype != torch.float32 or k.dtype != q.dtype or v.dtype != q.dtype:
         return None
-    if q.dim() != 4 or k.dim() != 4 or tuple(k.shape) != tuple(v.shape) or q.shape[0] != k.shape[0]:
+    if v.dim() != 4 or tuple(k.shape) != tuple(v.shape) or q.shape[0] != k.shape[0]:
         return None
     (B, H, L, D), G = q.shape, k.shape[1]
     if L > MAX_ROWS or k.shape[3] != D or D % 16 or G == 0 or H % G or (H != G and named["enable_gqa"] is not True):

@@ -65,6 +65,7 @@ def test_decode_sdpa_runs_on_decode_attention(spelling, mask):
     m = {"none": None, "float": m, "bool": m == 0}[mask]
     fn = SPELLINGS["repeat_kv"] if spelling == "repeat_kv" else (
         lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True))
+    assert attention.install()  # as the op's first call in a process would (that call runs SDPA)
     before = attention.fast_calls()
     with torch.no_grad():
         got, report = run_compiled(fn, q, k, v, m)
@@ -116,3 +117,18 @@ def test_hf_static_cache_generate_equal_to_eager():
         got = model.generate(ids, **kw)
     assert torch.equal(got, want)
     assert any("SDPA call(s) on repeated K/V heads" in n.line() for n in moe_compile.last_report().notes)
+
+
+def test_decode_attention_with_a_symbolic_cache_length():
+    """The next generate call's cache of another length recompiles with S dynamic: still rewritten."""
+    from moe_compile.kernels.cpu import attention
+
+    q, k, v, m = _inputs(1)
+    for t in (k, v, m):
+        torch._dynamo.mark_dynamic(t, 2 if t.dim() == 4 and t is not m else 3)
+    fn = lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)  # noqa: E731
+    assert attention.install()
+    with torch.no_grad():
+        got, report = run_compiled(fn, q, k, v, m)
+    torch.testing.assert_close(got, _reference(q, k, v, m), atol=1e-5, rtol=1e-5)  # fp32 rounding, as above
+    assert any("1 decode SDPA call(s)" in n.line() for n in report.notes)

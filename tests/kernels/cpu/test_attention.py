@@ -34,7 +34,7 @@ def make_mask(kind, B, H, L, S):
 
 def served(*args):
     """(op's output, whether attention.c served the call)."""
-    assert attention.unavailable_reason() is None
+    assert attention.unavailable_reason() is None  # installs it: the op's first call would run SDPA
     before = attention.fast_calls()
     out = op(*args)
     return out, attention.fast_calls() > before
