@@ -89,6 +89,15 @@ static void dots_2x4(const float *const *qr, const float *k0, const float *k1, i
     _mm256_storeu_ps(out, hsum8x8(a));
 }
 
+/* Ask for rows [row, row + count) of a [*, D] fp32 matrix with row stride ld into the cache: one
+ * prefetch per 64-byte line.  Keys are fetched PREFETCH_KEYS ahead of their dot products, values
+ * while the scores are computed, so phase 3 reads them from L2. */
+#define PREFETCH_KEYS 16
+static inline void prefetch_rows(const float *row, int64_t count, int64_t ld, int64_t D) {
+    for (int64_t r = 0; r < count; ++r)
+        for (int64_t d = 0; d < D; d += 16) _mm_prefetch((const char *)(row + r * ld + d), _MM_HINT_T1);
+}
+
 /* Phase 1 for one item: sc [NRP][n] scores, attend[j] whether any row attends key s0 + j. */
 static void item_scores(const Job *J, int64_t b, int64_t g, int64_t s0, int64_t n, float *sc, uint8_t *attend) {
     const int64_t *p = J->p, D = p[ND];
@@ -102,11 +111,16 @@ static void item_scores(const Job *J, int64_t b, int64_t g, int64_t s0, int64_t 
             any = !(mask_at(p, row_mask[i] + (s0 + j) * p[MSS]) == -INFINITY);
         attend[j] = any;
     }
+    const float *vb = (const float *)p[V] + b * p[VSB] + g * p[VSG];
     for (int64_t i0 = 0; i0 < J->NRP; i0 += ROWS) {
         const float *qr[ROWS];
         for (int r = 0; r < ROWS; ++r) qr[r] = q_row(J, b, g, i0 + r);
         for (int64_t j = 0; j < n; j += 2) {
             int64_t j1 = j + 1 < n ? j + 1 : j;  /* an odd tail pairs the last key with itself */
+            if (i0 == 0) {  /* the cache comes from memory: fetch keys ahead and this chunk's values */
+                prefetch_rows(kb + (s0 + j + PREFETCH_KEYS) * p[KSS], j + PREFETCH_KEYS < n ? 2 : 0, p[KSS], D);
+                prefetch_rows(vb + (s0 + j) * p[VSS], j1 - j + 1, p[VSS], D);
+            }
             if (!attend[j] && !attend[j1]) continue;
             float d8[2 * ROWS];
             dots_2x4(qr, kb + (s0 + j) * p[KSS], kb + (s0 + j1) * p[KSS], D, d8);
