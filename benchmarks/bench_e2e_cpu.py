@@ -46,7 +46,12 @@ from moe_compile import llamacpp
 
 # recipe -> (quant, quant_dense): every weight of the decode step in one format
 RECIPES = {"fp32": ("none", "none"), "w16": ("w16", "w16"), "w8": ("w8-int", "w8-int"), "a8w8": ("a8w8-int", "a8w8-int"),
-           "w4": ("w4-int", "w4-int"), "a8w4": ("a8w4-int", "a8w4-int")}
+           "a8w8g": ("a8w8-int", "a8w8-int"), "w4": ("w4-int", "w4-int"), "a8w4": ("a8w4-int", "a8w4-int")}
+# a recipe's environment while it compiles and runs: a8w8g is a8w8-int's group-wise form (q8_0's
+# arithmetic; per channel is the default), chosen at pack time by MOE_COMPILE_A8W8_GROUP
+RECIPE_ENV = {"a8w8g": {"MOE_COMPILE_A8W8_GROUP": "grouped"}}
+# its bytes per weight where they differ from its formats': group-wise a8w8 stores w8-int's bytes
+RECIPE_BYTES = {"a8w8g": ("w8-int", "w8-int")}
 LLAMA_FORMATS = ("f32", "f16", "q8_0", "q4_0", "q4_K_M")
 # bytes per weight of each format (data + scales), for the roof
 BYTES_PER_WEIGHT = {"none": 4.0, "w16": 2.0, "w8-int": 1 + 2 / 32, "a8w8-int": 1.0, "w4-int": 0.5 + 2 / 32,
@@ -152,6 +157,9 @@ def torch_row(model, a, prompt: torch.Tensor, engine: str, recipe: str | None) -
         kwargs["cache_implementation"] = "static"
     timed = (lambda: loop_timed(model, prompt, a.gen)) if engine == "moe-loop" else (
         lambda: generate_timed(model, prompt, a.gen, **kwargs))
+    env = RECIPE_ENV.get(recipe, {})
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         t = time.perf_counter()
         first = timed()
@@ -161,6 +169,11 @@ def torch_row(model, a, prompt: torch.Tensor, engine: str, recipe: str | None) -
                    else None)
     finally:
         model.forward = forward
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
     pre, dec = statistics.median(r["prefill_s"] for r in runs), statistics.median(r["decode_s"] for r in runs)
     return dict(engine=engine, recipe=recipe, prefill_tok_s=a.prompt / pre, decode_tok_s=a.gen / dec,
                 decode_ms_tok=1e3 * dec / a.gen, first_call_s=first_s, load1=statistics.median(r["load1"] for r in runs),
@@ -275,7 +288,7 @@ def main() -> None:
         rows.append(torch_row(model, a, prompt, engine, None) | dict(bytes=decode_bytes(model, "none", "none")))
     for recipe in a.recipes:
         for engine in ("moe", "moe-loop") if a.loop else ("moe",):
-            rows.append(torch_row(model, a, prompt, engine, recipe) | dict(bytes=decode_bytes(model, *RECIPES[recipe])))
+            rows.append(torch_row(model, a, prompt, engine, recipe) | dict(bytes=decode_bytes(model, *RECIPE_BYTES.get(recipe, RECIPES[recipe]))))
     checks = _check_torch(rows)
     if a.llama_bench:
         work = a.work or tempfile.mkdtemp(prefix="moe_e2e_")
