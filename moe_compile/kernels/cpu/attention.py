@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import warnings
 
 import torch
 
@@ -26,14 +25,7 @@ _state: dict[str, object] = {}
 
 def install() -> bool:
     """Build, load and arm ``attention_op.cpp`` once per process; whether it serves calls."""
-    if not _state:
-        try:
-            _state["installed"] = _install()
-        except (OSError, RuntimeError) as err:
-            _state["error"] = str(err)
-            warnings.warn(f"moe_compile: attention_op.cpp unavailable, decode attention runs torch's SDPA ({err})",
-                          RuntimeWarning, stacklevel=3)
-    return bool(_state.get("installed"))
+    return cpu_cc.install_once(_state, _install, "attention_op", "decode attention runs torch's SDPA")
 
 
 def _install() -> bool:

@@ -149,3 +149,16 @@ class Kernel:
     def error(self) -> str | None:
         self.lib()
         return self._error
+
+
+def install_once(state: dict, install, stem: str, without: str) -> bool:
+    """Run ``install()`` (build, load and arm ``<stem>.cpp``: whether it serves calls) once per
+    process, into ``state``: "installed" True/False, or "error" why not.  A build or load failure
+    warns once, saying what runs ``without`` it."""
+    if not state:
+        try:
+            state["installed"] = install()
+        except (OSError, RuntimeError) as err:
+            state["error"] = str(err)
+            warnings.warn(f"moe_compile: {stem}.cpp unavailable, {without} ({err})", RuntimeWarning, stacklevel=4)
+    return bool(state.get("installed"))

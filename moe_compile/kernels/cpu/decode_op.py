@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import warnings
 
 import torch
 
@@ -35,14 +34,7 @@ _state: dict[str, object] = {}  # "installed": True, or "error": why not (asked 
 
 def install() -> bool:
     """Build, load and arm the C++ kernel once per process; whether it is serving calls."""
-    if not _state:
-        try:
-            _state["installed"] = _install()
-        except (OSError, RuntimeError) as err:
-            _state["error"] = str(err)
-            warnings.warn(f"moe_compile: decode_op.cpp unavailable, the op's Python kernel serves CPU decode "
-                          f"({err})", RuntimeWarning, stacklevel=3)
-    return bool(_state.get("installed"))
+    return cpu_cc.install_once(_state, _install, "decode_op", "the op's Python kernel serves CPU decode")
 
 
 def unavailable_reason() -> str | None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import warnings
 import weakref
 
 import torch
@@ -99,14 +98,7 @@ _op_state: dict[str, object] = {}
 def install() -> bool:
     """Build, load and arm ``dense_op.cpp`` once per process (the op's first CPU call); whether it
     serves calls.  Where it cannot be built, the Python kernel serves every call, same results."""
-    if not _op_state:
-        try:
-            _op_state["installed"] = _install()
-        except (OSError, RuntimeError) as err:
-            _op_state["error"] = str(err)
-            warnings.warn(f"moe_compile: dense_op.cpp unavailable, dense linears go through Python ({err})",
-                          RuntimeWarning, stacklevel=3)
-    return bool(_op_state.get("installed"))
+    return cpu_cc.install_once(_op_state, _install, "dense_op", "dense linears go through Python")
 
 
 def _install() -> bool:
