@@ -44,7 +44,7 @@ import torch
 
 from moe_compile.quant import wint
 from moe_compile.quant.a8w8_int import MAX_K, int_matmul
-from moe_compile.quant.common import (ACT_BLOCK, QuantRefusal, QuantWeight, check_group, group_view, pack_nibbles,
+from moe_compile.quant.common import (ACT_BLOCK, QuantWeight, check_a8_group, check_group, group_view, pack_nibbles,
                                       quantize_per_block_int8, quantize_per_token_int8, search_scales,
                                       unpack_nibbles)
 
@@ -54,11 +54,8 @@ _REFERENCE_ROWS = 64  # the grouped reference works on this many rows of x at a 
 
 
 def check_group_size(K: int, group: int) -> None:
-    """Grouped a8w4-int: G a multiple of the activation block that the kernels' vectors tile
-    (32, 64 or a multiple of 128) and dividing K."""
-    if group not in (32, 64) and (group <= 0 or group % 128):
-        raise QuantRefusal(f"a8w4-int: group_size must be 32, 64 or a multiple of 128, got {group}")
-    check_group(K, group, "a8w4-int")
+    """Grouped a8w4-int: a group the kernels tile dividing K (``common.check_a8_group``)."""
+    check_a8_group(K, group, "a8w4-int")
 
 
 def pack(w: torch.Tensor, group_size: int | None = DEFAULT_GROUP) -> QuantWeight:

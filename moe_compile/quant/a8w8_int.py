@@ -37,8 +37,8 @@ import os
 import torch
 
 from moe_compile.quant import wint
-from moe_compile.quant.common import (INT8_QMAX, QuantRefusal, QuantWeight, check_group, group_view,
-                                      quantize_per_block_int8, quantize_per_token_int8)
+from moe_compile.quant.common import (INT8_QMAX, QuantWeight, check_a8_group, group_view, quantize_per_block_int8,
+                                      quantize_per_token_int8)
 
 MAX_K = 1 << 17  # 127 * 127 * K must fit int32
 GROUP = 32  # the group-wise form's group on CPU: q8_0's block, 8.5 bits per weight
@@ -62,11 +62,8 @@ def default_group() -> int | None:
 
 
 def check_group_size(K: int, group: int) -> None:
-    """Grouped a8w8-int: G a multiple of the activation block that the kernels' vectors tile
-    (32, 64 or a multiple of 128) and dividing K."""
-    if group not in (32, 64) and (group <= 0 or group % 128):
-        raise QuantRefusal(f"a8w8-int: group_size must be 32, 64 or a multiple of 128, got {group}")
-    check_group(K, group, "a8w8-int")
+    """Grouped a8w8-int: a group the kernels tile dividing K (``common.check_a8_group``)."""
+    check_a8_group(K, group, "a8w8-int")
 
 
 def channel_scales(w: torch.Tensor, qmax: float) -> torch.Tensor:

@@ -49,6 +49,22 @@ ACT_BLOCK = 32  # grouped a8w4-int / a8w8-int: activations get one int8 scale pe
 GROUPED_A8 = ("a8w8-int", "a8w4-int")  # the a8 formats with a group-wise form (fp16 group scales)
 
 
+def a8_group_tiles(group: int) -> bool:
+    """Whether the group-wise a8 kernels tile a weight group: whole activation blocks the vectors
+    step, 32, 64 or a multiple of 128."""
+    return group in (32, 64) or (group > 0 and group % 128 == 0)
+
+
+def grouped_a8(w, K: int) -> bool:
+    """Group-wise a8w4-int / a8w8-int: a QuantWeight says so (``grouped_activations``); a bare
+    shape (``fmt``, ``group``: the kernels' checks) by its group, a8w4 one other than K, a8w8 one in
+    (0, K) (0 or K: its per-channel form)."""
+    if w.fmt not in GROUPED_A8:
+        return False
+    bare = w.group != K if w.fmt == "a8w4-int" else 0 < w.group < K
+    return getattr(w, "grouped_activations", bare)
+
+
 class QuantRefusal(ValueError):
     """A weight a format cannot hold (K not a multiple of the group, odd K for 4 bits, ...)."""
 
@@ -73,6 +89,13 @@ def _scale_spec(fmt: str, shape: tuple[int, int, int], group: int, grouped: bool
     if fmt in ("mxfp4", "mxfp8"):
         return torch.uint8, (E, N, K // group)
     return torch.float32, (E, N, 1)
+
+
+def check_a8_group(K: int, group: int, fmt: str) -> None:
+    """Group-wise a8w4-int / a8w8-int: G a group the kernels tile (``a8_group_tiles``) dividing K."""
+    if not a8_group_tiles(group):
+        raise QuantRefusal(f"{fmt}: group_size must be 32, 64 or a multiple of 128, got {group}")
+    check_group(K, group, fmt)
 
 
 def check_group(K: int, group: int, fmt: str) -> None:

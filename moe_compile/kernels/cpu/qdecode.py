@@ -56,13 +56,13 @@ import torch
 from moe_compile.ir import FFNAttrs
 from moe_compile.kernels.cpu import cc as cpu_cc, isa as cpu_isa
 from moe_compile.kernels.cpu.isa import ISA_AVX2, ISA_AVX512, ISA_ENV  # noqa: F401  (callers name the tiles here)
+from moe_compile.quant.common import GROUPED_A8, a8_group_tiles, grouped_a8
 
 ENV = "MOE_COMPILE_QDECODE"
 MAX_ROWS = 16  # tokens per call: decode (the prefill kernel takes more)
 GROUP_MULTIPLE = 32  # scale groups must span whole 32-element blocks (a 16-byte load of 4-bit codes)
 _FORMATS = {"w16-bf16": 1, "w16-fp16": 2, "w8-int": 3, "w4-int": 4, "mxfp4": 5, "mxfp8": 6, "a8w8-int": 7,
             "a8w4-int": 8, "a8w4-int-grouped": 9, "a8w8-int-grouped": 10}  # the C file's FMT_*
-GROUPED_A8 = ("a8w4-int", "a8w8-int")  # formats with a group-wise form (activations per block of 32)
 SERVED = ("w16", "w8-int", "w4-int", "mxfp4", "mxfp8", "a8w8-int", "a8w4-int")
 _NO_KERNEL = ("a8w8-fp8",)
 _KERNEL = cpu_cc.Kernel("qdecode", ENV,
@@ -122,15 +122,6 @@ def _format_code(w) -> int:
     return _FORMATS[w.fmt]
 
 
-def _grouped_a8(w, k: int) -> bool:
-    """A group-wise a8w4-int / a8w8-int role (a QuantWeight says so; a bare shape, ``quant.py``'s
-    check, by its group: a8w4 one other than K, a8w8 one in (0, K), 0 or K its per-channel form)."""
-    if w.fmt not in GROUPED_A8:
-        return False
-    bare = w.group != k if w.fmt == "a8w4-int" else 0 < w.group < k
-    return getattr(w, "grouped_activations", bare)
-
-
 def _check_role(w, name: str, n: int, k: int) -> None:
     """What a role's format, logical shape and group must be (no tensor read: ``check_call``)."""
     reason = unavailable_reason(w.fmt)
@@ -140,7 +131,7 @@ def _check_role(w, name: str, n: int, k: int) -> None:
         raise ValueError(f"qdecode: {name} must be logically [E, {n}, {k}], got {tuple(w.shape)}")
     if w.fmt != "w16" and (w.group % GROUP_MULTIPLE or k % w.group):
         raise ValueError(f"qdecode: {name} group {w.group} must be a multiple of {GROUP_MULTIPLE} dividing {k}")
-    if _grouped_a8(w, k) and w.group not in (32, 64) and w.group % 128:
+    if grouped_a8(w, k) and not a8_group_tiles(w.group):
         raise ValueError(f"qdecode: {name} group-wise {w.fmt} needs a group of 32, 64 or a multiple of 128, "
                          f"got {w.group}")
 
@@ -241,5 +232,3 @@ def grouped_matmul(x: torch.Tensor, w, e: int, isa: int | None = None) -> torch.
         raise ValueError(f"qdecode.grouped_matmul refused {w.fmt} T={T} K={K} N={N} group={w.group} (status {status})")
     return y
 
-
-a8w4_grouped_matmul = grouped_matmul  # the name tests/kernels/cpu/test_qdecode.py calls it by

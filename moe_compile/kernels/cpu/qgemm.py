@@ -37,7 +37,7 @@ import torch
 from moe_compile.ir import FFNAttrs
 from moe_compile.kernels.cpu import cc as cpu_cc, isa as cpu_isa, memory as cpu_memory
 from moe_compile.kernels.cpu.isa import ISA_AVX2, ISA_AVX512
-from moe_compile.quant.common import ACT_BLOCK, quantize_per_block_int8
+from moe_compile.quant.common import ACT_BLOCK, grouped_a8, quantize_per_block_int8
 
 ENV = "MOE_COMPILE_QGEMM"
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -113,12 +113,8 @@ class QGemmPack:
 
 
 def _grouped(w) -> bool:
-    """Group-wise a8w4-int / a8w8-int (``QuantWeight.grouped_activations``; a bare shape by its
-    group: a8w4 one other than K, a8w8 one in (0, K))."""
-    if w.fmt not in GROUPED_PANELS:
-        return False
-    K = w.shape[2]
-    return getattr(w, "grouped_activations", w.group != K if w.fmt == "a8w4-int" else 0 < w.group < K)
+    """Group-wise a8w4-int / a8w8-int (``common.grouped_a8``; a QGemmPack or bare shape by its group)."""
+    return grouped_a8(w, w.shape[2])
 
 
 def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:

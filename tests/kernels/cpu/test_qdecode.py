@@ -258,7 +258,7 @@ def test_a8_sums_at_their_bounds_are_exact(fmt, isa):
     _check(x, ids, g, w1, w2, FFNAttrs(), isa)
 
 
-# ---- group-wise a8w4-int: the loops alone (qdecode.a8w4_grouped_matmul), then whole steps ----
+# ---- group-wise a8w4-int: the loops alone (qdecode.grouped_matmul), then whole steps ----
 # K = 416 = 3 x 128 + 32: the AVX-512 VNNI loop needs K % 128 == 0, so it runs the AVX2 loop with
 # its 32-element tail; 512 / 1024 / 384 take the VNNI loop where the CPU has it.
 A8G_SHAPES = [(512, 32), (1024, 32), (416, 32), (512, 64), (384, 128), (512, 256)]
@@ -283,7 +283,7 @@ def test_grouped_a8w4_loops_are_exact_on_exact_scales(isa, K, group):
     w.data[1, 0] = 0xFF  # a row of q = 7 and a row of q = -8: the int16 pair sums at their bounds
     w.data[1, 1] = 0x00
     want = a8w4_int.grouped_matmul(x, w, 1)
-    got = qdecode.a8w4_grouped_matmul(x, w, 1, isa)
+    got = qdecode.grouped_matmul(x, w, 1, isa)
     assert torch.equal(got, want)
 
 
@@ -299,7 +299,7 @@ def test_grouped_a8w4_loops_differ_by_fp32_scaling_alone(isa, K, group):
     T, N = 7, 10
     x = torch.randn(T, K, generator=gen) * torch.rand(T, 1, generator=gen) * 10
     w = quant.pack("a8w4-int", torch.randn(3, N, K, generator=gen), group)
-    got = qdecode.a8w4_grouped_matmul(x, w, 2, isa)
+    got = qdecode.grouped_matmul(x, w, 2, isa)
     want = a8w4_int.grouped_matmul(x, w, 2)
     qx, sx = quant.common.quantize_per_block_int8(x)
     terms = (a8w4_int.block_sums(qx, a8w4_int.integers(w)[2]) * sx[:, None, :] * a8w4_int.block_scales(w, 2)[None])
