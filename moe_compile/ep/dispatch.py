@@ -40,6 +40,7 @@ import socket
 
 import torch
 
+from moe_compile.ep import keep as keep_mod
 from moe_compile.ep.overlap import piece_bounds, piece_counts
 from moe_compile.ep.plan import check_bound
 from moe_compile.quant.int8 import dequantize, quantize
@@ -191,10 +192,9 @@ def exchange(ctx, plan, base, gpay, compute, q_width: int, q_dtype, *, chunks: i
     check_bound(matrix, max_tokens, top_k, me)
     recv = matrix.sum(2)  # [R_src, R_dst] rows
     cnt = matrix.tolist()
-    if backward and not (allc[:, R * el + 1] == 1).all():  # some rank kept nothing: x travels again
-        base, kept = torch.cat([resend.to(base.dtype), base], dim=1), None  # [T, 2H]
-    if kept is not None:
-        check_kept(kept, [cnt[s][me] for s in range(R)], me)
+    if backward:  # dy alone where every rank kept its forward rows, else [x | dy]
+        base, kept = keep_mod.backward_rows(base, kept, resend, bool((allc[:, R * el + 1] == 1).all()),
+                                            [cnt[s][me] for s in range(R)], me)
     need = max_tokens if max_tokens > 0 else int(recv.sum(0).max())
     P, item = base.shape[1], base.element_size()
     row_bytes = P if quant else P * item
@@ -273,17 +273,6 @@ def exchange(ctx, plan, base, gpay, compute, q_width: int, q_dtype, *, chunks: i
             if piece_bounds(rl[me][d], C)[j + 1] > piece_bounds(rl[me][d], C)[j]]
     st.control.wait(rets, ep, timeout_s, F.who, "the combine (results from the experts' ranks)")
     return data.tensor(me, lay.ret_at(par, 0), (plan.rows, q_width), q_dtype)
-
-
-def check_kept(kept, recv_counts, me: int) -> None:
-    """The backward receives its rows in the forward's layout (the same routing): else a row
-    would meet another row's x.  ``recv_counts``: [R_src][El] rows from (source, local expert)."""
-    import numpy as np
-
-    got = np.asarray(recv_counts, dtype=np.int64).reshape(-1)
-    if kept.rows.shape[0] != got.sum() or not np.array_equal(kept.splits, got):
-        raise RuntimeError(f"fused_moe_ep backward: the rows arrive in another layout than the forward's "
-                           f"(rank {me}; {got.tolist()} vs {kept.splits.tolist()})")
 
 
 def _deadline_check(st, ep, todo, F, timeout_s, spins):

@@ -103,4 +103,24 @@ class KeptRows:
         return KeptRows(rows[:n], m[FIXED : FIXED + ne + 1].tolist(), m[FIXED + ne + 1 :].copy())
 
 
-__all__ = ["Buffers", "KeptRows", "buffers", "capacity", "meta_len"]
+def backward_rows(dy: torch.Tensor, kept: KeptRows | None, x: torch.Tensor, every_rank_kept: bool,
+                  recv_counts, me: int) -> tuple[torch.Tensor, KeptRows | None]:
+    """(rows a symm / collectives backward sends, the kept rows it reads x from or None): dy [T, H]
+    alone when every rank's forward kept its received rows (``every_rank_kept``: the flags beside
+    the counts; this rank's layout checked), else [x | dy] [T, 2H] and nothing kept."""
+    if not every_rank_kept:
+        return torch.cat([x.to(dy.dtype), dy], dim=1), None
+    check_layout(kept, recv_counts, me)
+    return dy, kept
+
+
+def check_layout(kept: KeptRows, recv_counts, me: int) -> None:
+    """The backward receives its rows in the forward's layout (the same routing): else a row
+    would meet another row's x.  ``recv_counts``: [R_src][El] rows from (source, local expert)."""
+    got = np.asarray(recv_counts, dtype=np.int64).reshape(-1)
+    if kept.rows.shape[0] != got.sum() or not np.array_equal(kept.splits, got):
+        raise RuntimeError(f"fused_moe_ep backward: the rows arrive in another layout than the forward's "
+                           f"(rank {me}; {got.tolist()} vs {kept.splits.tolist()})")
+
+
+__all__ = ["Buffers", "KeptRows", "backward_rows", "buffers", "capacity", "check_layout", "meta_len"]

@@ -166,12 +166,8 @@ def fused_moe_ep(
 
 
 @fused_moe_ep.register_fake
-def _fused_moe_ep_fake(x, topk_ids, topk_weights, fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias,
-                       gate_up, transposed, activation, limit, alpha, weight_on,
-                       group_name, num_experts, max_tokens, transport, chunks, timeout_s):
-    w = weights_from_args(fc1, fc1_up, fc2, fc1_bias, fc1_up_bias, fc2_bias, transposed)
-    attrs_from_args(gate_up, transposed, activation, limit, alpha, weight_on)
-    _check(x, topk_ids, topk_weights, w, num_experts, transport, max_tokens, chunks, timeout_s)
+def _fused_moe_ep_fake(*args):
+    x = _parsed(args)[0]  # the same checks as the op
     return x.new_empty(x.shape)
 
 
@@ -202,13 +198,11 @@ def fused_moe_ep_train(*args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     """``fused_moe_ep`` for a forward whose backward will run: (y [T, H], kept rows [CAP, H], kept
     meta [M] int64) — the rows this rank received, so that the backward sends only dy.  Arguments:
     ``fused_moe_ep``'s."""
-    x, topk_ids, topk_weights, w, attrs, group_name, num_experts, max_tokens, transport, chunks, timeout_s = \
-        _parsed(args)
+    parsed = _parsed(args)  # ep_forward's arguments, in its order
+    x, topk_ids, _, w, _, _, num_experts, max_tokens, *_ = parsed
     rows, meta = _kept_buffers(x, topk_ids, w, num_experts, max_tokens)
     kept = keep_mod.Buffers(rows, meta, w.num_experts, topk_ids.shape[1], max_tokens)
-    y = ep_forward(x, topk_ids, topk_weights, w, attrs, group_name, num_experts, max_tokens, transport, chunks,
-                   timeout_s, kept)
-    return y, rows, meta
+    return ep_forward(*parsed, kept), rows, meta
 
 
 @fused_moe_ep_train.register_fake

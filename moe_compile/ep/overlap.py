@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moe_compile.ep import keep as keep_mod
 from moe_compile.ep.context import EPContext, timedelta
 from moe_compile.ep.plan import check_bound
 
@@ -87,12 +88,9 @@ def exchange(ctx: EPContext, plan, base, gpay, compute, q_width: int, q_dtype, *
     matrix = torch.stack([c[:-1].view(R, el) for c in allc])  # [R_src, R_dst, El]
     check_bound(matrix, max_tokens, top_k, ctx.rank)  # the same verdict on every rank
     send_c, recv_c = matrix[ctx.rank].tolist(), matrix[:, ctx.rank].tolist()  # host split sizes
-    if backward and not all(int(c[-1]) == 1 for c in allc):  # some rank kept nothing: x travels again
-        base, kept = torch.cat([resend.to(base.dtype), base], dim=1), None  # [T, 2H]
-    if kept is not None:
-        from moe_compile.ep.dispatch import check_kept
-
-        check_kept(kept, recv_c, ctx.rank)
+    if backward:  # dy alone where every rank kept its forward rows, else [x | dy]
+        base, kept = keep_mod.backward_rows(base, kept, resend, all(int(c[-1]) == 1 for c in allc), recv_c,
+                                            ctx.rank)
     if chunks <= 0:  # auto: the heap transport's rule (the same sweep), from the same matrix
         from moe_compile.ep.dispatch import auto_chunks
 
