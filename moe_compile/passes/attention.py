@@ -77,9 +77,15 @@ def _erase_dead_chain(graph: fx.Graph, node: fx.Node, base: fx.Node) -> None:
         node = parent
 
 
-def _shape(node) -> tuple | None:
+def _value(node) -> torch.Tensor | None:
+    """The node's traced example tensor, or None (not a node, or not a tensor)."""
     value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _shape(node) -> tuple | None:
+    value = _value(node)
+    return tuple(value.shape) if value is not None else None
 
 
 def unrepeated(node: fx.Node) -> tuple[fx.Node, int] | None:
@@ -141,8 +147,8 @@ def find_repeated_kv(graph: fx.Graph) -> list[RepeatedKV]:
             continue
         q, k, v = node.args[:3]
         qs, ks, vs = _shape(q), unrepeated(k), unrepeated(v)
-        value = q.meta.get("example_value") if isinstance(q, fx.Node) else None
-        if qs is None or ks is None or vs is None or not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+        value = _value(q)
+        if qs is None or ks is None or vs is None or value is None or value.device.type != "cpu":
             continue
         (k0, rk), (v0, rv) = ks, vs
         if rk == rv and rk > 1 and len(qs) == 4 and qs[1] == _shape(k0)[1] * rk:
@@ -170,11 +176,6 @@ def _sdpa_arguments(node: fx.Node) -> dict | None:
         return None
     named = dict(zip(_SDPA_PARAMS, node.args)) | dict(node.kwargs)
     return {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False} | named
-
-
-def _value(node):
-    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
 
 
 def decode_attention_of(node: fx.Node) -> DecodeAttention | None:
