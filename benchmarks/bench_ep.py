@@ -256,7 +256,7 @@ def _run_shapes(rank, world, cfg):
                     "compute": _compute_only(rank, world, x, ids, gw, w, attrs, E, gen),
                     "kernel": _kernel_only(rank, world, x, ids, w, attrs, E, gen)}
         row.update(_timeit_interleaved(a2a_rows, rep, wu))
-        row["bytes_a2a"] = _a2a_bytes(ids, E, world, rank, H * 4, H * 4)
+        row["bytes_a2a"] = _a2a_bytes(ids, E, world, rank, H * 4 + 4, H * 4)  # [x | g] out: FC2 into the windows
         row["bytes_a2a_int8"] = _a2a_bytes(ids, E, world, rank, H + 4, H * 4)
         # the backward: [dy | g] out when the forward kept its rows (now), [x | dy | g] (before); [dx | dg] back
         row["bytes_a2a_bwd"] = _a2a_bytes(ids, E, world, rank, *backward_row_bytes(H, 4, True))
@@ -401,20 +401,25 @@ def _run_overlap(rank, world, cfg):
 
 def _a2a_exchange(x, ids, gw, E, group_name, int8=False):
     """The a2a transport's exchange with no expert work, as the fused op runs it: rows sent by token
-    index into the receive windows, fp32 rows back and summed into the tokens (``int8``: the
-    a2a-int8 rows out — quantized here, as the transport does — fp32 rows back)."""
+    index into the receive windows, fp32 rows back and summed into the tokens (fp32: the packed
+    experts' "FC2 into" form, whose rows back are stored by the kernel itself; ``int8``: the
+    a2a-int8 rows out — quantized here, as the transport does — fp32 rows copied back)."""
     from moe_compile.ep import a2a_cpu, fused_a2a, fused_int8
 
     route = fused_a2a._route(ids, gw, E, torch.float32)
     T, H = x.shape
 
     def run():
-        rows = fused_int8._rows(x) if int8 else x
-        rcv = a2a_cpu.dispatch_rows(rows, route.tokens, route.in_splits, group_name, 60.0, packed=int8,
-                                    gates=route.gates)
-        used = rcv.handle[5]
-        back = torch.empty(used, H) if int8 else rcv.window[:used].view(torch.float32)  # the rows themselves
-        a2a_cpu.combine_sum(back, rcv, route.tokens, route.gates, T, group_name, 60.0)
+        if not int8:  # fp32 as the packed experts run it: [x | g] rows out (own rows not copied), the rows'
+            # addresses, flags back and the source's sum; the rows' stores are FC2's epilogue (not timed here)
+            rcv = a2a_cpu.dispatch_rows(x, route.tokens, route.in_splits, group_name, 60.0, gates=route.gates,
+                                        gate_rows=True, fc2_into=True)
+            a2a_cpu.expert_rows(rcv, route.tokens, route.gates)
+            a2a_cpu.combine_sum(torch.zeros(T, H), rcv, route.tokens, route.gates, T, group_name, 60.0)
+            return
+        rcv = a2a_cpu.dispatch_rows(fused_int8._rows(x), route.tokens, route.in_splits, group_name, 60.0,
+                                    packed=True, gates=route.gates)
+        a2a_cpu.combine_sum(torch.empty(rcv.handle[5], H), rcv, route.tokens, route.gates, T, group_name, 60.0)
 
     return run
 

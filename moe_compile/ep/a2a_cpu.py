@@ -379,6 +379,8 @@ class Received:
     own_row: int  # layout row of this rank's own region
     by_token: bool
     handle: tuple  # for ``combine_sum``
+    x_bytes: int = 0  # bytes of x in a row (the rest: the extra field, e.g. the gate)
+    fc2_into: bool = False  # this rank's experts store their peers' rows into the return windows
 
     def source_rows(self, s: int) -> torch.Tensor:
         """[region[s], B] source s's region of the window (a view)."""
@@ -396,7 +398,8 @@ def _record_sent(ctx, row: np.ndarray, me: int, ne: int, row_bytes: int) -> None
 
 def dispatch_rows(x: torch.Tensor, tokens: torch.Tensor, in_splits: torch.Tensor, group_name: str,
                   timeout_s: float, extra: torch.Tensor | None = None, packed: bool = False,
-                  gates: torch.Tensor | None = None, between=None) -> Received:
+                  gates: torch.Tensor | None = None, between=None, gate_rows: bool = False,
+                  fc2_into: bool = False) -> Received:
     """The fused op's dispatch by token index, whole in C (``ep_copy.moe_ep_dispatch_send_idx``):
     slot i's row is ``x[tokens[i]]`` (x [T, ...] read where it lies, no sorted copy) followed by
     ``extra[i]`` (a per-slot field, [S, m]; the backward's routing weight), slots rank-major
@@ -407,13 +410,25 @@ def dispatch_rows(x: torch.Tensor, tokens: torch.Tensor, in_splits: torch.Tensor
     (``combine_sum`` then adds the experts' own output rows as they are).  One send, one wait, the
     layout from the headers (no torch scalar read).  ``between()``, when given, runs once after this rank's
     rows are sent and before it waits for its peers' (independent work while the exchange is in
-    flight; ``benchmarks/bench_ep.py --overlap`` measures what that buys on CPU).  Needs
+    flight; ``benchmarks/bench_ep.py --overlap`` measures what that buys on CPU).
+    ``gate_rows`` (with ``gates``): each slot's gate rides in its row (4 bytes after x), so that
+    the peers' experts can weight their outputs; ``fc2_into``: this rank's experts will store
+    their peers' rows, weighted, straight into the sources' return windows (``expert_rows``; its
+    header says so, and ``combine_sum`` on every source then adds them as they are), and its own
+    rows by token are not copied at all (the experts read them in x).  Every rank must pass the
+    same ``gate_rows`` (the row width); ``fc2_into`` is each rank's own.  Needs
     ``kernels/cpu/ep.fast_lib()``."""
     ctx = get_context(group_name)
     R, me = ctx.world, ctx.rank
     ne = in_splits.numel() // R
     x = x.contiguous()
     x_bytes = math.prod(x.shape[1:]) * x.element_size()
+    if (gate_rows and (gates is None or extra is not None or packed)) or (fc2_into and not gate_rows):
+        raise ValueError("ep a2a dispatch_rows: gate_rows needs gates (by token, no extra, not packed); fc2_into "
+                         "needs gate_rows")
+    by_token = gates is not None and extra is None
+    if gate_rows:
+        extra = gates.float()[:, None]  # [S, 1] the slot's gate, after x in its row
     extra = None if extra is None else extra.contiguous()
     extra_bytes = 0 if extra is None else math.prod(extra.shape[1:]) * extra.element_size()
     row_bytes = max(x_bytes + extra_bytes, 1)
@@ -421,17 +436,18 @@ def dispatch_rows(x: torch.Tensor, tokens: torch.Tensor, in_splits: torch.Tensor
     if st.data is None:
         st.ensure(ctx, SLAB_BYTES, timeout_s)
     lib, W = cpu_ep.fast_lib(), st.W
-    by_token = gates is not None and extra is None
     gates = gates.float().contiguous() if by_token else None
     st.row[:NMETA] = _meta("dispatch", ne, tokens.numel(), x.shape[0] if by_token else -1, x_bytes + extra_bytes, None)
     st.row[NMETA : NMETA + R * ne] = in_splits.reshape(-1).numpy()
+    st.row[NMETA + R * ne] = int(fc2_into)  # the "FC2 into" word (ep_copy.c's FC2_INTO)
     _record_sent(ctx, st.row, me, ne, x_bytes + extra_bytes)
     while True:
         ep, par = _next(st)
         slab_rows = st.slab // row_bytes
         lib.moe_ep_dispatch_send_idx(st.row_at, W, R, me, x.data_ptr(), tokens.data_ptr(), x_bytes,
                                      0 if extra is None else extra.data_ptr(), extra_bytes, st.win_dst_at[par],
-                                     slab_rows, st.sends[par]._at[5], st.sends[par]._at[6], ep, st.sleep_off)
+                                     slab_rows, st.sends[par]._at[5], st.sends[par]._at[6], ep, st.sleep_off,
+                                     int(not fc2_into))
         if between is not None:
             between()
             between = None
@@ -460,7 +476,55 @@ def dispatch_rows(x: torch.Tensor, tokens: torch.Tensor, in_splits: torch.Tensor
     own_row = int(region[:me].sum()) if packed else me * slab_rows
     handle = (ep, st, st.views[par].copy(), oso, st.sent.copy(), int(st.need[0]))
     return Received(window, torch.from_numpy(st.idx[:n]), torch.from_numpy(st.scale[:n]), st.bounds.tolist(), oso,
-                    region, slab_rows, own_row, by_token, handle)
+                    region, slab_rows, own_row, by_token, handle, x_bytes, fc2_into)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertRows:
+    """The packed experts kernel's rows of a ``fc2_into`` dispatch by address (``kernels/cpu/
+    experts.run``'s ``x_at`` / ``y_at``), expert-major like ``Received.idx``: [N] each."""
+
+    tokens: torch.Tensor  # int64: the own rows' tokens (x's row read, y's row added into), 0 for the peers'
+    x_at: torch.Tensor  # int64: a peer's row in this rank's window, 0 for the own (read in x)
+    y_at: torch.Tensor  # int64: a peer's row of its source's return window (stored there), 0 for the own
+    scale: torch.Tensor  # fp32: the slot's gate (the peers': carried in their rows)
+
+
+def expert_rows(rcv: Received, tokens: torch.Tensor, gates: torch.Tensor) -> ExpertRows:
+    """Where the experts read and write every row of ``rcv`` (a ``fc2_into`` dispatch; ``tokens`` /
+    ``gates`` [S] as passed to it): the peers' rows in the window, their outputs straight into the
+    row of their source's return window at the combine's parity that ``combine_after`` would have
+    copied them to (``moe_ep_expert_rows``).  Safe for the same reason as that copy: this rank has
+    seen every source's flag of this dispatch, which each source stores only after it finished
+    reading that parity of its window (its previous combine), and no source reads it again before
+    this rank's combine flag.  The heap never grows in between: a combine row (H fp32) is never
+    wider than the dispatch's (H fp32 + the gate), so the dispatch's slabs hold the combine."""
+    if not rcv.fc2_into:
+        raise ValueError("ep a2a expert_rows: the dispatch was not sent with fc2_into")
+    ep0, st, drows, _, _, _ = rcv.handle
+    if st.epoch != ep0:
+        raise RuntimeError("ep a2a expert_rows: must follow its dispatch_rows with no exchange between")
+    n = rcv.idx.shape[0]
+    out = [torch.empty(n, dtype=torch.int64) for _ in range(3)] + [torch.empty(n, dtype=torch.float32)]
+    ret = st.win_dst[(ep0 + 1) % 2]  # [R] every source's window at the combine's parity
+    got = cpu_ep.fast_lib().moe_ep_expert_rows(drows.ctypes.data, st.W, st.R, st.me, rcv.slab_rows,
+                                               rcv.window.data_ptr(), rcv.window.shape[1], rcv.x_bytes,
+                                               ret.ctypes.data, tokens.data_ptr(), gates.data_ptr(),
+                                               *(t.data_ptr() for t in out))
+    if got != n:
+        raise RuntimeError(f"ep a2a expert_rows: {got} rows, the dispatch received {n}")
+    return ExpertRows(*out)
+
+
+def gather_rows(rows: ExpertRows, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` [N, H] = the rows the experts read (``rows.x_at``, else x[token]): the kept rows."""
+    x = x.contiguous()
+    n = rows.tokens.shape[0]
+    if out.shape[0] != n or not out.is_contiguous() or out.dtype != x.dtype:
+        raise ValueError(f"ep a2a gather_rows: out must be contiguous {x.dtype} [{n}, H], got {tuple(out.shape)}")
+    cpu_ep.fast_lib().moe_ep_gather_rows(out.data_ptr(), x.shape[1] * x.element_size(), n, rows.x_at.data_ptr(),
+                                         x.data_ptr(), rows.tokens.data_ptr())
+    return out
 
 
 def combine_sum(out: torch.Tensor, rcv: Received, tokens: torch.Tensor, gates: torch.Tensor, T: int,
@@ -470,30 +534,40 @@ def combine_sum(out: torch.Tensor, rcv: Received, tokens: torch.Tensor, gates: t
     ``rcv``'s layout rows; the peers' rows go back to their final row of their source's window (one
     C call, no header: the dispatch's layout), this rank's own stay in ``out``, and one C pass adds
     every slot's row, weighted, into its token's row of y (``moe_ep_combine_sum``; own rows sent by
-    token are the experts' weighted sums already: y starts as them).  ``between``:
-    as ``dispatch_rows``'s, after this rank's rows are sent."""
+    token are the experts' weighted sums already: y starts as them).  With ``rcv.fc2_into`` the
+    experts stored the peers' rows in the return windows already (``expert_rows``) and ``out`` is
+    their own outputs by token, [T, H] fp32, which becomes y: this rank sends its flags alone.  A
+    peer whose header says "FC2 into" stored its rows weighted: they are added as they are.
+    ``between``: as ``dispatch_rows``'s, after this rank's rows are sent."""
     ep0, st, drows, oso, sent, used = rcv.handle
     if st.epoch != ep0:
         raise RuntimeError("ep a2a combine_sum: must follow its dispatch_rows with no exchange between")
     out = out.contiguous()
-    if out.dtype != torch.float32 or out.shape[0] < used:
-        raise ValueError(f"ep a2a combine_sum: out must be fp32 with >= {used} rows, got {out.dtype} "
+    rows = T if rcv.fc2_into else used
+    if out.dtype != torch.float32 or out.shape[0] < rows:
+        raise ValueError(f"ep a2a combine_sum: out must be fp32 with >= {rows} rows, got {out.dtype} "
                          f"{tuple(out.shape)}")
     ctx, lib = get_context(group_name), cpu_ep.fast_lib()
     H = out.shape[1]
     row_bytes = H * 4
-    st.ensure(ctx, -(-int(sent.max(initial=0)) * row_bytes // st.R), timeout_s)  # same on every rank
+    need = -(-int(sent.max(initial=0)) * row_bytes // st.R)
+    if need > st.slab and drows[:, NMETA + st.R * st.ne].any():
+        raise RuntimeError("ep a2a combine_sum: the heap would grow under rows the experts stored in it")
+    st.ensure(ctx, need, timeout_s)  # same on every rank
     ep, par = _next(st)
     lib.moe_ep_combine_after(drows.ctypes.data, st.W, st.R, st.me, oso.ctypes.data, out.data_ptr(), row_bytes,
-                             st.win_dst_at[par], st.sends[par]._at[6], ep, st.sleep_off, 1)
+                             st.win_dst_at[par], st.sends[par]._at[6], ep, st.sleep_off, 2 if rcv.fc2_into else 1)
     if between is not None:
         between()
     _wait(st, ep, timeout_s, "the combine's rows")
-    y = (torch.empty if rcv.by_token else torch.zeros)(T, H, dtype=torch.float32)
     tokens, gates = tokens.contiguous(), gates.float().contiguous()
-    lib.moe_ep_combine_sum(drows.ctypes.data + st.me * st.W * 8, st.R, st.me, st.base_me + par * st.half,
-                           out.data_ptr() + rcv.own_row * row_bytes, H, tokens.data_ptr(), gates.data_ptr(),
-                           y.data_ptr())
+    if rcv.fc2_into:  # the own outputs by token: y itself
+        y, own = out[:T], out.data_ptr()
+    else:
+        y = (torch.empty if rcv.by_token else torch.zeros)(T, H, dtype=torch.float32)
+        own = out.data_ptr() + rcv.own_row * row_bytes
+    lib.moe_ep_combine_sum(drows.ctypes.data, st.W, st.R, st.me, st.base_me + par * st.half, own, H,
+                           tokens.data_ptr(), gates.data_ptr(), y.data_ptr())
     return y
 
 
@@ -571,4 +645,4 @@ def exchange(kind: str, input: torch.Tensor, payload: torch.Tensor, group_name: 
     return out, (None if oso is None else torch.from_numpy(np.ascontiguousarray(oso)))
 
 
-__all__ = ["Received", "combine_sum", "dispatch_rows", "exchange", "KINDS"]
+__all__ = ["ExpertRows", "Received", "combine_sum", "dispatch_rows", "exchange", "expert_rows", "gather_rows", "KINDS"]

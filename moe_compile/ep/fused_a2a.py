@@ -179,22 +179,48 @@ def in_place(cdt: torch.dtype) -> bool:
     return cdt == torch.float32 and cpu_ep.fast_lib() is not None
 
 
+def packed_experts(x, w: ExpertWeights, attrs: FFNAttrs):
+    """The prepacked fp32 panels of the packed experts kernel for this call, or None (asked once a
+    call, before the dispatch: the answer decides how the dispatch is sent)."""
+    from moe_compile.kernels.cpu import prepack as cpu_prepack
+
+    packed = cpu_prepack.lookup(x, w, attrs) if x.dtype == torch.float32 else None
+    return packed if packed is not None and packed.fused else None
+
+
+def experts_into_windows(rcv: a2a_cpu.Received, x, route, packed, w: ExpertWeights, attrs: FFNAttrs,
+                         kept_out: torch.Tensor | None = None) -> torch.Tensor:
+    """y_own [T, H] fp32: the packed kernel once over every expert's rows, reading the peers' rows in
+    the receive window and this rank's own in x (no copy of them), FC2's epilogue multiplying each
+    row by its gate and storing a peer's row straight into its source's return window (one slot,
+    one row: ``a2a_cpu.expert_rows``), adding the own rows into their token's row of y_own.  The
+    rows read are gathered into ``kept_out`` [N, H] when given (the training op's kept rows)."""
+    from moe_compile.kernels.cpu import experts as cpu_experts
+
+    rows = a2a_cpu.expert_rows(rcv, route.tokens, route.gates)
+    if kept_out is not None:
+        a2a_cpu.gather_rows(rows, x, kept_out)
+    if rows.tokens.shape[0] == 0:
+        return x.new_zeros(x.shape, dtype=torch.float32)
+    return cpu_experts.run(x.contiguous(), rows.tokens, rows.scale, packed, w, attrs, rcv.bounds,
+                           torch.get_num_threads(), x_at=rows.x_at, y_at=rows.y_at)
+
+
 def experts_in_place(rcv: a2a_cpu.Received, dtype, w: ExpertWeights, attrs: FFNAttrs, cdt,
-                     kept_out: torch.Tensor | None = None):
+                     kept_out: torch.Tensor | None = None, packed=None):
     """(out [L, H] (cdt): every received row's expert output times ``rcv.scale``, added into its
     layout row of ``rcv`` (own rows by token: a token's local outputs summed, weighted), zero
     elsewhere; the received rows [N, H] expert-major, gathered into ``kept_out`` when given, else
-    None where the experts read them in place).  Prepacked fp32 panels run the packed kernel once
-    over every expert's rows where they lie in the window (``rcv.idx``: its row list,
+    None where the experts read them in place).  ``packed`` (fp32 panels) runs the packed kernel
+    once over every expert's rows where they lie in the window (``rcv.idx``: its row list,
     expert-major); other FFNs gather the rows and run the loop."""
-    from moe_compile.kernels.cpu import experts as cpu_experts, prepack as cpu_prepack
+    from moe_compile.kernels.cpu import experts as cpu_experts
 
     used = rcv.handle[5]
-    win = rcv.window[:used].view(dtype)  # [L, H] the window's rows, read in place
+    win = rcv.window[:used, : rcv.x_bytes].view(dtype)  # [L, H] the window's rows (not their gate), read in place
     N = rcv.idx.shape[0]
     rows = None if kept_out is None else torch.index_select(win, 0, rcv.idx, out=kept_out)  # [N, H]
-    packed = cpu_prepack.lookup(win, w, attrs) if dtype == torch.float32 and N else None
-    if packed is not None and packed.fused:  # rcv.scale: 1 for the peers' rows (weighted at their source)
+    if packed is not None and N:  # rcv.scale: 1 for the peers' rows (weighted at their source)
         out = cpu_experts.run(win, rcv.idx, rcv.scale, packed, w, attrs, rcv.bounds, torch.get_num_threads())
         return out, rows
     rows = win.index_select(0, rcv.idx) if rows is None else rows  # [N, H] expert-major
@@ -225,11 +251,18 @@ def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_
         window, oso, oso_np, handle = _dispatch(route, x, group_name, timeout_s)
         out = _experts_fast(window, _tiles(oso_np, R, ne), w, attrs, cdt)  # [N, H]
         return combine_to_tokens(out, route, oso, handle, group_name, T, cdt, timeout_s).to(x.dtype)
-    # each row copied once: x[token] into its expert's window; the experts read it there
-    rcv = a2a_cpu.dispatch_rows(x, route.tokens, route.in_splits, group_name, timeout_s, gates=route.gates)
+    # each peer's row copied once, x[token] into its expert's window, where the experts read it; with
+    # the packed kernel ("FC2 into") the own rows stay in x and the outputs go straight back weighted
+    packed = packed_experts(x, w, attrs)
+    rcv = a2a_cpu.dispatch_rows(x, route.tokens, route.in_splits, group_name, timeout_s, gates=route.gates,
+                                gate_rows=x.dtype == torch.float32, fc2_into=packed is not None)
     keep = _keeps_everywhere(rcv, kept, R, ne)
     N = rcv.idx.shape[0]
-    out, _ = experts_in_place(rcv, x.dtype, w, attrs, cdt, kept.rows[:N] if keep else None)  # [L, H] fp32
+    kept_out = kept.rows[:N] if keep else None
+    if packed is not None:
+        out = experts_into_windows(rcv, x, route, packed, w, attrs, kept_out)  # [T, H] fp32: the own outputs
+    else:  # the loop (not prepacked fp32 SwiGLU): outputs in a local buffer, sent back by the combine
+        out, _ = experts_in_place(rcv, x.dtype, w, attrs, cdt, kept_out)  # [L, H] fp32
     if keep:  # the received rows, for a backward that then sends only dy
         kept.record(N, rcv.oso[0], rcv.bounds)
     return a2a_cpu.combine_sum(out, rcv, route.tokens, route.gates, T, group_name, timeout_s).to(x.dtype)

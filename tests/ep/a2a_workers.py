@@ -400,7 +400,7 @@ def packed_forward(rank, world, scenarios):
     """The in-place forward with prepacked fp32 panels (the packed kernel reading the receive window
     where the rows lie): for each (name, Ts, routing) the third call on unchanged weights (packed
     by then) vs the reference, and whether the in-place path and the packed kernel took it."""
-    from moe_compile.ep import fused_a2a
+    from moe_compile.ep import a2a_cpu, fused_a2a
     from moe_compile.ep.op import call_fused_moe_ep
     from moe_compile.ir import ExpertWeights, FFNAttrs
     from moe_compile.kernels.cpu import prepack
@@ -414,13 +414,20 @@ def packed_forward(rank, world, scenarios):
         want = fused_moe_reference(xs[rank], ids[rank], gws[rank], ExpertWeights((fc1,), (), (fc2,)), FFNAttrs())
         lo, hi = rank * el, (rank + 1) * el
         mine = ExpertWeights((fc1[lo:hi].clone(),), (), (fc2[lo:hi].clone(),))
-        for _ in range(3):
-            with _Scalars() as fwd:
-                y = call_fused_moe_ep(xs[rank], ids[rank], gws[rank], mine, FFNAttrs(), dist.group.WORLD, E,
-                                      transport="a2a")
+        real, calls = a2a_cpu.expert_rows, []
+        a2a_cpu.expert_rows = lambda *a: calls.append(1) or real(*a)  # counts the "FC2 into" calls
+        try:
+            for _ in range(3):
+                calls.clear()
+                with _Scalars() as fwd:
+                    y = call_fused_moe_ep(xs[rank], ids[rank], gws[rank], mine, FFNAttrs(), dist.group.WORLD, E,
+                                          transport="a2a")
+        finally:
+            a2a_cpu.expert_rows = real
         p = prepack.lookup(xs[rank], mine, FFNAttrs())
         results[name] = {"y": rel(y, want), "in_place": fused_a2a.in_place(torch.float32),
-                         "packed": bool(p is not None and p.fused), "scalar_reads": fwd.counts}
+                         "packed": bool(p is not None and p.fused), "fc2_into": calls == [1],
+                         "scalar_reads": fwd.counts}
     return results
 
 

@@ -111,20 +111,25 @@ def test_int8_dispatch_into_a8w8_experts_equals_the_single_device_op():
 
 
 @pytest.mark.dist
-def test_in_place_forward_with_packed_experts_equals_reference():
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_in_place_forward_with_packed_experts_equals_reference(world):
     """The experts read the receive window where the rows lie (the packed fp32 kernel, once over
-    every expert's rows of all sources), own rows included; the combine adds the weighted rows into
-    their tokens: equal to the reference (fp32: 1e-5, as above), no scalar read."""
+    every expert's rows of all sources) and this rank's own rows in x; FC2's epilogue stores each
+    peer's row times its gate into its source's return window, and the source sums its slots:
+    equal to the reference (fp32: 1e-5, as above), no scalar read."""
     T = 9
-    scenarios = [("uniform", [T, T], "uniform"), ("everything_to_rank0", [T, T], "rank0"),
-                 ("unequal_T", [3, 11], "uniform"), ("T0_on_rank1", [T, 0], "uniform")]
-    res = run_world(2, "tests.ep.a2a_workers.packed_forward", scenarios, timeout=300)
+    scenarios = [("uniform", [T] * world, "uniform"), ("everything_to_rank0", [T] * world, "rank0"),
+                 ("unequal_T", [3 + 8 * r for r in range(world)], "uniform"),
+                 ("T0_on_rank1", [T if r != 1 else 0 for r in range(world)], "uniform"),
+                 ("rank1_empty", [T] * world, "rank1_empty")]
+    res = run_world(world, "tests.ep.a2a_workers.packed_forward", scenarios, timeout=300)
     for rank, (status, out) in res.items():
         assert status == "ok", out
         for name, *_ in scenarios:
             got = out[name]
-            receives = not (rank == 1 and name == "everything_to_rank0")  # else its experts never run
-            assert got["in_place"] and got["packed"] == receives, f"rank {rank}, {name}: not the packed path: {got}"
+            # every rank's third call: prepacked, so its experts store their peers' rows, times the gate,
+            # straight into the sources' return windows ("FC2 into"), reading its own rows in x
+            assert got["in_place"] and got["packed"] and got["fc2_into"], f"rank {rank}, {name}: not FC2 into: {got}"
             assert got["y"] <= 1e-5, f"rank {rank}, {name}: y off by {got['y']:.2e}"
             assert got["scalar_reads"] == {"_local_scalar_dense": 0, "tolist": 0}, got["scalar_reads"]
 

@@ -40,17 +40,21 @@ _COPY = cpu_cc.Kernel(
      "moe_ep_dispatch_recv": ([_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR], _I64),
      "moe_ep_combine_after": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64],
      "moe_ep_dispatch_send_idx": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR,
-                                   _I64, _I64], _I64),
+                                   _I64, _I64, _I64], _I64),
      "moe_ep_dispatch_index": ([_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
                                 _PTR, _PTR], _I64),
-     "moe_ep_combine_sum": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR]},
+     "moe_ep_combine_sum": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR],
+     "moe_ep_expert_rows": ([_PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR,
+                             _PTR], _I64),
+     "moe_ep_gather_rows": [_PTR, _I64, _I64, _PTR, _PTR, _PTR]},
     "the exchange copies block by block from Python")
 
 
 def fast_lib():
     """``ep_copy.c`` loaded (its ``moe_ep_dispatch_send`` / ``_recv`` / ``moe_ep_combine_after``: the
     window exchanges whole in C; ``moe_ep_dispatch_send_idx`` / ``_index`` / ``moe_ep_combine_sum``:
-    the fused op's rows sent by token index and read in place), or None (then ``ep/a2a_cpu`` takes
+    the fused op's rows sent by token index and read in place; ``moe_ep_expert_rows``: the packed
+    experts' rows by address, FC2 into the sources' return windows), or None (then ``ep/a2a_cpu`` takes
     its numpy path and the fused op its copying one)."""
     return _COPY.lib()
 

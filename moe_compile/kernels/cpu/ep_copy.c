@@ -348,7 +348,9 @@ void moe_ep_combine_after(const int64_t *hdrs, int64_t W, int64_t R, int64_t me,
                           int64_t skip_self) {
     int64_t ne = hdrs[1];
     for (int64_t s = 0; s < R; s++) {
-        if (skip_self && s == me)  /* this rank's own rows: its caller reads them where the experts wrote them */
+        /* skip_self 1: this rank's own rows stay where its experts wrote them; 2: every row is in
+         * place already (the experts stored them into the sources' windows): the flags alone */
+        if ((skip_self && s == me) || skip_self == 2)
             continue;
         const int64_t *sp = hdrs + s * W + NMETA;
         int64_t first = 0;
@@ -371,9 +373,17 @@ void moe_ep_combine_after(const int64_t *hdrs, int64_t W, int64_t R, int64_t me,
  * rows go into its own window too, so that one base addresses every row the local experts read:
  * by slot like the others, or — "by token", hdr[3] = T >= 0 (no extra field) — as x's T rows
  * themselves, one copy per token however many of its K experts are local (the experts then read
- * row tok[i] of that copy and add the K local outputs of a token into one row).
+ * row tok[i] of that copy and add the K local outputs of a token into one row) — or not copied at
+ * all (copy_own = 0: the packed experts kernel reads them in x by address, moe_ep_expert_rows).
+ * The extra field may ride with own rows by token (the gate, read by the peers' experts): the own
+ * copy then holds x's rows at the row stride, its extra field unwritten.
+ * Word NMETA + R*ne of a dispatch header ("FC2 into"): 1 when that rank's experts store their
+ * output rows of its peers' slots, already times the gate carried in the rows' last 4 bytes, into
+ * each source's return window at the combine's parity (moe_ep_expert_rows); 0 when it sends them
+ * back by moe_ep_combine_after, unweighted.  Each source reads it per peer (moe_ep_combine_sum).
  */
 #define OWN_BY_TOKEN(h) ((h)[3] >= 0)
+#define FC2_INTO(h, R, ne) ((h)[NMETA + (R) * (ne)])
 
 /* Send this rank's sorted slots (tok [S]: slot i's token; hdr[2] = S): header into every dest's
  * slot, dest d's rows (slots [at_d, at_d + n_d), rank-major) into slab `me` of d's window, then the
@@ -382,18 +392,23 @@ void moe_ep_combine_after(const int64_t *hdrs, int64_t W, int64_t R, int64_t me,
 int64_t moe_ep_dispatch_send_idx(const int64_t *hdr, int64_t W, int64_t R, int64_t me, const char *x,
                                  const int64_t *tok, int64_t x_bytes, const char *extra, int64_t extra_bytes,
                                  char *const *win_dst, int64_t slab_rows, char *const *hdr_dst, int64_t *const *flag,
-                                 int64_t value, int64_t sleep_off) {
+                                 int64_t value, int64_t sleep_off, int64_t copy_own) {
     int64_t ne = hdr[1], rows_in = hdr[2], row_bytes = hdr[4], by_token = OWN_BY_TOKEN(hdr);
     const int64_t *sp = hdr + NMETA;
-    int64_t ok = row_bytes == x_bytes + extra_bytes && (!by_token || (!extra_bytes && hdr[3] <= slab_rows));
+    int64_t ok = row_bytes == x_bytes + extra_bytes && (!by_token || hdr[3] <= slab_rows);
     ok &= splits_fit(sp, R, ne, slab_rows, 1, rows_in);
     int64_t at = 0;
     for (int64_t d = 0; d < R; d++) {
         memcpy(hdr_dst[d], hdr, (size_t)(W * 8));
         int64_t n = dest_rows(sp, d, ne);
         char *dst = win_dst[d] + me * slab_rows * row_bytes;
-        if (ok && d == me && by_token)
+        if (ok && d == me && by_token && copy_own && !extra_bytes)
             memcpy(dst, x, (size_t)(hdr[3] * row_bytes));
+        else if (ok && d == me && by_token && copy_own)
+            for (int64_t t = 0; t < hdr[3]; t++)
+                memcpy(dst + t * row_bytes, x + t * x_bytes, (size_t)x_bytes);
+        else if (ok && d == me && by_token)
+            ;  /* not copied: the experts read them in x */
         else if (ok)
             for (int64_t j = 0; j < n; j++, dst += row_bytes) {
                 memcpy(dst, x + tok[at + j] * x_bytes, (size_t)x_bytes);
@@ -481,21 +496,78 @@ int64_t moe_ep_dispatch_index(const int64_t *hdrs, int64_t W, int64_t R, int64_t
  * experts' output rows in `own`: rows [0, n_me) by slot, or — by token (hdr[3] = T >= 0) — rows
  * [0, T), already weighted and summed per token, added as they are.  Slots past the valid ones
  * (invalid ids) are not read.  A token's rows are added in slot order. */
-void moe_ep_combine_sum(const int64_t *hdr, int64_t R, int64_t me, const float *back, const float *own, int64_t h,
-                        const int64_t *tok, const float *gate, float *y) {
+void moe_ep_combine_sum(const int64_t *hdrs, int64_t W, int64_t R, int64_t me, const float *back, const float *own,
+                        int64_t h, const int64_t *tok, const float *gate, float *y) {
+    const int64_t *hdr = hdrs + me * W;
     int64_t ne = hdr[1], at = 0, by_token = OWN_BY_TOKEN(hdr);
     const int64_t *sp = hdr + NMETA;
-    if (by_token)
+    if (by_token && own != y)
         memcpy(y, own, (size_t)(hdr[3] * h * 4));
     for (int64_t d = 0; d < R; d++) {
-        int64_t n = dest_rows(sp, d, ne);
+        int64_t n = dest_rows(sp, d, ne), weighted = d != me && FC2_INTO(hdrs + d * W, R, ne);
         for (int64_t j = 0; j < n && !(by_token && d == me); j++) {
             int64_t i = at + j;
             const float *src = d == me ? own + j * h : back + i * h;
-            float g = gate[i], *dst = y + tok[i] * h;
-            for (int64_t c = 0; c < h; c++)
-                dst[c] += g * src[c];
+            float *dst = y + tok[i] * h;
+            if (weighted)  /* d's experts stored g * row already */
+                for (int64_t c = 0; c < h; c++)
+                    dst[c] += src[c];
+            else
+                for (int64_t c = 0; c < h; c++)
+                    dst[c] += gate[i] * src[c];
         }
         at += n;
+    }
+}
+
+/* The packed experts kernel's rows by address (experts.c's x_at / y_at) for a dispatch this rank
+ * received by token with the gate in each row's last 4 bytes (hdrs: its headers, a copy; window:
+ * this rank's window of that dispatch, source s's rows from row s * slab_rows; x: this rank's own
+ * input, x_bytes a row; ret[s]: source s's return window at the combine's parity).  Expert-major
+ * like moe_ep_dispatch_index (expert e's rows from source 0, then 1, ...), for every row k:
+ *   a peer's:  x_at = its row in the window, scale = the gate it carries, y_at = its row of the
+ *              source's return window (where the source sent the slot from: after its slots for
+ *              ranks < me and for my experts < e), tok = 0;
+ *   my own:    x_at = y_at = 0 and tok = the slot's token (the kernel reads x[tok] and adds into
+ *              y[tok]: a token's local outputs summed in one row), scale = its gate from gate [S].
+ * Returns N (the caller sized the arrays from moe_ep_dispatch_index's N). */
+int64_t moe_ep_expert_rows(const int64_t *hdrs, int64_t W, int64_t R, int64_t me, int64_t slab_rows,
+                           const char *window, int64_t row_bytes, int64_t x_bytes, char *const *ret,
+                           const int64_t *tok, const float *gate, int64_t *out_tok, int64_t *x_at, int64_t *y_at,
+                           float *scale) {
+    int64_t ne = hdrs[1], k = 0, start_me = 0;
+    for (int64_t i = 0; i < me * ne; i++)
+        start_me += hdrs[me * W + NMETA + i];
+    for (int64_t e = 0; e < ne; e++)
+        for (int64_t s = 0; s < R; s++) {
+            const int64_t *sp = hdrs + s * W + NMETA;
+            int64_t first = 0, before = 0, n = sp[me * ne + e];  /* s's rows for my experts < e; for ranks < me */
+            for (int64_t i = me * ne; i < me * ne + e; i++)
+                first += sp[i];
+            for (int64_t i = 0; i < me * ne; i++)
+                before += sp[i];
+            for (int64_t j = 0; j < n; j++, k++) {
+                if (s == me) {
+                    out_tok[k] = tok[start_me + first + j], x_at[k] = 0, y_at[k] = 0;
+                    scale[k] = gate[start_me + first + j];
+                    continue;
+                }
+                const char *row = window + (s * slab_rows + first + j) * row_bytes;
+                float g;
+                memcpy(&g, row + x_bytes, 4);
+                out_tok[k] = 0, x_at[k] = (int64_t)(intptr_t)row, scale[k] = g;
+                y_at[k] = (int64_t)(intptr_t)(ret[s] + (before + first + j) * x_bytes);
+            }
+        }
+    return k;
+}
+
+/* dst [n, row_bytes] = row k from x_at[k] where nonzero, else row tok[k] of x (row_bytes apart):
+ * the rows the experts read by address, gathered (the training op's kept rows). */
+void moe_ep_gather_rows(char *dst, int64_t row_bytes, int64_t n, const int64_t *x_at, const char *x,
+                        const int64_t *tok) {
+    for (int64_t k = 0; k < n; k++) {
+        const char *src = x_at[k] ? (const char *)(intptr_t)x_at[k] : x + tok[k] * row_bytes;
+        memcpy(dst + k * row_bytes, src, (size_t)row_bytes);
     }
 }

@@ -18,6 +18,11 @@
  * Per expert, n rows (a chunk of at most `chunk` of them at a time):
  *   FC1  a[r, f]     = swiglu(x[tok[r]] . gate[f], x[tok[r]] . up[f])       a: [n, F] scratch
  *   FC2  y[tok[r], c] += scale[r] * (a[r] . down[c])
+ * Rows by address (the expert-parallel op, ep/fused_a2a.py): where x_at[r] != 0 slot r's x row is
+ * read at that address (a peer's row in this rank's receive window) instead of x[tok[r]], and
+ * where y_at[r] != 0 its FC2 row is stored there, scale[r] * (a[r] . down[c]) (a peer's return
+ * window: one slot, one row, so a store, no zeroing), instead of added into y[tok[r]].  NULL
+ * arrays (the single-device op) take the token rows alone: the same instructions as before.
  * Tiles:    MR rows x two V-column blocks: AVX-512 8 x (16 + 16), AVX2 6 x (8 + 8) (accumulators in
  *           registers over the whole K).  FC1's two blocks are gate and up of the same V features;
  *           FC2's are 2V consecutive columns of y.  The AVX-512 tile reads x's rows where they lie
@@ -111,11 +116,18 @@ typedef struct {
     const float *scale;
     int64_t H, F;
     float limit;
+    const int64_t *x_at, *y_at; /* per-slot row addresses (0: the token's row), or NULL */
 } Call;
+
+/* x's row of slot r, where it lies: at x_at[r] when given, else row tok[r] of x. */
+static const float *x_row(const Call *cl, int64_t r) {
+    if (cl->x_at && cl->x_at[r]) return (const float *)(intptr_t)cl->x_at[r];
+    return cl->x + cl->tok[r] * cl->ldx;
+}
 
 /* x's rows of slots lo + r0 .. lo + r0 + mr - 1, where they lie. */
 static void token_rows(const Call *cl, int64_t lo, int64_t r0, int mr, const float **rows) {
-    for (int i = 0; i < mr; ++i) rows[i] = cl->x + cl->tok[lo + r0 + i] * cl->ldx;
+    for (int i = 0; i < mr; ++i) rows[i] = x_row(cl, lo + r0 + i);
 }
 
 /* Tile-packed x rows of slots [lo, lo + n) into xp, this thread's share of the tiles (the ISAs
@@ -179,7 +191,13 @@ static void fc2_combine(const Call *cl, Shape s, int64_t lo, int64_t n, const fl
             tile(s, mr, rows, b0, b1, cl->F, c);
             for (int i = 0; i < mr; ++i) {
                 int64_t slot = lo + r0 + i;
-                float k = cl->scale ? cl->scale[slot] : 1.f, *dst = cl->y + cl->tok[slot] * cl->ldy + c0;
+                float k = cl->scale ? cl->scale[slot] : 1.f;
+                if (cl->y_at && cl->y_at[slot]) {  /* the slot's own row elsewhere: stored, not added */
+                    float *dst = (float *)(intptr_t)cl->y_at[slot] + c0;
+                    for (int64_t j = 0; j < w; ++j) dst[j] = k * c[i * w + j];
+                    continue;
+                }
+                float *dst = cl->y + cl->tok[slot] * cl->ldy + c0;
                 for (int64_t j = 0; j < w; ++j) dst[j] += k * c[i * w + j];
             }
         }
@@ -195,13 +213,13 @@ int64_t moe_experts_best_isa(void) {
 }
 
 /* Call fields, int64 each (pointers as integers):
- *   x, ldx, y, ldy, tok, scale (0: none), H, F, chunk, scratch, isa
+ *   x, ldx, y, ldy, tok, scale (0: none), H, F, chunk, scratch, isa, x_at (0: none), y_at (0: none)
  * experts: E rows of (gate, up, down) packed-weight pointers; bounds: E + 1 slot offsets (rows of
  * tok / scale).  An expert's rows run `chunk` at a time (FC1 then FC2), so the scratch stays
  * small whatever T is: 2 * (chunk + MR_MAX) * F floats, FC1's output of two chunks.  Returns 0;
  * -1 for an ISA this CPU lacks or sizes the tiles do not divide; -2 when the buffer for x's
  * packed rows cannot be allocated. */
-enum { C_X, C_LDX, C_Y, C_LDY, C_TOK, C_SCALE, C_H, C_F, C_CHUNK, C_SCRATCH, C_ISA };
+enum { C_X, C_LDX, C_Y, C_LDY, C_TOK, C_SCALE, C_H, C_F, C_CHUNK, C_SCRATCH, C_ISA, C_X_AT, C_Y_AT };
 #define PTR(type, f, i) ((type *)(intptr_t)(f)[i])
 
 /* The first expert from e on with rows (num_experts when none). */
@@ -233,7 +251,8 @@ int64_t moe_experts_run(const int64_t *f, const int64_t *experts, const int64_t 
         return -1;
     if (f[C_F] % PANEL || f[C_H] % PANEL || f[C_H] % (2 * s.v) || f[C_CHUNK] < 1) return -1;
     Call cl = {PTR(const float, f, C_X), f[C_LDX], PTR(float, f, C_Y), f[C_LDY], PTR(const int64_t, f, C_TOK),
-               PTR(const float, f, C_SCALE), f[C_H], f[C_F], limit};
+               PTR(const float, f, C_SCALE), f[C_H], f[C_F], limit, PTR(const int64_t, f, C_X_AT),
+               PTR(const int64_t, f, C_Y_AT)};
     int64_t chunk = f[C_CHUNK], xp_floats = (chunk + MR_MAX) * cl.H;
     float *scratch[2] = {PTR(float, f, C_SCRATCH), PTR(float, f, C_SCRATCH) + (chunk + MR_MAX) * f[C_F]};
     /* Packed x rows, double-buffered like a: the next step's rows are packed before the barrier

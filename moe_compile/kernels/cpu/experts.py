@@ -111,10 +111,13 @@ def _expert_table(packed, hidden: int, ffn: int):
 
 
 def run(x, tokens, scale, packed, w: ExpertWeights, attrs: FFNAttrs, bounds: list, threads: int,
-        isa: int | None = None) -> torch.Tensor:
+        isa: int | None = None, x_at: torch.Tensor | None = None, y_at: torch.Tensor | None = None) -> torch.Tensor:
     """y [T, H] = sum over each token's slots of scale * FFN_e(x[token]).  ``tokens`` int64 [S'],
     ``scale`` [S'] or [S', 1] fp32, ``packed`` ``cpu_prepack.PackedExperts`` of panels, ``bounds``
-    the E+1 host segment bounds of the sort.  ``isa``: force a tile (tests); default the best."""
+    the E+1 host segment bounds of the sort.  ``isa``: force a tile (tests); default the best.
+    ``x_at`` / ``y_at`` int64 [S'] (the expert-parallel op's rows by address): where nonzero, the
+    address slot i's x row is read at (H fp32) / its output row, scale * FFN_e, is stored at
+    (instead of added into y[token]); the caller keeps those rows alive and apart."""
     T, H = x.shape
     F = w.ffn()
     isa = isa or best_isa()
@@ -123,13 +126,18 @@ def run(x, tokens, scale, packed, w: ExpertWeights, attrs: FFNAttrs, bounds: lis
             or not scale.is_contiguous() or scale.shape != tokens.shape:
         raise ValueError(f"cpu_experts.run: tokens must be contiguous int64 [S'] and scale contiguous fp32 [S'], got "
                          f"{tokens.dtype} {tuple(tokens.shape)} and {scale.dtype} {tuple(scale.shape)}")
+    for name, at in (("x_at", x_at), ("y_at", y_at)):
+        if at is not None and (at.dtype != torch.int64 or not at.is_contiguous() or at.shape != tokens.shape):
+            raise ValueError(f"cpu_experts.run: {name} must be contiguous int64 {tuple(tokens.shape)}, got "
+                             f"{at.dtype} {tuple(at.shape)}")
     y = torch.zeros(T, H, dtype=torch.float32)
     rel = [b - bounds[0] for b in bounds]
     chunk = max(1, min(CHUNK_ROWS, max((b - a for a, b in zip(rel, rel[1:])), default=0)))
     # FC1's output of two chunks (the C side's layout: its tiles' rows rounded up).
     scratch = cpu_memory.empty((2 * (chunk + MAX_TILE_ROWS) * F,), torch.float32, x.device)
-    fields = (ctypes.c_int64 * 11)(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), tokens.data_ptr(),
-                                   scale.data_ptr(), H, F, chunk, scratch.data_ptr(), isa)
+    fields = (ctypes.c_int64 * 13)(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), tokens.data_ptr(),
+                                   scale.data_ptr(), H, F, chunk, scratch.data_ptr(), isa,
+                                   0 if x_at is None else x_at.data_ptr(), 0 if y_at is None else y_at.data_ptr())
     status = _KERNEL.lib().moe_experts_run(fields, _expert_table(packed, H, F), (ctypes.c_int64 * len(rel))(*rel),
                                            len(rel) - 1, attrs.limit, threads)
     if status == -2:
