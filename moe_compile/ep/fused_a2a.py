@@ -4,24 +4,26 @@ way in torch's ``all_to_all_vdev_2d`` contract (``ep/a2a_cpu``), with no torch s
 Shapes:  T tokens (this rank), K top-k, S = T*K slots, H hidden, E global experts, R ranks,
          ne = E // R local experts, N rows this rank receives (expert-major, all sources).
 
-Forward (each row copied once, into its expert's window; ``in_place``):
+Forward (each peer row copied once, into its expert's window; ``in_place``):
   1. slots sorted by global expert id (invalid ids last): ``tokens`` [S] (slot -> token) and
      ``in_splits`` [E] (a scatter-add, static shape) — rank-major already, since expert
      g = d * ne + e lives on rank d; no row is moved here;
-  2. ``a2a_cpu.dispatch_rows``: one C call copies x[token] of every slot straight into slab ``me``
-     of its expert's rank's window, and x's T rows once into this rank's own window (however many
-     of a token's K experts are local), one wait;
-  3. the local experts read the window in place, once per expert across all sources: expert e's
-     rows are ``idx[bounds[e] : bounds[e+1]]`` (layout rows computed from the shared headers in C,
-     no ``.tolist()`` / ``.item()`` on a tensor).  Prepacked fp32 SwiGLU weights run the packed
-     kernel (``kernels/cpu/experts.run``) over every expert in one C call, its output rows at the
-     same layout rows (own slots weighted by their gate there, so a token's local outputs sum into
-     one row); other FFNs gather the rows and run one GEMM chain per expert;
-  4. ``a2a_cpu.combine_sum``: the peers' output rows go back to the row of their source's window
-     they were sent from, the own rows stay where the experts wrote them, and one C pass starts y
-     from them and adds g * row of every peer slot into its token's row (the routing weight
-     applied at the source, which is exact for ``weight_on="output"`` and for ``"between"``
-     without an FC2 bias — the two ``supports`` accepts).
+  2. ``a2a_cpu.dispatch_rows``: one C call copies [x[token] | g] of every slot (fp32: the gate in
+     the row's last 4 bytes) straight into slab ``me`` of its expert's rank's window, one wait;
+  3. the local experts, once per expert across all sources: expert e's rows are
+     ``idx[bounds[e] : bounds[e+1]]`` (from the shared headers in C, no ``.tolist()`` /
+     ``.item()`` on a tensor).  Prepacked fp32 SwiGLU weights ("FC2 into", ``experts_into_windows``)
+     run the packed kernel (``kernels/cpu/experts.run``) over every expert in one C call on rows by
+     address: a peer's row read in the window and its FC2 row, times its gate, stored straight into
+     its source's return window (``a2a_cpu.expert_rows``); this rank's own rows read in x (never
+     copied) and added, weighted, into their token's row of y.  Other FFNs (and the calls before
+     the weights are packed) get x's T rows copied into the own window and gather the rows for one
+     GEMM chain per expert, their outputs in a local buffer;
+  4. ``a2a_cpu.combine_sum``: "FC2 into" sends its flags alone (the rows are there); the loop's
+     peer rows are copied back to the row of their source's window they were sent from; one C pass
+     on each source adds its peers' rows into its tokens (g * row where the peer did not weight
+     them: each peer's header says) — the routing weight at the output, which is exact for
+     ``weight_on="output"`` and for ``"between"`` without an FC2 bias (what ``supports`` accepts).
   Without the C copy kernel (or with fp64) the copying path runs instead: a sorted copy of the
   rows, the compact receive window (``a2a_cpu.exchange(window=True)``), the combine to the source.
 Backward: the training op (``fused_moe_ep_train``, what autograd records: ``ep/op.py``) hands

@@ -13,6 +13,14 @@ sends its peers only [dy | g] instead of [x | dy | g].
   rank has this rank's T (a source sends a token at most min(K, ne) times to one rank).  With
   unequal T per rank a rank can receive more; then the forward keeps nothing (the verdict is the
   same on every rank, see below) and the backward sends x again — correct, only not cheaper.
+  Why a rank with T = 0 (or fewer tokens than its peers) cannot keep without ``max_tokens``: CAP
+  is an output shape, fixed when the fake kernel runs, and the fake kernel (like the traced
+  graph) sees only this rank's T; the peers' T is known only once their headers arrive, inside
+  the forward, after the shapes are fixed.  A larger static bound would need either the user's
+  ``max_tokens`` (the receive bound, rows per rank: then every rank's CAP covers what it may
+  receive, T = 0 included) or a host sync of every rank's T before tracing.  What is left to do
+  without either: a per-rank verdict (only the overfull rank's sources send it x again, the
+  others [dy | g]), which needs two row widths in one backward exchange.
 * ``rows[:N]``: the rows this rank received, in the transport's receive order (a2a: expert-major,
   the window's tiles; symm / collectives: source-major, each source's rows by local expert), in
   x's dtype.  Rows past N are never written.

@@ -240,7 +240,7 @@ class _DispatchBytes:
         a2a_cpu.dispatch_rows, a2a_cpu.exchange = self._saved
 
 
-def fused_scenarios(rank, world, scenarios, transport="a2a", chunks=0):
+def fused_scenarios(rank, world, scenarios, transport="a2a", chunks=0, max_tokens=0):
     """For each (name, Ts, routing, dtype): the fused op's y and every gradient vs the reference on
     the whole problem; torch scalar reads counted on the forward and the backward; what the
     dispatches sent (a2a: row widths; symm / collectives: ``EPContext.sent``)."""
@@ -268,7 +268,7 @@ def fused_scenarios(rank, world, scenarios, transport="a2a", chunks=0):
         w2 = fc2[rank * el : (rank + 1) * el].clone().requires_grad_()
         with _Scalars() as fwd:
             y = call_fused_moe_ep(x, ids[rank], g, ExpertWeights((w1,), (), (w2,)), FFNAttrs(), dist.group.WORLD, E,
-                                  transport=transport, chunks=chunks)
+                                  transport=transport, chunks=chunks, max_tokens=max_tokens)
         kept = kept_flag(y)
         with _Scalars() as bwd, _DispatchBytes() as sent:
             (y.float() * dys[rank].float()).sum().backward()

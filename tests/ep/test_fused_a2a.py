@@ -62,6 +62,18 @@ def test_forward_backward_equal_reference_without_scalar_reads(world):
 
 
 @pytest.mark.dist
+def test_max_tokens_keeps_rows_with_T0_and_unequal_T():
+    """With the receive bound ``max_tokens`` (rows per rank) every rank's kept buffer is that
+    bound, known before tracing: a rank with T = 0, or fewer tokens than its peers, keeps what it
+    receives too, and every backward sends [dy | g] alone — still equal to the reference."""
+    scenarios = [s for s in _scenarios(2) if s[0] in ("T0_on_rank1", "unequal_T", "bf16_T0_on_rank1")]
+    res = run_world(2, "tests.ep.a2a_workers.fused_scenarios", scenarios, "a2a", 0, 64, timeout=300)
+    for rank, name, got in _each_scenario_equal(res, scenarios):
+        assert got["kept"], f"rank {rank}, {name}: kept nothing"
+        assert got["bwd_dispatch_row_bytes"] == [got["H"] * got["itemsize"] + 4], (rank, name, got)
+
+
+@pytest.mark.dist
 def test_dedup_forward_backward_equal_reference():
     keep = ("uniform", "everything_to_rank0", "unequal_T", "T0_on_rank1", "bf16")  # the a2a test has the rest
     scenarios = [s for s in _scenarios(2) if s[0] in keep]
