@@ -81,10 +81,8 @@ typedef struct {
     const uint8_t *data, *scale;
     int64_t fmt, n, k, group, layout; /* layout: how its x rows are held (LAYOUT_*) */
     int64_t i16; /* against one row its input is read as int16 blocks (I16_BLOCK, below): 0 no,
-                  * I16_PAIRED (4-bit: evens then odds), I16_NATURAL (int8: in order) or I16_SPLIT
-                  * (w4-int: each int16 as two int8s, split_rows) */
-    int64_t pairing; /* FMT_A8W4G: its int8 input paired per 64 (AVX2 loop) or 128 (AVX-512 VNNI loop);
-                      * I16_SPLIT: its split input paired per 64 (AVX2) or 128 (VNNI) */
+                  * I16_PAIRED (4-bit: evens then odds) or I16_NATURAL (int8: in order) */
+    int64_t pairing; /* FMT_A8W4G: its int8 input paired per 64 (AVX2 loop) or 128 (AVX-512 VNNI loop) */
     int64_t vnni;    /* grouped a8 formats: the AVX-512 VNNI loop runs it (a8g_setup) */
 } qweight_t;
 
@@ -655,140 +653,6 @@ static void a8g_rows(const qweight_t *wt, const uint8_t *const *rows, const uint
         (wt->vnni ? a8g_dot_vnni : a8g_dot_avx2)(wt, rows, scales, xr, xs, xo, n, nr, out);
 }
 
-/* ---- w4-int against one input row on the integer units (I16_SPLIT) ----
- * The fp32 loops spend ~24 vector operations per 128 4-bit weights (a table lookup and a shift per
- * 16, an FMA per 16 and token): ~15 GB/s of weights a core, under what two cores need to keep up
- * with the memory.  For an expert's single row (every expert of a T = 1 step) the row is held as
- * int16 per block of 32, as quantize_i16 does (q = round-half-even(x / s), s = max|x| / I16_SPLIT_MAX),
- * and each q split into two int8s, q = 256 h + l (h = (q + 128) >> 8, l in [-128, 127]; |q| <= 32639
- * keeps h in int8), stored paired per width W (64 on AVX2, 128 on AVX-512 VNNI: the W / 2 bytes of a
- * row's nibbles give W / 2 even then W / 2 odd elements).  The nibbles u = q_w + 8 are the unsigned
- * operand of vpmaddubsw (AVX2) / vpdpbusd (VNNI) against h and l; int32 lane i of a W block sums
- * elements 8i .. 8i + 7, A = 256 sum(u h) + sum(u l) - 8 sum(q) = sum(q_w q) exactly (|A| < 2^22,
- * exact in fp32), scaled once by its block's s times its group's s_w.  Per 128 weights and row:
- * VNNI 3 unpack + 4 vpdpbusd + 6 (combine, convert, scale, FMA) operations; AVX2 ~17 per 64.
- * The accuracy is quantize_i16's: each activation within 2^-16 of its block's largest. */
-enum { I16_SPLIT = 3, I16_SPLIT_MAX = 32639, SPLIT_LANE = 8 };
-
-/* h [n], l [n] (paired per `width`), and per int32 lane of 8 elements its block's scale sl [n / 8]
- * and offset off [n / 8] = -8 sum(q), of n elements (whole W blocks).  A NaN makes its block's
- * scale NaN, an inf infinite: both reach the output; an all-zero block has scale 1, q 0. */
-static void quantize_split(const float *x, int64_t n, int64_t width, int8_t *h, int8_t *l, float *sl, int32_t *off) {
-    for (int64_t b = 0; b < n; b += I16_BLOCK) {
-        float big = 0.f;
-        for (int j = 0; j < I16_BLOCK; ++j) {
-            float a = x[b + j] < 0 ? -x[b + j] : x[b + j];
-            big = a > big || a != a ? a : big; /* a NaN wins and stays */
-        }
-        float sc = big == 0.f ? 1.f : big / I16_SPLIT_MAX;
-        int32_t part[I16_BLOCK / SPLIT_LANE] = {0};
-        for (int j = 0; j < I16_BLOCK; ++j) {
-            int v = _mm_cvtss_si32(_mm_set_ss(x[b + j] / sc)); /* MXCSR's round half to even; NaN -> INT_MIN */
-            v = v > I16_SPLIT_MAX ? I16_SPLIT_MAX : v < -I16_SPLIT_MAX ? -I16_SPLIT_MAX : v;
-            int hv = (v + 128) >> 8; /* arithmetic shift: floor */
-            int64_t at = paired_index(b + j, width);
-            h[at] = (int8_t)hv, l[at] = (int8_t)(v - 256 * hv);
-            part[j / SPLIT_LANE] += v;
-        }
-        for (int i = 0; i < I16_BLOCK / SPLIT_LANE; ++i) sl[b / SPLIT_LANE + i] = sc, off[b / SPLIT_LANE + i] = -8 * part[i];
-    }
-}
-
-/* Which group lane i of a W block reads, relative to the block's first: 8 i / G for G dividing W, else 0. */
-static int32_t split_lane_group(int64_t i, int64_t G, int64_t width) { return G < width ? (int32_t)(SPLIT_LANE * i / G) : 0; }
-
-/* out[w] = row_w . x for two w4-int rows against one row held split (h, then l at + K), AVX2, W = 64. */
-static void split_dot_avx2(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales, const int8_t *hl,
-                           const float *sl, const int32_t *off, float *out) {
-    const int64_t K = wt->k, G = wt->group;
-    const int8_t *h = hl, *l = hl + K;
-    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), s256 = _mm256_set1_epi16(256);
-    int32_t lg[8];
-    for (int i = 0; i < 8; ++i) lg[i] = split_lane_group(i, G, 64);
-    const __m256i lane_group = _mm256_loadu_si256((const __m256i *)lg);
-    __m256 t[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    float sbuf[2][SEG + 16];
-    for (int64_t seg = 0; seg < K; seg += SEG * G) {
-        int64_t end = seg + SEG * G < K ? seg + SEG * G : K;
-        for (int w = 0; w < 2; ++w) convert_scales(FMT_W4, scales[w], seg / G, (end - seg) / G, sbuf[w]);
-        for (int64_t k = seg; k < end; k += 64) {
-            __m256i he = _mm256_loadu_si256((const __m256i *)(h + k)), ho = _mm256_loadu_si256((const __m256i *)(h + k + 32));
-            __m256i le = _mm256_loadu_si256((const __m256i *)(l + k)), lo = _mm256_loadu_si256((const __m256i *)(l + k + 32));
-            __m256i o = _mm256_loadu_si256((const __m256i *)(off + k / SPLIT_LANE));
-            __m256 sx = _mm256_loadu_ps(sl + k / SPLIT_LANE);
-            _Pragma("GCC unroll 2") for (int w = 0; w < 2; ++w) {
-                if (!(k & 64)) _mm_prefetch((const char *)(rows[w] + k / 2 + PREFETCH_4BIT_BYTES), _MM_HINT_T0);
-                __m256i v = _mm256_loadu_si256((const __m256i *)(rows[w] + k / 2));
-                __m256i ul = _mm256_and_si256(v, low), uh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                /* pair sums <= 2 * 15 * 128, two of them < 2^15: no saturation */
-                __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(ul, he), _mm256_maddubs_epi16(uh, ho));
-                __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(ul, le), _mm256_maddubs_epi16(uh, lo));
-                __m256i a = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(ph, s256), _mm256_madd_epi16(pl, ones)), o);
-                __m256 sw = _mm256_permutevar8x32_ps(_mm256_loadu_ps(sbuf[w] + (k - seg) / G), lane_group);
-                t[w] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(sw, sx), t[w]);
-            }
-        }
-    }
-    out[0] = hsum8(t[0]), out[1] = hsum8(t[1]);
-}
-
-/* As split_dot_avx2, AVX-512 VNNI, W = 128 (64 bytes of each row a step). */
-A8G_VNNI static void split_dot_vnni(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales,
-                                    const int8_t *hl, const float *sl, const int32_t *off, float *out) {
-    const int64_t K = wt->k, G = wt->group;
-    const int8_t *h = hl, *l = hl + K;
-    const __m512i low = _mm512_set1_epi8(15), zero = _mm512_setzero_si512();
-    int32_t lg[16];
-    for (int i = 0; i < 16; ++i) lg[i] = split_lane_group(i, G, 128);
-    const __m512i lane_group = _mm512_loadu_si512(lg);
-    __m512 t[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    float sbuf[2][SEG + 16];
-    for (int64_t seg = 0; seg < K; seg += SEG * G) {
-        int64_t end = seg + SEG * G < K ? seg + SEG * G : K;
-        for (int w = 0; w < 2; ++w) convert_scales(FMT_W4, scales[w], seg / G, (end - seg) / G, sbuf[w]);
-        for (int64_t k = seg; k < end; k += 128) {
-            __m512i he = _mm512_loadu_si512(h + k), ho = _mm512_loadu_si512(h + k + 64);
-            __m512i le = _mm512_loadu_si512(l + k), lo = _mm512_loadu_si512(l + k + 64);
-            __m512i o = _mm512_loadu_si512(off + k / SPLIT_LANE);
-            __m512 sx = _mm512_loadu_ps(sl + k / SPLIT_LANE);
-            _Pragma("GCC unroll 2") for (int w = 0; w < 2; ++w) {
-                _mm_prefetch((const char *)(rows[w] + k / 2 + PREFETCH_4BIT_BYTES), _MM_HINT_T0);
-                __m512i v = _mm512_loadu_si512(rows[w] + k / 2);
-                __m512i ul = _mm512_and_si512(v, low), uh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-                __m512i al = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(o, ul, le), uh, lo);
-                __m512i ah = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, ul, he), uh, ho);
-                __m512i a = _mm512_add_epi32(_mm512_slli_epi32(ah, 8), al);
-                __m512 sw = _mm512_permutexvar_ps(lane_group, _mm512_loadu_ps(sbuf[w] + (k - seg) / G));
-                t[w] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sw, sx), t[w]);
-            }
-        }
-    }
-    out[0] = _mm512_reduce_add_ps(t[0]), out[1] = _mm512_reduce_add_ps(t[1]);
-}
-
-/* The split loop of a role (its pairing: 128 VNNI, 64 AVX2). */
-static void split_rows(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales, const int8_t *hl,
-                       const float *sl, const int32_t *off, float *out) {
-    (wt->pairing == 128 ? split_dot_vnni : split_dot_avx2)(wt, rows, scales, hl, sl, off, out);
-}
-
-/* How a role reads one input row on this ISA (MOE_COMPILE_QDECODE_I16=0: the fp32 loops, exact):
- * with MOE_COMPILE_QDECODE_SPLIT=1 w4-int split (VNNI where the CPU has it, else on AVX2; K a multiple of W and G dividing or a
- * multiple of W), else on AVX2 the int16 blocks of the 4- and 8-bit formats (dot16_2), else none. */
-static void i16_setup(qweight_t *w, int64_t isa) {
-    const char *off = getenv("MOE_COMPILE_QDECODE_I16");
-    w->i16 = 0;
-    if (w->k % I16_BLOCK || (off && strcmp(off, "0") == 0)) return;
-    const char *two8 = getenv("MOE_COMPILE_QDECODE_SPLIT"); /* "1": opt in (not yet measured faster, session 15) */
-    const int64_t width = !(two8 && strcmp(two8, "1") == 0) ? 0 : isa == ISA_AVX512 ? (a8g_vnni() ? 128 : 0) : 64;
-    if (w->fmt == FMT_W4 && width && w->k % width == 0 && (width % w->group == 0 || w->group % width == 0)) {
-        w->i16 = I16_SPLIT, w->pairing = width;
-        return;
-    }
-    if (isa == ISA_AVX2)
-        w->i16 = w->fmt == FMT_W4 || w->fmt == FMT_MXFP4 ? I16_PAIRED : w->fmt == FMT_W8 ? I16_NATURAL : 0;
-}
-
 #define QDECODE_ISA 2
 #pragma GCC push_options
 #include "qdecode.c"
@@ -828,8 +692,6 @@ typedef struct {
     float *x8b, *a8b;                  /* grouped a8: x8 / a8 per block of 32, lane scales [T, H / 4], [S, F / 4] */
     int32_t *x8o, *a8o;                /* and offsets, same shapes (quantize_int8_blocks) */
     float *xs, *as;                    /* their block scales [T, H / I16_BLOCK], [S, F / I16_BLOCK] */
-    float *xsl, *asl;                  /* I16_SPLIT: lane scales [T, H / 8], [S, F / 8] (x / a split in xq / aq) */
-    int32_t *xol, *aol;                /* and lane offsets, same shapes (quantize_split) */
     qweight_t w1, w2;
     dot_fn dot;
     dot16_fn dot16;
@@ -882,10 +744,6 @@ static void fc1_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t
                 a8g_rows(&s->w1, w, sc, s->x8, s->H, s->x8b, s->x8o, s->tok, r0, n, nr, out);
             } else if (int8_activations(s->w1.fmt)) {
                 int8_rows(&s->w1, w, sc, s->x8, s->H, s->x8s, s->x8sum, s->tok, r0, n, nr, out);
-            } else if (n == 1 && s->w1.i16 == I16_SPLIT) {
-                int64_t t = s->tok[r0];
-                split_rows(&s->w1, w, sc, (const int8_t *)(s->xq + t * s->H), s->xsl + t * (s->H / SPLIT_LANE),
-                           s->xol + t * (s->H / SPLIT_LANE), out);
             } else if (n == 1 && s->w1.i16) {
                 int64_t t = s->tok[r0];
                 s->dot16(&s->w1, w, sc, s->xq + t * s->H, s->xs + t * (s->H / I16_BLOCK), out);
@@ -909,11 +767,7 @@ static void fc1_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t
             int64_t m = f1 - c < 128 ? f1 - c : 128;
             swiglu_span(blk, hr + c, hr + s->F + c, 0, m, limit, g);
             layout_copy(s->a + r * s->F + c, blk, m, s->v, s->w2.layout);
-            if (s->w2.i16 == I16_SPLIT && single) {
-                int8_t *hr = (int8_t *)(s->aq + r * s->F);
-                quantize_split(blk, m, s->w2.pairing, hr + c, hr + s->F + c, s->asl + (r * s->F + c) / SPLIT_LANE,
-                               s->aol + (r * s->F + c) / SPLIT_LANE);
-            } else if (s->w2.i16 && single)
+            if (s->w2.i16 && single)
                 quantize_i16(blk, m, s->w2.i16 == I16_PAIRED, s->aq + r * s->F + c, s->as + (r * s->F + c) / I16_BLOCK);
         }
     }
@@ -934,9 +788,6 @@ static void fc2_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t
                 a8g_rows(&s->w2, w, sc, s->a8, s->F, s->a8b, s->a8o, NULL, r0, n, nr, out);
             else if (int8_activations(s->w2.fmt))
                 int8_rows(&s->w2, w, sc, s->a8, s->F, s->a8s, s->a8sum, NULL, r0, n, nr, out);
-            else if (n == 1 && s->w2.i16 == I16_SPLIT)
-                split_rows(&s->w2, w, sc, (const int8_t *)(s->aq + r0 * s->F), s->asl + r0 * (s->F / SPLIT_LANE),
-                           s->aol + r0 * (s->F / SPLIT_LANE), out);
             else if (n == 1 && s->w2.i16)
                 s->dot16(&s->w2, w, sc, s->aq + r0 * s->F, s->as + r0 * (s->F / I16_BLOCK), out);
             else
@@ -1005,7 +856,12 @@ int moe_qdecode_run(const int64_t *plan, float limit, int64_t nparts) {
     s.dot = isa == ISA_AVX512 ? dot_512 : dot_2;
     s.dot16 = dot16_2;
     s.rmax = isa == ISA_AVX512 ? RMAX_512 : RMAX_2;
-    i16_setup(&s.w1, isa), i16_setup(&s.w2, isa);
+    for (int i = 0; i < 2; ++i) {
+        qweight_t *w = i ? &s.w2 : &s.w1;
+        const char *off = getenv("MOE_COMPILE_QDECODE_I16"); /* "0": the fp32 loop (exact, slower) */
+        int on = isa == ISA_AVX2 && w->k % I16_BLOCK == 0 && !(off && strcmp(off, "0") == 0);
+        w->i16 = !on ? 0 : w->fmt == FMT_W4 || w->fmt == FMT_MXFP4 ? I16_PAIRED : w->fmt == FMT_W8 ? I16_NATURAL : 0;
+    }
     int64_t *start = calloc((size_t)s.E + 2, sizeof(int64_t)), *tok = malloc((size_t)(2 * s.S + 1) * sizeof(int64_t));
     /* floats: xp, h, a, the block scales of x and a, the int8 rows' scales; int32: their sums;
      * int16: x and a blocks; int8: x and a rows */
@@ -1013,16 +869,10 @@ int moe_qdecode_run(const int64_t *plan, float limit, int64_t nparts) {
     int64_t rows8 = s.T + s.S + 16;
     float *xp = aligned_alloc(64, (size_t)((floats + 2 * rows8) * 4 + (s.T * s.H + s.S * s.F) * 3 + 128) / 64 * 64);
     /* grouped a8: lane scales and offsets of x and a, (T H + S F) / A8G_ROW_DIV of each */
-    int grouped = a8g(s.w1.fmt) || a8g(s.w2.fmt), two8 = s.w1.i16 == I16_SPLIT || s.w2.i16 == I16_SPLIT;
+    int grouped = a8g(s.w1.fmt) || a8g(s.w2.fmt);
     float *blk = grouped ? malloc((size_t)(s.T * s.H + s.S * s.F) / A8G_ROW_DIV * 8 + 64) : NULL;
-    /* I16_SPLIT: lane scales and offsets of x and a, (T H + S F) / SPLIT_LANE of each */
-    float *spl = two8 ? malloc((size_t)(s.T * s.H + s.S * s.F) / SPLIT_LANE * 8 + 64) : NULL;
     int status = -1;
-    if (!start || !tok || !xp || (grouped && !blk) || (two8 && !spl)) goto done;
-    if (two8) {
-        s.xsl = spl, s.asl = spl + s.T * s.H / SPLIT_LANE;
-        s.xol = (int32_t *)(s.asl + s.S * s.F / SPLIT_LANE), s.aol = s.xol + s.T * s.H / SPLIT_LANE;
-    }
+    if (!start || !tok || !xp || (grouped && !blk)) goto done;
     if (grouped) {
         s.x8b = blk, s.a8b = blk + s.T * s.H / A8G_ROW_DIV;
         s.x8o = (int32_t *)(s.a8b + s.S * s.F / A8G_ROW_DIV), s.a8o = s.x8o + s.T * s.H / A8G_ROW_DIV;
@@ -1054,20 +904,14 @@ int moe_qdecode_run(const int64_t *plan, float limit, int64_t nparts) {
             quantize_int8_blocks(&s.w1, x + t * s.H, s.x8 + t * s.H, s.x8b + t * (s.H / A8G_ROW_DIV),
                                  s.x8o + t * (s.H / A8G_ROW_DIV));
     for (int64_t t = 0; t < s.T; ++t) layout_copy(s.xp + t * s.H, x + t * s.H, s.H, s.v, s.w1.layout);
-    if (s.w1.i16 == I16_SPLIT)
-        for (int64_t t = 0; t < s.T; ++t) {
-            int8_t *hr = (int8_t *)(s.xq + t * s.H);
-            quantize_split(x + t * s.H, s.H, s.w1.pairing, hr, hr + s.H, s.xsl + t * s.H / SPLIT_LANE,
-                           s.xol + t * s.H / SPLIT_LANE);
-        }
-    else if (s.w1.i16)
+    if (s.w1.i16)
         for (int64_t t = 0; t < s.T; ++t)
             quantize_i16(x + t * s.H, s.H, s.w1.i16 == I16_PAIRED, s.xq + t * s.H, s.xs + t * s.H / I16_BLOCK);
 #pragma omp parallel num_threads(nparts)
     run_parts(&s, limit, omp_get_thread_num(), omp_get_num_threads());
     status = 0;
 done:
-    free(start), free(tok), free(xp), free(blk), free(spl);
+    free(start), free(tok), free(xp), free(blk);
     return status;
 }
 
@@ -1094,19 +938,18 @@ int moe_qdecode_linear(const int64_t *plan, int64_t nparts) {
     s.dot = isa == ISA_AVX512 ? dot_512 : dot_2;
     s.dot16 = dot16_2;
     s.rmax = isa == ISA_AVX512 ? RMAX_512 : RMAX_2;
-    i16_setup(&s.w2, isa);
+    const char *off = getenv("MOE_COMPILE_QDECODE_I16");
+    int i16 = isa == ISA_AVX2 && K % I16_BLOCK == 0 && !(off && strcmp(off, "0") == 0);
+    s.w2.i16 = !i16 ? 0 : w.fmt == FMT_W4 || w.fmt == FMT_MXFP4 ? I16_PAIRED : w.fmt == FMT_W8 ? I16_NATURAL : 0;
     int64_t *idx = malloc((size_t)(T + 2) * sizeof(int64_t));
     float *ones = malloc((size_t)T * sizeof(float));
     /* a [T, K] in the weight's layout, its int16 blocks and block scales, its int8 rows, scales, sums */
     size_t bytes = (size_t)(T * K * 4 + T * K / I16_BLOCK * 4 + 64 + T * K * 2 + T * K + 2 * (T + 16) * 4 + 128);
     float *a = aligned_alloc(64, (bytes + 63) / 64 * 64);
     float *blk = a8g(w.fmt) ? malloc((size_t)(T * K / A8G_ROW_DIV) * 8 + 64) : NULL; /* grouped a8: lane scales, offsets */
-    const int two8 = s.w2.i16 == I16_SPLIT;
-    float *spl = two8 ? malloc((size_t)(T * K / SPLIT_LANE) * 8 + 64) : NULL; /* I16_SPLIT: lane scales, offsets */
     int status = -1;
-    if (!idx || !ones || !a || (a8g(w.fmt) && !blk) || (two8 && !spl)) goto done;
+    if (!idx || !ones || !a || (a8g(w.fmt) && !blk)) goto done;
     s.a8b = blk, s.a8o = blk ? (int32_t *)(blk + T * K / A8G_ROW_DIV) : NULL;
-    s.asl = spl, s.aol = spl ? (int32_t *)(spl + T * K / SPLIT_LANE) : NULL;
     int64_t start[2] = {0, T};
     for (int64_t t = 0; t < T; ++t) idx[t] = t, ones[t] = 1.f;
     s.start = start, s.tok = idx, s.slot = idx, s.gates = ones;
@@ -1116,12 +959,7 @@ int moe_qdecode_linear(const int64_t *plan, int64_t nparts) {
     const float *x = (const float *)(intptr_t)plan[L_X];
     for (int64_t t = 0; t < T; ++t) {
         layout_copy(s.a + t * K, x + t * K, K, s.v, s.w2.layout);
-        if (two8) {
-            int8_t *hr = (int8_t *)(s.aq + t * K);
-            quantize_split(x + t * K, K, s.w2.pairing, hr, hr + K, s.asl + t * K / SPLIT_LANE, s.aol + t * K / SPLIT_LANE);
-        } else if (s.w2.i16) {
-            quantize_i16(x + t * K, K, s.w2.i16 == I16_PAIRED, s.aq + t * K, s.as + t * K / I16_BLOCK);
-        }
+        if (s.w2.i16) quantize_i16(x + t * K, K, s.w2.i16 == I16_PAIRED, s.aq + t * K, s.as + t * K / I16_BLOCK);
         if (int8_activations(w.fmt))
             s.a8s[t] = quantize_int8_row(s.a + t * K, K, w.fmt == FMT_A8W4 ? a8w4_block(K) : 0, s.a8 + t * K, s.a8sum + t);
         if (a8g(w.fmt))
@@ -1136,7 +974,7 @@ int moe_qdecode_linear(const int64_t *plan, int64_t nparts) {
     }
     status = 0;
 done:
-    free(idx), free(ones), free(a), free(blk), free(spl);
+    free(idx), free(ones), free(a), free(blk);
     return status;
 }
 

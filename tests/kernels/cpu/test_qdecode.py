@@ -7,10 +7,9 @@ both sides) and the kernels' e^x in the SwiGLU (simd.h, ~2e-7 relative): 1e-5 of
 scale per element.  A wrong nibble, scale, lane order or slot fails it by orders of magnitude.
 
 On AVX2 the 4- and 8-bit integer formats take an expert's single row (T = 1's steps) as int16 blocks of 32
-(qdecode.c: quantize_i16; w4-int on AVX-512 VNNI too under MOE_COMPILE_QDECODE_SPLIT=1, opt-in):
-each activation within 2^-16 of its block's largest, which across FC1, the SwiGLU and FC2 measures
-up to 5.3e-5 of the output's scale here (small H and F, Gaussian data): those cases are held to
-1.5e-4 of it, still 1000x below what a wrong nibble costs.
+(qdecode.c: quantize_i16): each activation within 2^-16 of its block's largest, which across FC1,
+the SwiGLU and FC2 measures up to 5.3e-5 of the output's scale here (small H and F, Gaussian
+data): those cases are held to 1.5e-4 of it, still 1000x below what a wrong nibble costs.
 """
 
 from __future__ import annotations
