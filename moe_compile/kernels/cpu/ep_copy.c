@@ -535,21 +535,20 @@ int64_t moe_ep_expert_rows(const int64_t *hdrs, int64_t W, int64_t R, int64_t me
                            const char *window, int64_t row_bytes, int64_t x_bytes, char *const *ret,
                            const int64_t *tok, const float *gate, int64_t *out_tok, int64_t *x_at, int64_t *y_at,
                            float *scale) {
-    int64_t ne = hdrs[1], k = 0, start_me = 0;
-    for (int64_t i = 0; i < me * ne; i++)
-        start_me += hdrs[me * W + NMETA + i];
+    int64_t ne = hdrs[1], k = 0;
     for (int64_t e = 0; e < ne; e++)
         for (int64_t s = 0; s < R; s++) {
             const int64_t *sp = hdrs + s * W + NMETA;
-            int64_t first = 0, before = 0, n = sp[me * ne + e];  /* s's rows for my experts < e; for ranks < me */
-            for (int64_t i = me * ne; i < me * ne + e; i++)
-                first += sp[i];
+            /* s's slots for ranks < me (before), then for my experts < e (first) */
+            int64_t first = 0, before = 0, n = sp[me * ne + e];
             for (int64_t i = 0; i < me * ne; i++)
                 before += sp[i];
+            for (int64_t i = me * ne; i < me * ne + e; i++)
+                first += sp[i];
             for (int64_t j = 0; j < n; j++, k++) {
                 if (s == me) {
-                    out_tok[k] = tok[start_me + first + j], x_at[k] = 0, y_at[k] = 0;
-                    scale[k] = gate[start_me + first + j];
+                    out_tok[k] = tok[before + first + j], x_at[k] = 0, y_at[k] = 0;
+                    scale[k] = gate[before + first + j];
                     continue;
                 }
                 const char *row = window + (s * slab_rows + first + j) * row_bytes;
