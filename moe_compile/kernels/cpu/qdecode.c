@@ -224,20 +224,82 @@ static inline int64_t paired_index(int64_t i, int64_t block) {
     return block ? i - i % block + (i & 1) * (block / 2) + i % block / 2 : i;
 }
 
+static int32_t hsum_epi32(__m256i v) {
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    return _mm_cvtsi128_si32(t);
+}
+
+/* The activation quantizers below run once per row before a call's parallel region (on one
+ * thread), so they are vectorised: a scalar divide and convert per element cost ~10 us per
+ * 2048-wide row, more than a small weight's whole dot product (the router's, k/v's).  Each keeps
+ * the scalar form's arithmetic (an IEEE divide by s, MXCSR's round half to even, the same
+ * clamps), so the int8 / int16 values are the same bit for bit. */
+
+/* max |x| over n floats (n a multiple of 8), NaNs left out; *nan: whether any element is NaN. */
+static float absmax8(const float *x, int64_t n, int *nan) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 big = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        big = _mm256_max_ps(_mm256_andnot_ps(sign, v), big); /* a NaN in the first operand: big kept */
+    }
+    __m128 t = _mm_max_ps(_mm256_castps256_ps128(big), _mm256_extractf128_ps(big, 1));
+    t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_max_ss(t, _mm_movehdup_ps(t));
+    *nan = _mm256_movemask_ps(bad) != 0;
+    return _mm_cvtss_f32(t);
+}
+
+/* round_half_even(x[0..8) / s) as int32 (NaN and out of range: INT_MIN, as _mm_cvtss_si32), clamped. */
+static inline __m256i quantize8(const float *x, __m256 s, __m256i lo, __m256i hi) {
+    __m256i v = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(x), s));
+    return _mm256_min_epi32(_mm256_max_epi32(v, lo), hi);
+}
+
+/* 8 int32 in int8 range -> 8 int8 in the low 8 bytes, in order. */
+static inline __m128i bytes8(__m256i v) {
+    __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    return _mm_packs_epi16(w, w);
+}
+
+/* Store 8 int8 (low bytes of b) for elements i..i+7 of a row at q, paired per `block` (see
+ * paired_index; block a multiple of 16) or, block 0, in order. */
+static inline void store8_paired(int8_t *q, int64_t i, int64_t block, __m128i b) {
+    if (!block) {
+        _mm_storel_epi64((__m128i *)(q + i), b);
+        return;
+    }
+    __m128i eo = _mm_shuffle_epi8(b, _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
+    int32_t even = _mm_cvtsi128_si32(eo), odd = _mm_extract_epi32(eo, 1);
+    int8_t *at = q + paired_index(i, block); /* element i is even: its evens' place */
+    memcpy(at, &even, 4), memcpy(at + block / 2, &odd, 4);
+}
+
 /* q (I16_BLOCK int16 per block, paired or in order) and one scale per block, of n elements (whole
  * blocks).  A NaN makes its block's scale NaN, an inf infinite: both reach the output. */
 static void quantize_i16(const float *x, int64_t n, int paired, int16_t *q, float *scale) {
+    const __m256i lo = _mm256_set1_epi32(-I16_MAX), hi = _mm256_set1_epi32(I16_MAX);
+    const __m128i split = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
     for (int64_t b = 0; b < n; b += I16_BLOCK) {
-        float big = 0.f;
-        for (int j = 0; j < I16_BLOCK; ++j) {
-            float a = x[b + j] < 0 ? -x[b + j] : x[b + j];
-            big = a > big || a != a ? a : big; /* a NaN wins and stays */
-        }
+        int nan;
+        float big = absmax8(x + b, I16_BLOCK, &nan);
+        big = nan ? __builtin_nanf("") : big; /* a NaN wins */
         float sc = big == 0.f ? 1.f : big / I16_MAX;
         scale[b / I16_BLOCK] = sc;
-        for (int j = 0; j < I16_BLOCK; ++j) {
-            int v = _mm_cvtss_si32(_mm_set_ss(x[b + j] / sc)); /* MXCSR's round half to even */
-            q[b + paired_index(j, paired ? I16_BLOCK : 0)] = (int16_t)(v > I16_MAX ? I16_MAX : v < -I16_MAX ? -I16_MAX : v);
+        const __m256 s = _mm256_set1_ps(sc);
+        for (int j = 0; j < I16_BLOCK; j += 8) {
+            __m256i v = quantize8(x + b + j, s, lo, hi);
+            __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+            if (!paired) {
+                _mm_storeu_si128((__m128i *)(q + b + j), w);
+                continue;
+            }
+            __m128i eo = _mm_shuffle_epi8(w, split); /* 4 evens, then 4 odds */
+            _mm_storel_epi64((__m128i *)(q + b + j / 2), eo);
+            _mm_storel_epi64((__m128i *)(q + b + I16_BLOCK / 2 + j / 2), _mm_unpackhi_epi64(eo, eo));
         }
     }
 }
@@ -248,23 +310,18 @@ static void quantize_i16(const float *x, int64_t n, int paired, int16_t *q, floa
  * the order the nibbles of block / 2 bytes come in; n a multiple of block) or, block 0, in order.
  * Returns s; *sum = sum of q (a8w4's offset). */
 static float quantize_int8_row(const float *x, int64_t n, int64_t block, int8_t *q, int32_t *sum) {
-    float big = 0.f;
-    int nan = 0;
-    for (int64_t i = 0; i < n; ++i) {
-        float a = x[i] < 0 ? -x[i] : x[i];
-        nan |= a != a;
-        big = a > big ? a : big;
-    }
-    float s = big / 127.f;
+    int nan;
+    float s = absmax8(x, n, &nan) / 127.f;
     s = nan || !(s > 0.f) ? 1.f : s;
-    int32_t total = 0;
-    for (int64_t i = 0; i < n; ++i) {
-        int v = _mm_cvtss_si32(_mm_set_ss(x[i] / s)); /* MXCSR's round half to even */
-        v = v > 127 ? 127 : v < -127 ? -127 : v;
-        q[paired_index(i, block)] = (int8_t)v;
-        total += v;
+    const __m256 sv = _mm256_set1_ps(s);
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    __m256i total = _mm256_setzero_si256();
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256i v = quantize8(x + i, sv, lo, hi);
+        total = _mm256_add_epi32(total, v);
+        store8_paired(q, i, block, bytes8(v));
     }
-    *sum = total;
+    *sum = hsum_epi32(total);
     return s;
 }
 
@@ -287,12 +344,6 @@ ALWAYS_INLINE __m256i int8_block(int64_t fmt, const uint8_t *row, int64_t k, __m
     return _mm256_add_epi32(part, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 
-static int32_t hsum_epi32(__m256i v) {
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-    return _mm_cvtsi128_si32(t);
-}
 
 /* How a8w4's activations are paired (quantize_int8_row's block): 64 where K allows, so that one
  * 32-byte load gives two vectors of 32 nibbles (evens and odds) for two vpmaddubsw: 4 operations
@@ -417,21 +468,25 @@ static void quantize_int8_blocks(const qweight_t *w, const float *x, int8_t *q, 
     const int64_t n = w->k, pairing = w->pairing, whole = pairing ? n - n % pairing : n;
     const int lanes = a8g_lanes(w->fmt);
     const int32_t bias = a8g_bias(w->fmt);
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127), nan_code = _mm256_set1_epi32(INT32_MIN);
     for (int64_t b = 0; b < n; b += A8G_BLOCK) {
         const int64_t P = b < whole ? pairing : A8G_BLOCK, at = b / A8G_BLOCK * lanes;
-        float big = 0.f;
-        for (int j = 0; j < A8G_BLOCK; ++j) {
-            float a = x[b + j] < 0 ? -x[b + j] : x[b + j];
-            big = a > big || a != a ? a : big; /* a NaN wins and stays */
-        }
+        int nan;
+        float big = absmax8(x + b, A8G_BLOCK, &nan);
+        big = nan ? __builtin_nanf("") : big; /* a NaN wins */
         float s = big / 127.f;
         s = s == 0.f ? 1.f : s;
-        int32_t total = 0, part[8] = {0}; /* part: the sums of q over each 4 consecutive elements */
-        for (int j = 0; j < A8G_BLOCK; ++j) {
-            int v = _mm_cvtss_si32(_mm_set_ss(x[b + j] / s)); /* MXCSR's round half to even; NaN -> INT_MIN */
-            v = v == (int)0x80000000 ? 0 : v > 127 ? 127 : v < -127 ? -127 : v;
-            q[paired_index(b + j, P)] = (int8_t)v;
-            total += v, part[j / 4] += v;
+        const __m256 sv = _mm256_set1_ps(s);
+        int32_t total = 0, part[8]; /* part: the sums of q over each 4 consecutive elements */
+        for (int j = 0; j < A8G_BLOCK; j += 8) {
+            __m256i v = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(x + b + j), sv));
+            v = _mm256_andnot_si256(_mm256_cmpeq_epi32(v, nan_code), v); /* NaN -> 0 */
+            v = _mm256_min_epi32(_mm256_max_epi32(v, lo), hi);
+            __m256i quads = _mm256_hadd_epi32(v, v);
+            quads = _mm256_hadd_epi32(quads, quads); /* each 128-bit half: the sum of its 4 elements */
+            part[j / 4] = _mm256_cvtsi256_si32(quads), part[j / 4 + 1] = _mm256_extract_epi32(quads, 4);
+            total += part[j / 4] + part[j / 4 + 1];
+            store8_paired(q, b + j, P, bytes8(v));
         }
         /* a8w8's lanes hold 4 consecutive elements each: each lane its own offset, so a lane's int32
          * is its 4 products alone (no large offset cancelling in fp32); a8w4's paired lanes: lane 0 */
