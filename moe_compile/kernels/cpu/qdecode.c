@@ -83,7 +83,7 @@ typedef struct {
     int64_t i16; /* against one row its input is read as int16 blocks (I16_BLOCK, below): 0 no,
                   * I16_PAIRED (4-bit: evens then odds) or I16_NATURAL (int8: in order) */
     int64_t pairing; /* FMT_A8W4G: its int8 input paired per 64 (AVX2 loop) or 128 (AVX-512 VNNI loop) */
-    int64_t vnni;    /* grouped a8 formats: the AVX-512 VNNI loop runs it (a8g_setup) */
+    int64_t vnni;    /* grouped a8 formats and per-channel a8w8: the AVX-512 VNNI loop runs it (a8g_setup) */
 } qweight_t;
 
 /* How a weight's input rows (x for FC1, the activations for FC2) are held, see the header:
@@ -449,12 +449,13 @@ static int a8g_vnni(void) {
 /* Whether the loops take a grouped a8 role of reduction width K and group G. */
 static int a8g_ok(int64_t K, int64_t G) { return (G == 32 || G == 64 || (G > 0 && G % 128 == 0)) && K % G == 0; }
 
-/* A role's loop on this ISA: a8w4's pairing (64, or 128 for its VNNI loop, K % 128 == 0); a8w8 reads
- * its input in order and runs the VNNI loop where K % 64 == 0. */
+/* A role's loop on this ISA: a8w4's pairing (64, or 128 for its VNNI loop, K % 128 == 0); grouped
+ * a8w8 reads its input in order and runs the VNNI loop where K % 64 == 0, per-channel a8w8
+ * (int8_dot_vnni) at any K. */
 static void a8g_setup(qweight_t *w, int64_t isa) {
     const int wide = isa == ISA_AVX512 && a8g_vnni();
     w->pairing = w->fmt == FMT_A8W8G ? 0 : wide && w->k % 128 == 0 ? 128 : 64;
-    w->vnni = w->fmt == FMT_A8W8G ? wide && w->k % 64 == 0 : w->pairing == 128;
+    w->vnni = w->fmt == FMT_A8W8G ? wide && w->k % 64 == 0 : w->fmt == FMT_A8W8 ? wide : w->pairing == 128;
 }
 
 /* One input row of role w (n = w->k floats, a multiple of 32) quantized per block as
@@ -765,6 +766,40 @@ static int gather_rows(const float *base, int64_t ld, const int64_t *index, int6
     return padded;
 }
 
+/* int8_dot of per-channel a8w8 (FMT_A8W8) on AVX-512 VNNI: u = q_w + 128 (the sign bit flipped:
+ * unsigned) times q_x by vpdpbusd, 64 a step, less 128 sum(q_x): exact as int8_dot (every lane's
+ * int32 stays below K / 16 * 4 * 255 * 127), 3 operations per 64 weights a row where int8_dot's
+ * sign trick takes 12: that loop holds a8w8-int at ~12 GB/s of weights a core.  A last piece under
+ * 64 is read with masked loads (zeros: 128 * 0 adds nothing). */
+A8G_VNNI static void int8_dot_vnni(int64_t K, const uint8_t *const *rows, const int8_t *const *xq, const int32_t *sums,
+                                   int64_t n, int32_t acc[2][16]) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t r = 0; r < n; ++r) {
+        __m512i t0 = _mm512_setzero_si512(), t1 = t0, t2 = t0, t3 = t0; /* two chains a row */
+        int64_t k = 0;
+        for (; k + 128 <= K; k += 128) {
+            if (r == 0)
+                for (int j = 0; j < 2; ++j) {
+                    _mm_prefetch((const char *)(rows[j] + k + PREFETCH_ELEMENTS), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(rows[j] + k + 64 + PREFETCH_ELEMENTS), _MM_HINT_T0);
+                }
+            __m512i qa = _mm512_loadu_si512(xq[r] + k), qb = _mm512_loadu_si512(xq[r] + k + 64);
+            t0 = _mm512_dpbusd_epi32(t0, _mm512_xor_si512(_mm512_loadu_si512(rows[0] + k), flip), qa);
+            t1 = _mm512_dpbusd_epi32(t1, _mm512_xor_si512(_mm512_loadu_si512(rows[1] + k), flip), qa);
+            t2 = _mm512_dpbusd_epi32(t2, _mm512_xor_si512(_mm512_loadu_si512(rows[0] + k + 64), flip), qb);
+            t3 = _mm512_dpbusd_epi32(t3, _mm512_xor_si512(_mm512_loadu_si512(rows[1] + k + 64), flip), qb);
+        }
+        for (; k < K; k += 64) {
+            __mmask64 m = K - k >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (K - k)) - 1;
+            __m512i q = _mm512_maskz_loadu_epi8(m, xq[r] + k);
+            t0 = _mm512_dpbusd_epi32(t0, _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, rows[0] + k), flip), q);
+            t1 = _mm512_dpbusd_epi32(t1, _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, rows[1] + k), flip), q);
+        }
+        acc[0][r] = _mm512_reduce_add_epi32(_mm512_add_epi32(t0, t2)) - 128 * sums[r];
+        acc[1][r] = _mm512_reduce_add_epi32(_mm512_add_epi32(t1, t3)) - 128 * sums[r];
+    }
+}
+
 /* out[w * nr + r] = (acc * s_x) * s_w (the reference's order) of two rows of an a8 format and
  * activation rows r0 .. r0 + n - 1 (through `index` when given) of q / scales / sums. */
 static void int8_rows(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales, const int8_t *q,
@@ -776,7 +811,10 @@ static void int8_rows(const qweight_t *wt, const uint8_t *const *rows, const uin
         int64_t i = index ? index[r0 + r] : r0 + r;
         xr[r] = q + i * ld, sum[r] = sums[i];
     }
-    int8_dot(wt->fmt, wt->k, rows, xr, sum, n, acc);
+    if (wt->fmt == FMT_A8W8 && wt->vnni)
+        int8_dot_vnni(wt->k, rows, xr, sum, n, acc);
+    else
+        int8_dot(wt->fmt, wt->k, rows, xr, sum, n, acc);
     for (int w = 0; w < 2; ++w)
         for (int64_t r = 0; r < n; ++r) {
             float sw;

@@ -260,6 +260,20 @@ def test_a8_sums_at_their_bounds_are_exact(fmt, isa):
     _check(x, ids, g, w1, w2, FFNAttrs(), isa)
 
 
+@needs_kernel
+@pytest.mark.skipif(qdecode.ISA_AVX512 not in ISAS, reason="no AVX-512 on this CPU")
+@pytest.mark.parametrize("H,F", [(96, 64), (160, 96), (2048, 768)])
+def test_per_channel_a8w8_vnni_loop_equals_the_avx2_loop(H, F):
+    # Per-channel a8w8's int32 sums are exact in both loops (AVX-512 VNNI: vpdpbusd on q_w + 128,
+    # less 128 sum(q_x), masked loads for a last piece under 64; AVX2: the sign trick), and both
+    # scale them in the same order: the outputs must be equal bit for bit.  H = 96 / 160 leave a
+    # piece of 32 after whole steps of 128 (FC1) and F = 96 one of 32 after 64 (FC2).
+    x, ids, g, w1, w2 = _case("a8w8-int", 4, H=H, F=F, E=5, K=2, seed=H)
+    got = qdecode.run(x, ids, g, w1, w2, FFNAttrs(), None, isa=qdecode.ISA_AVX512)
+    want = qdecode.run(x, ids, g, w1, w2, FFNAttrs(), None, isa=qdecode.ISA_AVX2)
+    assert torch.equal(got, want), (got - want).abs().max()
+
+
 # ---- group-wise a8w4-int: the loops alone (qdecode.grouped_matmul), then whole steps ----
 # K = 416 = 3 x 128 + 32: the AVX-512 VNNI loop needs K % 128 == 0, so it runs the AVX2 loop with
 # its 32-element tail; 512 / 1024 / 384 take the VNNI loop where the CPU has it.
