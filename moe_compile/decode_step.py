@@ -1,25 +1,26 @@
-"""Decode steps with Inductor's C++ wrapper: opt-in (``MOE_COMPILE_CPP_WRAPPER=1``), off by default.
+"""Decode steps with Inductor's C++ wrapper: on by default for CPU decode steps
+(``MOE_COMPILE_CPP_WRAPPER=0`` turns it off).
 
 A generative model's decode step runs a few hundred small kernels on one token (norms, rotary,
 the cache write, top-k glue) between the weight-reading matmuls, each called from Python by
 Inductor's default wrapper.  Inductor's C++ wrapper (``torch._inductor.config.cpp_wrapper``)
-calls them, and moe_compile's ops, from C++.  With ``MOE_COMPILE_CPP_WRAPPER=1`` it is turned on
-for a CPU inference graph that writes a tensor it was given in place through an index
-(``index_copy_``, ``index_put_``, ``x[..., pos] = ...``, ``narrow(...).copy_``): a static KV cache's
-update, which is what a decode step looks like (HF ``cache_implementation="static"``, gpt-fast-style
-caches).  Training graphs and graphs without such a write never get it.
+calls them, and moe_compile's ops, from C++.  It is turned on for a CPU inference graph that
+writes a tensor it was given in place through an index (``index_copy_``, ``index_put_``,
+``x[..., pos] = ...``, ``narrow(...).copy_``): a static KV cache's update, which is what a decode
+step looks like (HF ``cache_implementation="static"``, gpt-fast-style caches).  Training graphs and
+graphs without such a write never get it.
 
-Why not by default: measured on a 4-layer Qwen3-MoE LM (2-core Xeon, 2026-12-02), the C++ wrapper
-made a 4-bit decode step 3x slower (26.5 vs 79 tok/s; its profile shows no fused-op time and 28 ms
-a step in aten ops, while a 1-layer model under the same setting runs the fused op at its usual
-~1 ms a call: cause not found yet), and under CPU contention a toy model's step 10x slower; on a
-quiet machine the toy model gained 4%.  Remeasured quiet the next day with a plain decode loop:
-11.54 vs 11.64 ms a step (the 3x not reproduced; Inductor's own kernels are 0.16 ms of the step,
-so there is little for the C++ wrapper to remove).  The Python wrapper stays the default.
+Measured on a 4-layer Qwen3-MoE LM (2-core Xeon, 2026-12-02, session 16, one process each way,
+A then B): a8w4-int decode 113.5 -> 121.3 tok/s through ``moe_compile.generate`` and 105.9 -> 114.0
+through HF ``generate``; fp32 and w16 level (22.4 / 22.3, 38.7 / 39.1 tok/s).  Its four
+alternating plain-loop runs: 7.4-8.2 ms a step with the Python wrapper, 6.9-7.3 with this one.
+Earlier sessions measured no gain (when the 4-bit kernels' own fixed costs hid it) and once,
+through HF generate, a 3x slowdown that was not reproduced since.
 
-``options={"cpp_wrapper": True}`` (an Inductor option, passed through) turns it on for any graph;
-where the C++ wrapper fails to build a graph, that graph compiles with the Python wrapper
-(``compiler._compile_rewritten``) and the report says so.
+``options={"cpp_wrapper": False}`` (an Inductor option, passed through) or
+``MOE_COMPILE_CPP_WRAPPER=0`` keeps the Python wrapper; ``options={"cpp_wrapper": True}`` turns it on
+for any graph.  Where the C++ wrapper fails to build a graph, that graph compiles with the Python
+wrapper (``compiler._compile_rewritten``) and the report says so.
 """
 
 from __future__ import annotations
@@ -79,11 +80,11 @@ def _root_is_input(node) -> bool:
 
 
 def inductor_patches(gm: fx.GraphModule, example_inputs, patches: dict | None) -> tuple[dict | None, str | None]:
-    """(Inductor config patches for gm, the report's line or None): with ``MOE_COMPILE_CPP_WRAPPER=1``,
-    ``cpp_wrapper=True`` added for a CPU inference graph that writes a cache in place, unless the
-    user set ``cpp_wrapper`` themselves."""
+    """(Inductor config patches for gm, the report's line or None): ``cpp_wrapper=True`` added for a
+    CPU inference graph that writes a cache in place, unless the user set ``cpp_wrapper``
+    themselves or ``MOE_COMPILE_CPP_WRAPPER=0``."""
     patches = dict(patches or {})
-    if "cpp_wrapper" in patches or os.environ.get(ENV) != "1" or torch.is_grad_enabled():
+    if "cpp_wrapper" in patches or os.environ.get(ENV) == "0" or torch.is_grad_enabled():
         return patches or None, None
     if not _on_cpu(example_inputs):
         return patches or None, None
@@ -93,7 +94,7 @@ def inductor_patches(gm: fx.GraphModule, example_inputs, patches: dict | None) -
     patches["cpp_wrapper"] = True
     how = write.target if write.op == "call_method" else "x[index] = ..."
     return patches, (f"decode step (writes an input tensor in place with {how}: a static KV cache): compiled "
-                     f"with Inductor's C++ wrapper, no Python between kernels ({ENV}=1)")
+                     f"with Inductor's C++ wrapper, no Python between kernels ({ENV}=0 turns it off)")
 
 
 def _on_cpu(example_inputs) -> bool:

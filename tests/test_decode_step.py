@@ -1,5 +1,6 @@
 """Decode steps (graphs that write a static KV cache in place) compile with Inductor's C++
-wrapper when MOE_COMPILE_CPP_WRAPPER=1 asks (moe_compile/decode_step.py); off by default."""
+wrapper (moe_compile/decode_step.py), unless MOE_COMPILE_CPP_WRAPPER=0 or the user's own
+``cpp_wrapper`` option says otherwise."""
 
 import pytest
 import torch
@@ -74,13 +75,7 @@ def _patches(module, **env):
     return decode_step.inductor_patches(_dynamo_graph(module), [torch.zeros(2)], dict(env) or None)
 
 
-def test_cpp_wrapper_off_by_default():
-    with torch.no_grad():
-        assert _patches(_IndexCopyCache) == (None, None)
-
-
-def test_cpp_wrapper_only_for_inference_cache_writes(monkeypatch):
-    monkeypatch.setenv(decode_step.ENV, "1")
+def test_cpp_wrapper_on_for_inference_cache_writes_only():
     with torch.no_grad():
         patches, line = _patches(_IndexCopyCache)
         assert patches == {"cpp_wrapper": True} and "C++ wrapper" in line
@@ -90,12 +85,16 @@ def test_cpp_wrapper_only_for_inference_cache_writes(monkeypatch):
     assert _patches(_IndexCopyCache) == (None, None)  # grad enabled: a training graph
 
 
-@pytest.mark.slow  # a C++ wrapper build per graph; the path is opt-in
-def test_hf_static_cache_decode_with_cpp_wrapper_equal_to_eager(monkeypatch):
-    """HF generate with a static cache, backend="moe" with Inductor and MOE_COMPILE_CPP_WRAPPER=1:
-    the decode graph gets the C++ wrapper and greedy tokens equal eager's."""
+def test_cpp_wrapper_switch_turns_it_off(monkeypatch):
+    monkeypatch.setenv(decode_step.ENV, "0")
+    with torch.no_grad():
+        assert _patches(_IndexCopyCache) == (None, None)
+
+
+def test_hf_static_cache_decode_with_cpp_wrapper_equal_to_eager():
+    """HF generate with a static cache, backend="moe" with Inductor: the decode graph gets the C++
+    wrapper (the default) and greedy tokens equal eager's."""
     pytest.importorskip("transformers")
-    monkeypatch.setenv(decode_step.ENV, "1")
     import moe_compile
 
     model = tiny_qwen3_moe_lm()
