@@ -184,7 +184,7 @@ def torch_row(model, a, prompt: torch.Tensor, engine: str, recipe: str | None) -
 # time is Python between them (HF generate's loop, the compiled graph's wrappers).
 PROFILE_GROUPS = (("dense linears (dense_linear)", ("moe_compile::dense_linear",)),
                   ("MoE experts (fused_moe)", ("moe_compile::fused_moe",)),
-                  ("attention (SDPA)", ("scaled_dot_product",)),
+                  ("attention (decode_attention, SDPA)", ("moe_compile::decode_attention", "scaled_dot_product")),
                   ("Inductor's kernels (norms, rotary, softmax, ...)", ("Call CompiledFxGraph",)),
                   ("Dynamo guards", ("TorchDynamo Cache Lookup",)),
                   ("AOTAutograd wrapper", ("AOTDispatcher",)),
