@@ -1413,29 +1413,44 @@ DOT_ROWS(FMT_W4)
 DOT_ROWS(FMT_MXFP4)
 DOT_ROWS(FMT_MXFP8)
 
-#if QDECODE_ISA == 2
 /* 4- and 8-bit weights against one input row held as int16 blocks (see quantize_i16 for why): two
- * rows, one I16_BLOCK per step, the nibbles mapped by vpshufb to the format's values as integers
- * (w4-int u - 8; mxfp4 twice its e2m1 value, so the scale takes the 1/2), int8 sign-extended. */
-static void dot16_2(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales,
-                    const int16_t *xq, const float *xs, float *out) {
+ * rows, one I16_BLOCK per step, then one convert and one fma with the block's scale.
+ * AVX2 (dot16_2; w4-int, mxfp4, w8-int): the nibbles mapped by vpshufb to the format's values as
+ * integers (w4-int u - 8; mxfp4 twice its e2m1 value, so the scale takes the 1/2), int8
+ * sign-extended; two vpmaddwd of 16 lanes.  |q| <= 127: the 4-product lane sums < 2^24, exact as fp32.
+ * AVX-512 (dot16_512; w8-int only, i16_form): the block's 32 int8 sign-extended to one zmm and one
+ * vpmaddwd: 5 vector operations per 32 weights a row where the fp32 loop takes 8 (convert, scale
+ * and fma of every 16), which holds w8-int at ~9 GB/s of weights a core, under the memory's speed
+ * with 2 threads.  The 4-bit formats keep AVX-512's fp32 loop: its permute lookup costs less than
+ * unpacking nibbles to int16. */
+static void SFX(dot16)(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales,
+                       const int16_t *xq, const float *xs, float *out) {
     const uint64_t K = (uint64_t)wt->k, G = (uint64_t)wt->group, blocks_per_group = G / I16_BLOCK;
-    const int mx = wt->fmt == FMT_MXFP4, w8 = wt->fmt == FMT_W8; /* |q| <= 127: pair sums < 2^24, exact as fp32 */
+#if QDECODE_ISA == 2
+    const int mx = wt->fmt == FMT_MXFP4, w8 = wt->fmt == FMT_W8;
     const __m128i low = _mm_set1_epi8(15);
     const __m128i values = mx ? _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
                               : _mm_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
     const float unit = mx ? 0.5f : 1.f;
-    __m256 acc[2] = {VZERO(), VZERO()};
+#else
+    const float unit = 1.f;
+#endif
+    vf acc[2] = {VZERO(), VZERO()};
     float sbuf[2][SEG];
     for (uint64_t seg = 0; seg < K; seg += SEG * G) {
         uint64_t end = seg + SEG * G < K ? seg + SEG * G : K;
         for (int w = 0; w < 2; ++w) convert_scales(wt->fmt, scales[w], (int64_t)(seg / G), (int64_t)((end - seg) / G), sbuf[w]);
         uint64_t g = 0, in_group = 0;
         for (uint64_t k0 = seg; k0 < end; k0 += I16_BLOCK) {
+#if QDECODE_ISA == 2
             __m256i qe = _mm256_loadu_si256((const __m256i *)(xq + k0));
             __m256i qo = _mm256_loadu_si256((const __m256i *)(xq + k0 + I16_BLOCK / 2));
+#else
+            __m512i q = _mm512_loadu_si512((const void *)(xq + k0));
+#endif
             float sx = xs[k0 / I16_BLOCK] * unit;
             _Pragma("GCC unroll 2") for (int w = 0; w < 2; ++w) {
+#if QDECODE_ISA == 2
                 __m256i lo, hi; /* the block's elements as int16: 4-bit evens / odds, int8 first / second half */
                 if (w8) {
                     _mm_prefetch((const char *)(rows[w] + k0 + PREFETCH_ELEMENTS), _MM_HINT_T0);
@@ -1447,46 +1462,19 @@ static void dot16_2(const qweight_t *wt, const uint8_t *const *rows, const uint8
                     lo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(values, _mm_and_si128(v, low)));
                     hi = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(v, 4), low)));
                 }
-                __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, qe), _mm256_madd_epi16(hi, qo));
-                acc[w] = VFMA(_mm256_cvtepi32_ps(p), VSET1(sbuf[w][g] * sx), acc[w]);
-            }
-            if (++in_group == blocks_per_group) in_group = 0, ++g;
-        }
-    }
-    for (int w = 0; w < 2; ++w) out[w] = VHSUM(acc[w]);
-}
-#endif
-
-#if QDECODE_ISA == 512
-/* int8 weights against one input row held as int16 blocks, AVX-512: one block of 32 per zmm
- * (vpmovsxbw, vpmaddwd: 16 pair sums < 2 * 127 * 32767, exact as fp32), then one convert and one
- * fma with the block's scale.  5 vector operations per 32 weights a row where the fp32 loop
- * takes 8 (convert, scale and fma of every 16): that loop holds w8-int at ~9 GB/s of weights a
- * core, under the memory's speed with 2 threads.  w8-int only: the fp32 loop's permute lookup
- * already costs less than unpacking nibbles to int16 for the 4-bit formats. */
-static void dot16_512(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales,
-                      const int16_t *xq, const float *xs, float *out) {
-    const uint64_t K = (uint64_t)wt->k, G = (uint64_t)wt->group, blocks_per_group = G / I16_BLOCK;
-    __m512 acc[2] = {VZERO(), VZERO()};
-    float sbuf[2][SEG];
-    for (uint64_t seg = 0; seg < K; seg += SEG * G) {
-        uint64_t end = seg + SEG * G < K ? seg + SEG * G : K;
-        for (int w = 0; w < 2; ++w) convert_scales(wt->fmt, scales[w], (int64_t)(seg / G), (int64_t)((end - seg) / G), sbuf[w]);
-        uint64_t g = 0, in_group = 0;
-        for (uint64_t k0 = seg; k0 < end; k0 += I16_BLOCK) {
-            __m512i q = _mm512_loadu_si512((const void *)(xq + k0));
-            float sx = xs[k0 / I16_BLOCK];
-            _Pragma("GCC unroll 2") for (int w = 0; w < 2; ++w) {
+                __m256 p = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(lo, qe), _mm256_madd_epi16(hi, qo)));
+#else
                 _mm_prefetch((const char *)(rows[w] + k0 + PREFETCH_ELEMENTS), _MM_HINT_T0);
                 __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(rows[w] + k0)));
-                acc[w] = VFMA(_mm512_cvtepi32_ps(_mm512_madd_epi16(v, q)), VSET1(sbuf[w][g] * sx), acc[w]);
+                __m512 p = _mm512_cvtepi32_ps(_mm512_madd_epi16(v, q));
+#endif
+                acc[w] = VFMA(p, VSET1(sbuf[w][g] * sx), acc[w]);
             }
             if (++in_group == blocks_per_group) in_group = 0, ++g;
         }
     }
     for (int w = 0; w < 2; ++w) out[w] = VHSUM(acc[w]);
 }
-#endif
 
 /* out[w * nr + r] = row w . x_r for the two rows and nr x rows (nr one of the instantiated counts). */
 static void SFX(dot)(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales,
