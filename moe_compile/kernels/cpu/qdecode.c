@@ -253,6 +253,14 @@ static float absmax8(const float *x, int64_t n, int *nan) {
     return _mm_cvtss_f32(t);
 }
 
+/* A block's largest |x| (n a multiple of 8) as the block quantizers use it: NaN when it holds one
+ * (a NaN wins and stays, as in the scalar form). */
+static float block_absmax(const float *x, int64_t n) {
+    int nan;
+    float big = absmax8(x, n, &nan);
+    return nan ? __builtin_nanf("") : big;
+}
+
 /* round_half_even(x[0..8) / s) as int32 (NaN and out of range: INT_MIN, as _mm_cvtss_si32), clamped. */
 static inline __m256i quantize8(const float *x, __m256 s, __m256i lo, __m256i hi) {
     __m256i v = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(x), s));
@@ -284,9 +292,7 @@ static void quantize_i16(const float *x, int64_t n, int paired, int16_t *q, floa
     const __m256i lo = _mm256_set1_epi32(-I16_MAX), hi = _mm256_set1_epi32(I16_MAX);
     const __m128i split = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
     for (int64_t b = 0; b < n; b += I16_BLOCK) {
-        int nan;
-        float big = absmax8(x + b, I16_BLOCK, &nan);
-        big = nan ? __builtin_nanf("") : big; /* a NaN wins */
+        float big = block_absmax(x + b, I16_BLOCK);
         float sc = big == 0.f ? 1.f : big / I16_MAX;
         scale[b / I16_BLOCK] = sc;
         const __m256 s = _mm256_set1_ps(sc);
@@ -472,10 +478,7 @@ static void quantize_int8_blocks(const qweight_t *w, const float *x, int8_t *q, 
     const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127), nan_code = _mm256_set1_epi32(INT32_MIN);
     for (int64_t b = 0; b < n; b += A8G_BLOCK) {
         const int64_t P = b < whole ? pairing : A8G_BLOCK, at = b / A8G_BLOCK * lanes;
-        int nan;
-        float big = absmax8(x + b, A8G_BLOCK, &nan);
-        big = nan ? __builtin_nanf("") : big; /* a NaN wins */
-        float s = big / 127.f;
+        float s = block_absmax(x + b, A8G_BLOCK) / 127.f;
         s = s == 0.f ? 1.f : s;
         const __m256 sv = _mm256_set1_ps(s);
         int32_t total = 0, part[8]; /* part: the sums of q over each 4 consecutive elements */
@@ -927,8 +930,9 @@ static qweight_t role(const int64_t *plan, int which, int64_t n, int64_t k) {
 
 /* Whether a single row's activations go to the loops as int16 blocks (quantize_i16), and how:
  * on AVX2 for the 4- and 8-bit weight-only formats (dot16_2), on AVX-512 for w8-int (dot16_512);
- * MOE_COMPILE_QDECODE_I16=0 (off) keeps the fp32 loop. */
-static int i16_form(int64_t fmt, int64_t k, int64_t isa, const char *off) {
+ * MOE_COMPILE_QDECODE_I16=0 keeps the fp32 loop (exact, slower). */
+static int i16_form(int64_t fmt, int64_t k, int64_t isa) {
+    const char *off = getenv("MOE_COMPILE_QDECODE_I16");
     if (k % I16_BLOCK || (off && strcmp(off, "0") == 0)) return 0;
     if (fmt == FMT_W8) return I16_NATURAL;
     return isa == ISA_AVX2 && (fmt == FMT_W4 || fmt == FMT_MXFP4) ? I16_PAIRED : 0;
@@ -958,11 +962,7 @@ int moe_qdecode_run(const int64_t *plan, float limit, int64_t nparts) {
     s.dot = isa == ISA_AVX512 ? dot_512 : dot_2;
     s.dot16 = isa == ISA_AVX512 ? dot16_512 : dot16_2;
     s.rmax = isa == ISA_AVX512 ? RMAX_512 : RMAX_2;
-    for (int i = 0; i < 2; ++i) {
-        qweight_t *w = i ? &s.w2 : &s.w1;
-        const char *off = getenv("MOE_COMPILE_QDECODE_I16"); /* "0": the fp32 loop (exact, slower) */
-        w->i16 = i16_form(w->fmt, w->k, isa, off);
-    }
+    s.w1.i16 = i16_form(s.w1.fmt, s.w1.k, isa), s.w2.i16 = i16_form(s.w2.fmt, s.w2.k, isa);
     int64_t *start = calloc((size_t)s.E + 2, sizeof(int64_t)), *tok = malloc((size_t)(2 * s.S + 1) * sizeof(int64_t));
     /* floats: xp, h, a, the block scales of x and a, the int8 rows' scales; int32: their sums;
      * int16: x and a blocks; int8: x and a rows */
@@ -1039,8 +1039,7 @@ int moe_qdecode_linear(const int64_t *plan, int64_t nparts) {
     s.dot = isa == ISA_AVX512 ? dot_512 : dot_2;
     s.dot16 = isa == ISA_AVX512 ? dot16_512 : dot16_2;
     s.rmax = isa == ISA_AVX512 ? RMAX_512 : RMAX_2;
-    const char *off = getenv("MOE_COMPILE_QDECODE_I16");
-    s.w2.i16 = i16_form(w.fmt, K, isa, off);
+    s.w2.i16 = i16_form(w.fmt, K, isa);
     int64_t *idx = malloc((size_t)(T + 2) * sizeof(int64_t));
     float *ones = malloc((size_t)T * sizeof(float));
     /* a [T, K] in the weight's layout, its int16 blocks and block scales, its int8 rows, scales, sums */
