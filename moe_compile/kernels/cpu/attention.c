@@ -23,7 +23,10 @@
  * masks every key (or whose every score is NaN) has no softmax: the call returns 1 and the caller
  * runs torch's kernel instead, whose answer there it does not reproduce.  A NaN anywhere else
  * reaches the output as in SDPA.  Returns 2 for a shape it does not serve.
- * AVX2 + FMA only: the work is a few MFLOP a call, AVX-512 would not change the step.
+ * AVX2 + FMA; where the CPU has AVX-512 (and the caller has not held it to AVX2:
+ * moe_attention_set_isa) phases 1 and 3 take eight rows at a time in 16 lanes, so each key and
+ * value row is read once for eight query heads: 99 -> ~55 us a warm call of a 32/4-head layer at
+ * 577 positions on 2 threads, the arithmetic being what a warm call waits on.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -37,13 +40,15 @@
 enum { Q, K, V, MASK, OUT, NB, NH, NG, NL, NS, ND, QSB, QSH, QSL, KSB, KSG, KSS, VSB, VSG, VSS,
        MSB, MSH, MSL, MSS, MKIND, OSB, OSH, OSL, PLAN_FIELDS };
 
-#define ROWS 4         /* query rows per register block */
+#define ROWS 4         /* query rows per register block (AVX2) */
+#define ROWS512 8      /* with AVX-512, where the padded rows come in eights */
 #define MIN_CHUNK 64   /* keys per work item, at least */
 
 typedef struct {
     const int64_t *p;
     float scale;
     int64_t R, NR, NRP, CS, chunks;  /* rows per item, padded to ROWS; keys per chunk */
+    int64_t block;                   /* rows per register block: ROWS, or ROWS512 */
     float *acc, *m, *l;              /* [items][NRP][D], [items][NRP], [items][NRP] */
 } Job;
 
@@ -89,6 +94,32 @@ static void dots_2x4(const float *const *qr, const float *k0, const float *k1, i
     _mm256_storeu_ps(out, hsum8x8(a));
 }
 
+#define AVX512 __attribute__((target("avx512f,avx2,fma")))
+
+/* The upper 256 bits of a 512-bit vector plus its lower ones (AVX512F alone, no DQ). */
+AVX512 static inline __m256 fold512(__m512 a) {
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+    return _mm256_add_ps(_mm512_castps512_ps256(a), hi);
+}
+
+/* dots_2x4 for ROWS512 rows in 16 lanes: out[2 r + c] = q_r . k_c, 16 accumulators. */
+AVX512 static void dots_2x8(const float *const *qr, const float *k0, const float *k1, int64_t D, float *out) {
+    __m512 a[2 * ROWS512];
+    for (int r = 0; r < 2 * ROWS512; ++r) a[r] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+        __m512 x0 = _mm512_loadu_ps(k0 + d), x1 = _mm512_loadu_ps(k1 + d);
+        for (int r = 0; r < ROWS512; ++r) {
+            __m512 y = _mm512_loadu_ps(qr[r] + d);
+            a[2 * r] = _mm512_fmadd_ps(y, x0, a[2 * r]);
+            a[2 * r + 1] = _mm512_fmadd_ps(y, x1, a[2 * r + 1]);
+        }
+    }
+    __m256 h[2 * ROWS512];
+    for (int r = 0; r < 2 * ROWS512; ++r) h[r] = fold512(a[r]);
+    _mm256_storeu_ps(out, hsum8x8(h));
+    _mm256_storeu_ps(out + 8, hsum8x8(h + 8));
+}
+
 /* Ask for rows [row, row + count) of a [*, D] fp32 matrix with row stride ld into the cache: one
  * prefetch per 64-byte line.  Keys are fetched PREFETCH_KEYS ahead of their dot products, values
  * while the scores are computed, so phase 3 reads them from L2. */
@@ -98,23 +129,50 @@ static inline void prefetch_rows(const float *row, int64_t count, int64_t ld, in
         for (int64_t d = 0; d < D; d += 16) _mm_prefetch((const char *)(row + r * ld + d), _MM_HINT_T1);
 }
 
-/* Phase 1 for one item: sc [NRP][n] scores, attend[j] whether any row attends key s0 + j. */
-static void item_scores(const Job *J, int64_t b, int64_t g, int64_t s0, int64_t n, float *sc, uint8_t *attend) {
+/* Whether every row of an item reads one mask row (no mask, or one broadcast over heads and rows). */
+static int one_mask_row(const int64_t *p) {
+    return p[MKIND] == 0 || (p[MSH] == 0 && (p[NL] == 1 || p[MSL] == 0));
+}
+
+/* row[j] += madd[j], and -inf where madd[j] is -inf (a key no row attends: its score was not
+ * computed). */
+static void add_mask_row(float *row, const float *madd, int64_t n) {
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 m = _mm256_loadu_ps(madd + j);
+        __m256 sum = _mm256_add_ps(_mm256_loadu_ps(row + j), m);
+        _mm256_storeu_ps(row + j, _mm256_blendv_ps(sum, ninf, _mm256_cmp_ps(m, ninf, _CMP_EQ_OQ)));
+    }
+    for (; j < n; ++j) row[j] = madd[j] == -INFINITY ? -INFINITY : row[j] + madd[j];
+}
+
+/* Phase 1 for one item: sc [NRP][n] scores, attend[j] whether any row attends key s0 + j;
+ * madd [n] is scratch for a mask every row shares, read once per key. */
+static void item_scores(const Job *J, int64_t b, int64_t g, int64_t s0, int64_t n, float *sc, uint8_t *attend,
+                        float *madd) {
     const int64_t *p = J->p, D = p[ND];
     const float *kb = (const float *)p[K] + b * p[KSB] + g * p[KSG];
+    const int shared = one_mask_row(p);
     int64_t row_mask[J->NR];  /* each row's mask offset at key 0 */
     for (int64_t i = 0; i < J->NR; ++i)
         row_mask[i] = b * p[MSB] + (g * J->R + i / p[NL]) * p[MSH] + (i % p[NL]) * p[MSL];
     for (int64_t j = 0; j < n; ++j) {
-        uint8_t any = p[MKIND] == 0;
-        for (int64_t i = 0; i < J->NR && !any; ++i)  /* a NaN attends: SDPA gives NaN there */
+        if (shared) {
+            madd[j] = p[MKIND] == 0 ? 0.f : mask_at(p, row_mask[0] + (s0 + j) * p[MSS]);
+            attend[j] = !(madd[j] == -INFINITY);  /* a NaN attends: SDPA gives NaN there */
+            continue;
+        }
+        uint8_t any = 0;
+        for (int64_t i = 0; i < J->NR && !any; ++i)
             any = !(mask_at(p, row_mask[i] + (s0 + j) * p[MSS]) == -INFINITY);
         attend[j] = any;
     }
     const float *vb = (const float *)p[V] + b * p[VSB] + g * p[VSG];
-    for (int64_t i0 = 0; i0 < J->NRP; i0 += ROWS) {
-        const float *qr[ROWS];
-        for (int r = 0; r < ROWS; ++r) qr[r] = q_row(J, b, g, i0 + r);
+    const int64_t rows = J->block;
+    for (int64_t i0 = 0; i0 < J->NRP; i0 += rows) {
+        const float *qr[ROWS512];
+        for (int r = 0; r < rows; ++r) qr[r] = q_row(J, b, g, i0 + r);
         for (int64_t j = 0; j < n; j += 2) {
             int64_t j1 = j + 1 < n ? j + 1 : j;  /* an odd tail pairs the last key with itself */
             if (i0 == 0) {  /* the cache comes from memory: fetch keys ahead and this chunk's values */
@@ -122,13 +180,28 @@ static void item_scores(const Job *J, int64_t b, int64_t g, int64_t s0, int64_t 
                 prefetch_rows(vb + (s0 + j) * p[VSS], j1 - j + 1, p[VSS], D);
             }
             if (!attend[j] && !attend[j1]) continue;
-            float d8[2 * ROWS];
-            dots_2x4(qr, kb + (s0 + j) * p[KSS], kb + (s0 + j1) * p[KSS], D, d8);
-            for (int r = 0; r < ROWS; ++r) {
+            float d8[2 * ROWS512];
+            if (rows == ROWS512)
+                dots_2x8(qr, kb + (s0 + j) * p[KSS], kb + (s0 + j1) * p[KSS], D, d8);
+            else
+                dots_2x4(qr, kb + (s0 + j) * p[KSS], kb + (s0 + j1) * p[KSS], D, d8);
+            for (int r = 0; r < rows; ++r) {
                 sc[(i0 + r) * n + j] = d8[2 * r] * J->scale;
                 if (j1 != j) sc[(i0 + r) * n + j1] = d8[2 * r + 1] * J->scale;
             }
         }
+    }
+    if (shared) {  /* the same additions for every row: a loop the compiler vectorises */
+        for (int64_t i = 0; i < J->NRP; ++i) {
+            float *row = sc + i * n;
+            if (i >= J->NR) {
+                for (int64_t j = 0; j < n; ++j) row[j] = -INFINITY;
+                continue;
+            }
+            if (p[MKIND] != 0)  /* without a mask every key is attended and nothing is added */
+                add_mask_row(row, madd, n);
+        }
+        return;
     }
     for (int64_t i = 0; i < J->NRP; ++i)
         for (int64_t j = 0; j < n; ++j)
@@ -192,15 +265,44 @@ static void weighted_values(const Job *J, const float *vb, int64_t s0, int64_t n
     }
 }
 
-static void run_item(const Job *J, int64_t item, float *sc, uint8_t *attend) {
+/* weighted_values for rows [i0, i0 + ROWS512) in 16 lanes: 32 of D at a time (16 at the tail). */
+AVX512 static void weighted_values_8(const Job *J, const float *vb, int64_t s0, int64_t n, const float *pr,
+                                     const uint8_t *attend, float *acc) {
+    const int64_t D = J->p[ND], vs = J->p[VSS];
+    for (int64_t d = 0; d < D; d += 32) {
+        const int two = d + 32 <= D;  /* D is a multiple of 16: the last piece may be 16 wide */
+        __m512 a[ROWS512][2];
+        for (int r = 0; r < ROWS512; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; ++j) {
+            if (!attend[j]) continue;
+            const float *vj = vb + (s0 + j) * vs + d;
+            __m512 x0 = _mm512_loadu_ps(vj), x1 = two ? _mm512_loadu_ps(vj + 16) : x0;
+            for (int r = 0; r < ROWS512; ++r) {
+                __m512 w = _mm512_set1_ps(pr[r * n + j]);
+                a[r][0] = _mm512_fmadd_ps(w, x0, a[r][0]);
+                a[r][1] = _mm512_fmadd_ps(w, x1, a[r][1]);
+            }
+        }
+        for (int r = 0; r < ROWS512; ++r) {
+            _mm512_storeu_ps(acc + r * D + d, a[r][0]);
+            if (two) _mm512_storeu_ps(acc + r * D + d + 16, a[r][1]);
+        }
+    }
+}
+
+static void run_item(const Job *J, int64_t item, float *sc, float *madd, uint8_t *attend) {
     const int64_t *p = J->p, D = p[ND];
     int64_t c = item % J->chunks, bg = item / J->chunks, b = bg / p[NG], g = bg % p[NG];
     int64_t s0 = c * J->CS, n = p[NS] - s0 < J->CS ? p[NS] - s0 : J->CS;
     float *acc = J->acc + item * J->NRP * D, *m = J->m + item * J->NRP, *l = J->l + item * J->NRP;
-    item_scores(J, b, g, s0, n, sc, attend);
+    item_scores(J, b, g, s0, n, sc, attend, madd);
     for (int64_t i = 0; i < J->NRP; ++i) l[i] = row_softmax_pieces(sc + i * n, n, m + i);
     const float *vb = (const float *)p[V] + b * p[VSB] + g * p[VSG];
-    for (int64_t i0 = 0; i0 < J->NRP; i0 += ROWS) weighted_values(J, vb, s0, n, sc + i0 * n, attend, acc + i0 * D);
+    for (int64_t i0 = 0; i0 < J->NRP; i0 += J->block)
+        if (J->block == ROWS512)
+            weighted_values_8(J, vb, s0, n, sc + i0 * n, attend, acc + i0 * D);
+        else
+            weighted_values(J, vb, s0, n, sc + i0 * n, attend, acc + i0 * D);
 }
 
 /* The chunks' pieces of row i of (b, g) into out; 1 when every key is masked for it. */
@@ -239,12 +341,28 @@ static int64_t chunk_keys(int64_t S, int64_t heads, int64_t threads) {
     return (cs + 7) / 8 * 8;
 }
 
+/* 512: the AVX-512 blocks serve calls whose padded rows come in eights; 2: AVX2 alone. */
+static int64_t isa_in_use = 2;
+
+/* The widest blocks this CPU runs: 512 or 2. */
+int64_t moe_attention_best_isa(void) {
+    return __builtin_cpu_supports("avx512f") ? 512 : 2;
+}
+
+/* Hold the kernel to isa (2 or 512, at most moe_attention_best_isa()); returns the one before. */
+int64_t moe_attention_set_isa(int64_t isa) {
+    int64_t before = isa_in_use;
+    isa_in_use = isa == 512 && moe_attention_best_isa() == 512 ? 512 : 2;
+    return before;
+}
+
 int moe_decode_attention(const int64_t *p, double scale, int64_t threads) {
     if (p[ND] <= 0 || p[ND] % 16 || p[NG] <= 0 || p[NH] % p[NG] || p[NL] <= 0 || p[NB] <= 0 || p[NS] <= 0 ||
         p[MKIND] < 0 || p[MKIND] > 2)
         return 2;
     Job J = {p, (float)scale};
     J.R = p[NH] / p[NG], J.NR = J.R * p[NL], J.NRP = (J.NR + ROWS - 1) / ROWS * ROWS;
+    J.block = isa_in_use == 512 && J.NRP % ROWS512 == 0 ? ROWS512 : ROWS;
     J.CS = chunk_keys(p[NS], p[NB] * p[NG], threads);
     J.chunks = (p[NS] + J.CS - 1) / J.CS;
     int64_t items = p[NB] * p[NG] * J.chunks, D = p[ND];
@@ -252,8 +370,8 @@ int moe_decode_attention(const int64_t *p, double scale, int64_t threads) {
     if (J.acc == NULL) return 2;
     J.m = J.acc + items * J.NRP * D, J.l = J.m + items * J.NRP;
     threads = threads < 1 ? 1 : (threads > items ? items : threads);
-    /* per thread: scores [NRP][CS] then attend [CS] */
-    int64_t scratch = J.NRP * J.CS * (int64_t)sizeof(float) + J.CS;
+    /* per thread: scores [NRP][CS], a shared mask row [CS], then attend [CS] */
+    int64_t scratch = (J.NRP + 1) * J.CS * (int64_t)sizeof(float) + J.CS;
     char *per_thread = malloc((size_t)(threads * scratch));
     if (per_thread == NULL) {
         free(J.acc);
@@ -262,7 +380,8 @@ int moe_decode_attention(const int64_t *p, double scale, int64_t threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t item = 0; item < items; ++item) {
         char *mine = per_thread + omp_get_thread_num() * scratch;
-        run_item(&J, item, (float *)mine, (uint8_t *)(mine + J.NRP * J.CS * sizeof(float)));
+        float *scores = (float *)mine;
+        run_item(&J, item, scores, scores + J.NRP * J.CS, (uint8_t *)(scores + (J.NRP + 1) * J.CS));
     }
     free(per_thread);
     int failed = 0;

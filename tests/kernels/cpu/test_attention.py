@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import moe_compile.ops  # noqa: F401  registers the op
 from moe_compile.kernels.cpu import attention
+from moe_compile.kernels.cpu.isa import ISA_AVX2, ISA_AVX512
 
 op = torch.ops.moe_compile.decode_attention
 
@@ -44,10 +45,24 @@ def served(*args):
 SHAPES = [(1, 32, 4, 1, 577, 128), (2, 8, 8, 3, 100, 64), (1, 6, 2, 16, 300, 80), (1, 4, 1, 5, 7, 16)]
 
 
+@pytest.fixture(params=[ISA_AVX2, ISA_AVX512], ids=["avx2", "avx512"])
+def isa(request):
+    """The kernel held to AVX2, then (where the CPU has it) run with its AVX-512 blocks: the shapes
+    whose padded rows come in eights (the first and the third) take them."""
+    assert attention.unavailable_reason() is None
+    before = attention.use_isa(request.param)
+    try:
+        if attention.use_isa(request.param) != request.param:
+            pytest.skip("this CPU has no AVX-512")
+        yield request.param
+    finally:
+        attention.use_isa(before)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("mask", ["none", "bool", "bool-broadcast", "float"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_equals_reference(shape, mask, threads):
+def test_equals_reference(shape, mask, threads, isa):
     B, H, G, L, S, D = shape
     q, k, v = torch.randn(B, H, L, D), torch.randn(B, G, S, D), torch.randn(B, G, S, D)
     m, scale = make_mask(mask, B, H, L, S), D ** -0.5
