@@ -75,20 +75,31 @@ def _patches(module, **env):
     return decode_step.inductor_patches(_dynamo_graph(module), [torch.zeros(2)], dict(env) or None)
 
 
-def test_cpp_wrapper_on_for_inference_cache_writes_only():
+CHUNK = {decode_step.MIN_CHUNK_KEY: decode_step.DECODE_MIN_CHUNK}
+
+
+def test_cpp_wrapper_on_for_inference_cache_writes_only(monkeypatch):
+    monkeypatch.delenv(decode_step.MIN_CHUNK_ENV, raising=False)
     with torch.no_grad():
         patches, line = _patches(_IndexCopyCache)
-        assert patches == {"cpp_wrapper": True} and "C++ wrapper" in line
+        assert patches == {"cpp_wrapper": True, **CHUNK} and "C++ wrapper" in line and "one thread" in line
         assert _patches(_LocalBuffer) == (None, None)
-        # the user's own choice wins, both ways
-        assert _patches(_IndexCopyCache, cpp_wrapper=False) == ({"cpp_wrapper": False}, None)
+        # the user's own choice wins, both ways, for each setting
+        patches, line = _patches(_IndexCopyCache, cpp_wrapper=False)
+        assert patches == {"cpp_wrapper": False, **CHUNK} and "C++ wrapper" not in line
+        assert _patches(_IndexCopyCache, cpp_wrapper=False, **{decode_step.MIN_CHUNK_KEY: 64}) == (
+            {"cpp_wrapper": False, decode_step.MIN_CHUNK_KEY: 64}, None)
     assert _patches(_IndexCopyCache) == (None, None)  # grad enabled: a training graph
 
 
 def test_cpp_wrapper_switch_turns_it_off(monkeypatch):
     monkeypatch.setenv(decode_step.ENV, "0")
+    monkeypatch.setenv(decode_step.MIN_CHUNK_ENV, "512")  # Inductor's own switch: the user's choice
     with torch.no_grad():
         assert _patches(_IndexCopyCache) == (None, None)
+    monkeypatch.delenv(decode_step.MIN_CHUNK_ENV)
+    with torch.no_grad():
+        assert _patches(_IndexCopyCache)[0] == CHUNK
 
 
 def test_hf_static_cache_decode_with_cpp_wrapper_equal_to_eager():
