@@ -48,10 +48,12 @@ from moe_compile import llamacpp
 RECIPES = {"fp32": ("none", "none"), "w16": ("w16", "w16"), "w8": ("w8-int", "w8-int"), "a8w8": ("a8w8-int", "a8w8-int"),
            "a8w8g": ("a8w8-int", "a8w8-int"), "w4": ("w4-int", "w4-int"), "a8w4": ("a8w4-int", "a8w4-int")}
 # a recipe's environment while it compiles and runs: a8w8g is a8w8-int's group-wise form (q8_0's
-# arithmetic; per channel is the default), chosen at pack time by MOE_COMPILE_A8W8_GROUP
+# arithmetic) in the experts too (by default they are per channel, the dense linears group-wise),
+# chosen at pack time by MOE_COMPILE_A8W8_GROUP
 RECIPE_ENV = {"a8w8g": {"MOE_COMPILE_A8W8_GROUP": "grouped"}}
-# its bytes per weight where they differ from its formats': group-wise a8w8 stores w8-int's bytes
-RECIPE_BYTES = {"a8w8g": ("w8-int", "w8-int")}
+# (experts, dense) bytes per weight where they differ from the formats': group-wise a8w8 stores
+# w8-int's bytes, and a8w8-int's dense linears are group-wise by default
+RECIPE_BYTES = {"a8w8": ("a8w8-int", "w8-int"), "a8w8g": ("w8-int", "w8-int")}
 LLAMA_FORMATS = ("f32", "f16", "q8_0", "q4_0", "q4_K_M")
 # bytes per weight of each format (data + scales), for the roof
 BYTES_PER_WEIGHT = {"none": 4.0, "w16": 2.0, "w8-int": 1 + 2 / 32, "a8w8-int": 1.0, "w4-int": 0.5 + 2 / 32,

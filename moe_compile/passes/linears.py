@@ -41,12 +41,13 @@ class LinearMatch:
     fmt: str  # what the weight is read in: "none" or a format name
     weight_bytes: int  # bytes one call reads in that format
     router: bool  # its output picks experts (kept in its own dtype)
+    group: int = 0  # the format's weight group; 0: the format's default (dense_group says which)
 
     def replace(self) -> None:
         x, weight, bias = _operands(self.node)
         graph = self.node.graph
         with graph.inserting_before(self.node):
-            new = graph.call_function(torch.ops.moe_compile.dense_linear.default, (x, weight, bias, self.fmt, 0))
+            new = graph.call_function(torch.ops.moe_compile.dense_linear.default, (x, weight, bias, self.fmt, self.group))
         new.meta.update(self.node.meta)
         self.node.replace_all_uses_with(new)
         graph.erase_node(self.node)
@@ -73,7 +74,7 @@ def find_linears(gm: fx.GraphModule, example_inputs, fmt: str) -> tuple[list[Lin
         router = _is_router(node)
         # only a model's parameters are packed: a weight handed in per call would be packed per call
         use = "none" if router or not isinstance(weight, torch.nn.Parameter) else fmt
-        matches.append(LinearMatch(node, use, _bytes(weight, use), router))
+        matches.append(LinearMatch(node, use, _bytes(weight, use), router, dense_group(use, weight.shape[1])))
     return matches, left
 
 
@@ -113,6 +114,20 @@ def _is_router(node: fx.Node) -> bool:
     return False
 
 
+def dense_group(fmt: str, K: int) -> int:
+    """The weight group a dense linear packs ``fmt`` with; 0 is the format's own default.
+
+    a8w8-int is group-wise here (q8_0's arithmetic, ``a8w8_int.dense_group``) where the experts
+    stay per channel: the dense weights decide a whole model's logits (per channel they lose 3 dB
+    to llama.cpp's q8_0 on the benchmark model), and a dense linear's prefill runs torch's GEMM on
+    the dequantized weight in either form, so the group costs only its scales' bytes."""
+    if fmt != "a8w8-int":
+        return 0
+    from moe_compile.quant import a8w8_int
+
+    return a8w8_int.dense_group(K)
+
+
 def _bytes(weight: torch.Tensor, fmt: str) -> int:
     if fmt == "none":
         return weight.numel() * weight.element_size()
@@ -146,7 +161,7 @@ def run_linear_pass(gm: fx.GraphModule, example_inputs, fmt: str) -> str | None:
 
 
 def _summary(matches: list[LinearMatch], left: Counter) -> str:
-    by_fmt = Counter(m.fmt for m in matches)
+    by_fmt = Counter(m.fmt + (f" group-wise ({m.group})" if m.group else "") for m in matches)
     mib = sum(m.weight_bytes for m in matches) / 2**20
     parts = [f"{n} in {'their own dtype' if f == 'none' else f}" for f, n in sorted(by_fmt.items())]
     line = f"dense linears: {len(matches)} on moe_compile's kernels ({', '.join(parts) or 'none'}; {mib:.1f} MiB of weights a call)"

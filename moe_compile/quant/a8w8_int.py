@@ -61,6 +61,16 @@ def default_group() -> int | None:
     return int(value)
 
 
+def dense_group(K: int) -> int:
+    """The group a dense linear's a8w8-int weight packs with, 0 for per channel: what
+    ``MOE_COMPILE_A8W8_GROUP`` names when it is set (``none``: per channel), else GROUP where it
+    divides K.  Unlike the experts' (``default_group``), group-wise is the dense default: a dense
+    prefill dequantizes the weight either way, so the form costs no prefill speed there."""
+    if os.environ.get(GROUP_ENV, "").strip():
+        return default_group() or 0
+    return GROUP if K % GROUP == 0 else 0
+
+
 def check_group_size(K: int, group: int) -> None:
     """Grouped a8w8-int: a group the kernels tile dividing K (``common.check_a8_group``)."""
     check_a8_group(K, group, "a8w8-int")

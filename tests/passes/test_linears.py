@@ -61,6 +61,36 @@ def test_quant_dense_reads_the_format_and_keeps_routers():
     assert 25 < sqnr_db(want, got) < 80
 
 
+@pytest.mark.skipif(dense.unavailable_reason("a8w8-int") is not None, reason="no a8w8-int kernel here")
+@pytest.mark.parametrize("env, group", [(None, 32), ("none", None), ("64", 64)])
+def test_a8w8_dense_linears_pack_group_wise_unless_told(monkeypatch, env, group):
+    """Dense a8w8-int weights pack q8_0's group-wise form by default (the experts stay per channel);
+    MOE_COMPILE_A8W8_GROUP, when set, decides for both."""
+    from moe_compile.quant import a8w8_int
+
+    if env is None:
+        monkeypatch.delenv(a8w8_int.GROUP_ENV, raising=False)
+    else:
+        monkeypatch.setenv(a8w8_int.GROUP_ENV, env)
+    dense.clear()
+    model, ids = _model(), torch.randint(0, 128, (1, 3))
+    with torch.no_grad():
+        want = model(ids).logits
+    got, report = _logits(model, ids, quant_dense="a8w8-int")
+    weights = {id(p) for name, p in model.named_parameters() if "proj" in name and "experts" not in name
+               and "gate" not in name or name.startswith("lm_head")}
+    packs = [p.qweight for key, p in dense._PACKS.items() if key[0] in weights]
+    assert len(packs) == LINEARS - LAYERS  # q, k, v, o per layer and lm_head; routers keep fp32
+    assert all(q.fmt == "a8w8-int" and q.grouped_activations == (group is not None) for q in packs)
+    if group is not None:
+        # one fp16 scale per group of `group` along K (64 here)
+        assert all(q.scale.dtype == torch.float16 and q.scale.shape[-1] == 64 // group for q in packs)
+        assert f"{LINEARS - LAYERS} in a8w8-int group-wise ({group})" in _dense_note(report)
+    # int8 activations and weights: ~35-40 dB a matmul; through 2 layers and lm_head, > 20 dB,
+    # and never the fp32 logits exactly (the format is read)
+    assert 20 < sqnr_db(want, got) < 80
+
+
 def test_training_graphs_keep_their_linears():
     model, ids = _model(), torch.randint(0, 128, (1, 3))
     _, report = run_compiled(lambda i: model(i).logits, ids)  # grad mode on: a graph to differentiate
