@@ -35,9 +35,9 @@ ENV = "MOE_COMPILE_CPP_WRAPPER"
 # Inductor splits a CPU kernel across the threads when each gets at least cpp.min_chunk_size
 # elements (512 by default).  A decode step's kernels (a norm over 2048, rotary over 32 x 128) are
 # then two OpenMP regions of ~1 us work each, and the fork and join cost more than the work: at
-# 16384 they run on one thread, ~50% less time in them (4-layer Qwen3-MoE a8w4-int step, 2 threads:
-# 185 -> 82 us a step over its ten largest kernels, torch profiler).  Prefill-size kernels (a
-# 512-token norm: 1M elements) stay parallel.
+# 16384 they run on one thread (4-layer Qwen3-MoE a8w4-int step, 2 threads, alternating runs:
+# 9.3-10.2 -> 7.2-8.8 ms a step; its ten largest kernels' own time 185 -> 82 us).  Prefill-size
+# kernels (a 512-token norm: 1M elements) stay parallel.
 MIN_CHUNK_KEY, MIN_CHUNK_ENV, DECODE_MIN_CHUNK = "cpp.min_chunk_size", "TORCHINDUCTOR_CPP_MIN_CHUNK_SIZE", 16384
 # in-place writes through an index: how static KV caches are updated
 _INDEXED_WRITES = frozenset({"index_copy_", "index_put_", "index_fill_", "scatter_", "copy_"})
