@@ -26,6 +26,12 @@ with llama.cpp's C API) checks that the GGUF is the same model (tokens and logit
 Roof (decode): bytes one decode step reads in its formats (attention, router, lm_head, the K
 experts a token touches per layer, one embedding row) / the machine's read bandwidth (torch.sum
 over 1 GiB, best of 5).  Memory-bound: the roof fraction is roof ms / measured ms.
+
+Order: the baseline engines, then each recipe's rows followed at once by the llama.cpp type of
+the same bits (``PEER_TYPE``: fp32 / f32, w16 / f16, w8 and a8w8 / q8_0, 4-bit / q4_0), the pair
+under one bandwidth reading taken just before it ("GB/s"; the roof uses it), so that the memory's
+drift on a shared VM does not enter a recipe's ratio ("vs llama": decode, "pf vs": prefill);
+the types no recipe names (q4_K_M) run last.
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ RECIPE_ENV = {"a8w8g": {"MOE_COMPILE_A8W8_GROUP": "grouped"}}
 # w8-int's bytes, and a8w8-int's dense linears are group-wise by default
 RECIPE_BYTES = {"a8w8": ("a8w8-int", "w8-int"), "a8w8g": ("w8-int", "w8-int")}
 LLAMA_FORMATS = ("f32", "f16", "q8_0", "q4_0", "q4_K_M")
+# the llama.cpp type each recipe is timed beside (the same bits a weight)
+PEER_TYPE = {"fp32": "f32", "w16": "f16", "w8": "q8_0", "a8w8": "q8_0", "a8w8g": "q8_0", "w4": "q4_0", "a8w4": "q4_0"}
 # bytes per weight of each format (data + scales), for the roof
 BYTES_PER_WEIGHT = {"none": 4.0, "w16": 2.0, "w8-int": 1 + 2 / 32, "a8w8-int": 1.0, "w4-int": 0.5 + 2 / 32,
                     "a8w4-int": 0.5 + 2 / 32, "mxfp4": 0.5 + 1 / 32, "mxfp8": 1 + 1 / 32}
@@ -285,29 +293,33 @@ def main() -> None:
     print(f"read bandwidth {bw / 1e9:.1f} GB/s (torch.sum over 1 GiB, best of 5); load {os.getloadavg()[0]:.2f}")
     model = build_model(a)
     prompt = torch.randint(1, a.vocab, (1, a.prompt), generator=torch.Generator().manual_seed(1))
-    rows = []
+    paths = _gguf_paths(a, model) if a.llama_bench else {}
+    rows, ran = [], set()
     for engine in a.engines:
-        rows.append(torch_row(model, a, prompt, engine, None) | dict(bytes=decode_bytes(model, "none", "none")))
+        rows.append(torch_row(model, a, prompt, engine, None) | dict(bytes=decode_bytes(model, "none", "none"), bw=bw))
     for recipe in a.recipes:
+        # each recipe beside its llama.cpp type, run right after it, under one bandwidth reading:
+        # this VM's memory speed drifts by 10-20% within the run, which sequential blocks would fold
+        # into the ratio
+        pair_bw = harness.best_read_bandwidth()
         for engine in ("moe", "moe-loop") if a.loop else ("moe",):
-            rows.append(torch_row(model, a, prompt, engine, recipe) | dict(bytes=decode_bytes(model, *RECIPE_BYTES.get(recipe, RECIPES[recipe]))))
+            rows.append(torch_row(model, a, prompt, engine, recipe)
+                        | dict(bytes=decode_bytes(model, *RECIPE_BYTES.get(recipe, RECIPES[recipe])), bw=pair_bw))
+        peer = PEER_TYPE.get(recipe)
+        if peer in paths:
+            rows.append(_llama_row(a, model, paths[peer], peer, pair_bw) | dict(pair=recipe))
+            ran.add(peer)
+    for fmt, path in paths.items():  # the types no recipe was paired with
+        if fmt not in ran:
+            rows.append(_llama_row(a, model, path, fmt, harness.best_read_bandwidth()))
     checks = _check_torch(rows)
-    if a.llama_bench:
-        work = a.work or tempfile.mkdtemp(prefix="moe_e2e_")
-        os.makedirs(work, exist_ok=True)
-        f32 = os.path.join(work, "model-f32.gguf")
-        if not os.path.exists(f32):
-            llamacpp.write_gguf(model, f32)
-        paths = llama_formats(a, f32) if a.llama_quantize else {"f32": f32}
+    if paths:
         if a.llama_greedy:
             checks["llama_f32_vs_hf_eager"] = _check_llama(a, model, paths["f32"])
         eager = next((r for r in rows if r["engine"] == "eager"), None)
         for fmt, path in paths.items():  # the same context as the PyTorch rows' first-step logits
             if eager is not None and fmt != "f32":
                 checks[f"llama.cpp:{fmt} weights"] = _gguf_weights_sqnr(model, path, prompt, eager["first_logits"])
-        for fmt, path in paths.items():
-            rows.append(dict(engine="llama.cpp", recipe=fmt, bytes=llama_decode_bytes(path, model.config),
-                             **llama_bench(a, path)))
     _print(rows, bw, checks)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
@@ -317,6 +329,21 @@ def main() -> None:
                            checks=checks), f, indent=1)
 
 
+def _gguf_paths(a, model) -> dict:
+    """llama.cpp type -> GGUF path: the fp32 GGUF written once, the others quantized from it."""
+    work = a.work or tempfile.mkdtemp(prefix="moe_e2e_")
+    os.makedirs(work, exist_ok=True)
+    f32 = os.path.join(work, "model-f32.gguf")
+    if not os.path.exists(f32):
+        llamacpp.write_gguf(model, f32)
+    return llama_formats(a, f32) if a.llama_quantize else {"f32": f32}
+
+
+def _llama_row(a, model, path: str, fmt: str, bw: float) -> dict:
+    return dict(engine="llama.cpp", recipe=fmt, bytes=llama_decode_bytes(path, model.config), bw=bw,
+                **llama_bench(a, path))
+
+
 def _check_torch(rows: list[dict]) -> dict:
     """Greedy tokens of the fp32 rows against HF eager's; the quantized rows' first-step logits SQNR."""
     from moe_compile.quant.int8 import sqnr_db
@@ -324,7 +351,7 @@ def _check_torch(rows: list[dict]) -> dict:
     eager = next((r for r in rows if r["engine"] == "eager"), None)
     out = {}
     for r in rows:
-        if eager is None or r is eager:
+        if eager is None or r is eager or r["engine"] == "llama.cpp":
             continue
         key = f"{r['engine']}:{r['recipe']}"
         if r["first_logits"] is None:  # moe_compile.generate keeps no logits: its tokens only
@@ -375,12 +402,20 @@ def _gguf_weights_sqnr(model, path: str, prompt: torch.Tensor, eager_logits: tor
 
 
 def _print(rows: list[dict], bw: float, checks: dict) -> None:
+    """The table: each recipe's rows, then the llama.cpp type timed beside it (its decode ratio in
+    "vs llama", prefill ratio in "pf vs"); roof and GB/s from the pair's own bandwidth reading."""
     print(f"\n{'engine':10s} {'format':8s} {'prefill tok/s':>13s} {'decode tok/s':>12s} {'ms/token':>9s} "
-          f"{'roof ms':>8s} {'of roof':>7s} {'load':>5s}")
+          f"{'roof ms':>8s} {'of roof':>7s} {'GB/s':>5s} {'vs llama':>8s} {'pf vs':>6s} {'load':>5s}")
+    peers = {r["pair"]: r for r in rows if r.get("pair")}
     for r in rows:
-        roof_ms = 1e3 * r["bytes"] / bw
+        rbw = r.get("bw", bw)
+        roof_ms = 1e3 * r["bytes"] / rbw
+        peer = peers.get(r["recipe"]) if r["engine"] != "llama.cpp" else None
+        vs = f"{r['decode_tok_s'] / peer['decode_tok_s']:8.2f}" if peer else f"{'':8s}"
+        pf = f"{r['prefill_tok_s'] / peer['prefill_tok_s']:6.2f}" if peer else f"{'':6s}"
         print(f"{r['engine']:10s} {str(r['recipe'] or 'fp32'):8s} {r['prefill_tok_s']:13.1f} {r['decode_tok_s']:12.2f} "
-              f"{r['decode_ms_tok']:9.2f} {roof_ms:8.2f} {roof_ms / r['decode_ms_tok']:7.2f} {r['load1']:5.2f}")
+              f"{r['decode_ms_tok']:9.2f} {roof_ms:8.2f} {roof_ms / r['decode_ms_tok']:7.2f} {rbw / 1e9:5.1f} {vs} {pf} "
+              f"{r['load1']:5.2f}")
     for r in rows:
         if r.get("profile"):
             print(f"\nprofile {r['engine']}:{r['recipe']}: {r['profile']['step_ms']:.2f} ms a decode step (profiled)")
