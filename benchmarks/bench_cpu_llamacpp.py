@@ -19,7 +19,9 @@ softmax routing weights:
 Every round calls each variant once, in an order shuffled every round: a call that always ran
 right after the 256 MiB read was ~0.15 ms slower than the same call elsewhere in the round
 (Mixtral T=1, 2-core EPYC), so a fixed order biases whichever variant follows it.  Decode cells
-read 64 MiB of unrelated memory before every timed call.  2 threads on both sides.
+read --flush-mib (256) MiB of unrelated memory before every timed call: 64 MiB did not evict a
+50 MB working set on a VM reporting a 480 MiB L3 (1.14 ms against 2.23 ms after 256 MiB for the
+same Mixtral-like T=1 call).  2 threads on both sides.
 
     python benchmarks/bench_cpu_llamacpp.py --llama-lib /path/libmoe_peer.so --out DIR
 """
@@ -123,11 +125,11 @@ def run_cell(lib, weights, W1, W2, H, F, E, K, T, rounds, flush, bw_buf) -> dict
     return row
 
 
-def run(shapes, tokens, lib, decode_rounds, prefill_rounds) -> dict:
+def run(shapes, tokens, lib, decode_rounds, prefill_rounds, flush_mib: int = 256) -> dict:
     harness.setup_threads(2)
     import moe_compile.ops  # noqa: F401  registers the ops
 
-    flush, bw_buf = harness.cache_flush(64), torch.ones(256 * 2**20 // 4)
+    flush, bw_buf = harness.cache_flush(flush_mib), torch.ones(256 * 2**20 // 4)
     rows = []
     for name in shapes:
         H, F, E, K = SHAPES[name]
@@ -149,13 +151,13 @@ def run(shapes, tokens, lib, decode_rounds, prefill_rounds) -> dict:
     info["ggml"] = lib.peer_system_info().decode() if lib is not None else None
     info["isa_env"] = {k: os.environ.get(k) for k in ("MOE_COMPILE_FUSED_ISA", "ONEDNN_MAX_CPU_ISA",
                                                        "MKL_ENABLE_INSTRUCTIONS")}
-    return dict(machine=info, rows=rows)
+    return dict(machine=info, rows=rows, flush_mib=flush_mib)
 
 
 def to_markdown(data: dict) -> str:
     m = data["machine"]
     head = (f"fp32, {harness.machine_line(m)}; ISA switches {m['isa_env']}; llama.cpp: {m['ggml']}. Median ms of rounds in "
-            f"shuffled order (decode: 64 MiB read before each call). Roof: decode = torch.sum over the touched "
+            f"shuffled order (decode: {data.get('flush_mib', 64)} MiB read before each call). Roof: decode = torch.sum over the touched "
             f"experts' weights (and, in brackets, their bytes at the best 256 MiB read bandwidth); prefill = "
             f"dense torch.mm of equal FLOPs.\n\n")
     headers = ["shape", "T", "moe", "llama.cpp best", "roof", "llama/moe", "roof/moe", "rel err llama"]
@@ -181,6 +183,7 @@ def main(argv=None):
     ap.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     ap.add_argument("--decode-rounds", type=int, default=40)
     ap.add_argument("--prefill-rounds", type=int, default=7)
+    ap.add_argument("--flush-mib", type=int, default=256, help="MiB read before each decode call (evicts the weights)")
     ap.add_argument("--out", default=None, help="directory for cpu_llamacpp.md and .json")
     a = ap.parse_args(argv)
     import moe_compile.ops  # noqa: F401  torch's libgomp first, then the peer library
@@ -188,7 +191,7 @@ def main(argv=None):
     lib = open_peer(a.llama_lib)
     if lib is None:
         print(f"# llama.cpp peer not found ({a.llama_lib!r}): moe and the roofs only", file=sys.stderr)
-    data = run(a.shapes, a.tokens, lib, a.decode_rounds, a.prefill_rounds)
+    data = run(a.shapes, a.tokens, lib, a.decode_rounds, a.prefill_rounds, a.flush_mib)
     md = to_markdown(data)
     print(md)
     harness.write_outputs(a.out, "cpu_llamacpp", md, data)
