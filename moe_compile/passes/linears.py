@@ -115,12 +115,8 @@ def _is_router(node: fx.Node) -> bool:
 
 
 def dense_group(fmt: str, K: int) -> int:
-    """The weight group a dense linear packs ``fmt`` with; 0 is the format's own default.
-
-    a8w8-int is group-wise here (q8_0's arithmetic, ``a8w8_int.dense_group``) where the experts
-    stay per channel: the dense weights decide a whole model's logits (per channel they lose 3 dB
-    to llama.cpp's q8_0 on the benchmark model), and a dense linear's prefill runs torch's GEMM on
-    the dequantized weight in either form, so the group costs only its scales' bytes."""
+    """The weight group a dense linear packs ``fmt`` with; 0 is the format's own default.  Only
+    a8w8-int differs from its experts' default (``a8w8_int.dense_group`` says why)."""
     if fmt != "a8w8-int":
         return 0
     from moe_compile.quant import a8w8_int

@@ -64,8 +64,10 @@ def default_group() -> int | None:
 def dense_group(K: int) -> int:
     """The group a dense linear's a8w8-int weight packs with, 0 for per channel: what
     ``MOE_COMPILE_A8W8_GROUP`` names when it is set (``none``: per channel), else GROUP where it
-    divides K.  Unlike the experts' (``default_group``), group-wise is the dense default: a dense
-    prefill dequantizes the weight either way, so the form costs no prefill speed there."""
+    divides K.  Unlike the experts' (``default_group``), group-wise is the dense default: the
+    dense weights decide a whole model's logits (per channel they lose 3 dB to llama.cpp's q8_0 on
+    the benchmark model), and a dense prefill dequantizes the weight either way, so the form costs
+    no prefill speed there, only its scales' bytes at decode."""
     if os.environ.get(GROUP_ENV, "").strip():
         return default_group() or 0
     return GROUP if K % GROUP == 0 else 0

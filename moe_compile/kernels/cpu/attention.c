@@ -25,8 +25,9 @@
  * reaches the output as in SDPA.  Returns 2 for a shape it does not serve.
  * AVX2 + FMA; where the CPU has AVX-512 (and the caller has not held it to AVX2:
  * moe_attention_set_isa) phases 1 and 3 take eight rows at a time in 16 lanes, so each key and
- * value row is read once for eight query heads: 99 -> ~55 us a warm call of a 32/4-head layer at
- * 577 positions on 2 threads, the arithmetic being what a warm call waits on.
+ * value row is read once for eight query heads: 89 -> 75 us a warm call of a 32/4-head layer at
+ * 561 positions on 2 threads (AVX2 blocks against these), the arithmetic being what a warm call
+ * waits on.
  */
 #include <immintrin.h>
 #include <math.h>

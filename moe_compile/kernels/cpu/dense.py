@@ -62,7 +62,8 @@ class _Packed:
         self.fields = qdecode.role_fields(self.qweight, N, K)
         self.panels = None  # qgemm's panels of the weight, made by the first prefill call
         if _op_state.get("installed"):  # later decode calls on this weight: from C++ (dense_op.cpp)
-            torch.ops.moe_compile.dense_register(weight, fmt, self.qweight.data, self.qweight.scale, self.fields)
+            torch.ops.moe_compile.dense_register(weight, fmt, group or 0, self.qweight.data, self.qweight.scale,
+                                                 self.fields)
 
     def fresh(self, weight: torch.Tensor) -> bool:
         return self.ref() is weight and self.version == weight._version

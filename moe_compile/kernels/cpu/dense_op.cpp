@@ -51,17 +51,22 @@ struct Pack {
   int64_t fields[4] = {};                // qdecode's [data, scale, format code, group]
 };
 std::mutex packs_mutex;
-std::unordered_map<std::string, Pack> packs;  // by (weight, format): pack_key
+std::unordered_map<std::string, Pack> packs;  // by (weight, format, group): pack_key
 
-// One pack per (weight, format): a weight read in two formats (two compiles, a benchmark) keeps both.
-std::string pack_key(const at::Tensor& weight, c10::string_view fmt) {
+// One pack per (weight, format, group), the op's own arguments (group 0: the format's default): a
+// weight read in two formats or two groups (two compiles, a benchmark) keeps both, and a call
+// never runs on a pack of another group.
+std::string pack_key(const at::Tensor& weight, c10::string_view fmt, int64_t group) {
   std::string key = std::to_string(reinterpret_cast<uintptr_t>(weight.unsafeGetTensorImpl()));
   key.push_back('\0');
   key.append(fmt.data(), fmt.size());
+  key.push_back('\0');
+  key.append(std::to_string(group));
   return key;
 }
 
-void register_pack(const at::Tensor& weight, c10::string_view fmt, const at::Tensor& data, const at::Tensor& scale,
+void register_pack(const at::Tensor& weight, c10::string_view fmt, int64_t group, const at::Tensor& data,
+                   const at::Tensor& scale,
                    at::IntArrayRef fields) {
   TORCH_CHECK(fields.size() == 4, "dense_register: 4 role fields, got ", fields.size());
   Pack p{c10::weak_intrusive_ptr<c10::TensorImpl>(weight.getIntrusivePtr()), weight._version(), weight.data_ptr(),
@@ -70,7 +75,7 @@ void register_pack(const at::Tensor& weight, c10::string_view fmt, const at::Ten
   std::lock_guard<std::mutex> lock(packs_mutex);
   if (packs.size() > 4096)  // weights of dropped models
     for (auto it = packs.begin(); it != packs.end();) it = it->second.weight.expired() ? packs.erase(it) : ++it;
-  packs.insert_or_assign(pack_key(weight, fmt), std::move(p));
+  packs.insert_or_assign(pack_key(weight, fmt, group), std::move(p));
 }
 
 void prune_packs() {  // the packs of weights that are gone
@@ -83,10 +88,10 @@ void forget_packs() {
   packs.clear();
 }
 
-// The registered pack's fields for this very weight in fmt, unchanged since; false otherwise.
-bool pack_fields(const at::Tensor& weight, c10::string_view fmt, int64_t* fields) {
+// The registered pack's fields for this very weight in fmt and group, unchanged since; false otherwise.
+bool pack_fields(const at::Tensor& weight, c10::string_view fmt, int64_t group, int64_t* fields) {
   std::lock_guard<std::mutex> lock(packs_mutex);
-  auto found = packs.find(pack_key(weight, fmt));
+  auto found = packs.find(pack_key(weight, fmt, group));
   if (found == packs.end()) return false;
   const Pack& p = found->second;
   if (p.fmt != fmt || p.weight.lock().get() != weight.unsafeGetTensorImpl() || p.version != weight._version() ||
@@ -132,7 +137,7 @@ at::Tensor dense_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const
     fast_calls.fetch_add(1, std::memory_order_relaxed);
     return y;
   }
-  if (fp32 || linear_run == nullptr || T > linear_rows || !pack_fields(weight, fmt, fields))
+  if (fp32 || linear_run == nullptr || T > linear_rows || !pack_fields(weight, fmt, group, fields))
     return general(x, weight, bias, fmt, group);
   at::Tensor y = at::detail::empty_cpu(out_shape, at::kFloat, false, c10::nullopt);
   const int64_t plan[10] = {reinterpret_cast<int64_t>(x.data_ptr()), T, K, N, reinterpret_cast<int64_t>(y.data_ptr()),
@@ -158,7 +163,7 @@ extern "C" void moe_dense_op_set_kernels(void* skinny, int64_t s_rows, void* lin
 extern "C" int64_t moe_dense_op_fast_calls(void) { return fast_calls.load(std::memory_order_relaxed); }
 
 TORCH_LIBRARY_FRAGMENT(moe_compile, m) {
-  m.def("dense_register(Tensor weight, str fmt, Tensor data, Tensor scale, int[] fields) -> ()",
+  m.def("dense_register(Tensor weight, str fmt, int group, Tensor data, Tensor scale, int[] fields) -> ()",
         TORCH_FN(register_pack));
   m.def("dense_forget() -> ()", TORCH_FN(forget_packs));
   m.def("dense_prune() -> ()", TORCH_FN(prune_packs));

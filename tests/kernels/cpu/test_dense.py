@@ -86,6 +86,20 @@ def test_op_cpp_path_equals_python_path(fmt):
         assert dense.fast_calls() == before + 1  # served by C++, not by the Python kernel
 
 
+def test_op_cpp_path_keeps_one_pack_per_group():
+    """One weight called in a8w8-int per channel (group 0, the default) and group-wise (32): each
+    C++ call runs on its own group's pack, the same bits as the Python path for that group."""
+    dense.install()  # first: the packs made below are then registered with the C++ kernel
+    w, x = torch.randn(N, K), torch.randn(1, K)
+    want = {g: dense.linear(x, w, None, "a8w8-int", g or None) for g in (0, 32)}
+    assert not torch.equal(want[0], want[32])  # the two forms round differently
+    for g in (0, 32, 0, 32):  # alternating: the last registration must not serve the other group
+        before = dense.fast_calls()
+        assert torch.equal(torch.ops.moe_compile.dense_linear(x, w, None, "a8w8-int", g), want[g])
+        if dense.install():
+            assert dense.fast_calls() == before + 1
+
+
 def test_inplace_update_repacks():
     """A weight changed in place (an optimizer step, load_state_dict) is packed again: the next
     call reads the new values, in C++ as in Python."""
