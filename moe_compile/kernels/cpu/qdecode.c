@@ -18,6 +18,8 @@
  *     elements: 16 bytes zero-extended into 16 lanes, low and high nibble into a scaled table.
  *     AVX2's vpermps has 8 entries: w4-int converts the nibble (u - 8) s as one FMA of u, mxfp4
  *     looks up |value| and sets the sign bit.
+ *   - One row (T = 1's experts), 4- and 8-bit weight-only formats: the row is held as int16 blocks
+ *     and the codes are summed against it in int32 (quantize_i16, dot16, w4_dot16_vnni).
  *   - bf16: a 32-bit lane holding two bf16 values is both of them as fp32, one shifted left 16
  *     bits, the other with its low half masked off.
  *   - int8 / fp16: sign-extend and convert / vcvtph2ps, then times the group scale.
@@ -81,7 +83,8 @@ typedef struct {
     const uint8_t *data, *scale;
     int64_t fmt, n, k, group, layout; /* layout: how its x rows are held (LAYOUT_*) */
     int64_t i16; /* against one row its input is read as int16 blocks (I16_BLOCK, below): 0 no,
-                  * I16_PAIRED (4-bit: evens then odds) or I16_NATURAL (int8: in order) */
+                  * I16_PAIRED (4-bit: evens then odds), I16_NATURAL (int8: in order) or I16_T4
+                  * (w4-int on AVX-512 VNNI: w4_dot16_vnni's order) */
     int64_t pairing; /* FMT_A8W4G: its int8 input paired per 64 (AVX2 loop) or 128 (AVX-512 VNNI loop) */
     int64_t vnni;    /* grouped a8 formats and per-channel a8w8: the AVX-512 VNNI loop runs it (a8g_setup) */
 } qweight_t;
@@ -202,9 +205,10 @@ static void split(int64_t n, int64_t align, int64_t part, int64_t parts, int64_t
 typedef void (*dot_fn)(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales,
                        const float *const *x, int nr, float *out);
 
-/* dot of two 4- or 8-bit weight rows with one input row held as int16 blocks: out[w] = row_w . x. */
+/* dot of two 4- or 8-bit weight rows with one input row held as int16 blocks: out[w] = row_w . x;
+ * xs its scales and xo its lane offsets (I16_T4 only) from the row's first (i16_scale_at). */
 typedef void (*dot16_fn)(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales,
-                         const int16_t *xq, const float *xs, float *out);
+                         const int16_t *xq, const float *xs, const int32_t *xo, float *out);
 
 /* 4- and 8-bit weights against one input row on AVX2 (the T = 1 step of most users' CPUs):
  * dequantizing a code to fp32 and an FMA per weight and token keep AVX2's vector ports busy well
@@ -215,7 +219,15 @@ typedef void (*dot16_fn)(const qweight_t *wt, const uint8_t *const *rows, const 
  * s_w s_x.  1.7-1.8x the fp32 loop's weights per second in one-core A/B, error from the fp32
  * activations' result 1.6e-5 of the output's scale (Gaussian x, K = 1024).  A non-finite element
  * makes its block's scale non-finite, so NaN and inf still reach the output. */
-enum { I16_BLOCK = 32, I16_MAX = 32767, I16_PAIRED = 1, I16_NATURAL = 2 };
+enum { I16_BLOCK = 32, I16_MAX = 32767, I16_PAIRED = 1, I16_NATURAL = 2, I16_T4 = 3 };
+/* Scales and offsets of an int16 row are stored one per I16_LANE elements at most (T4 keeps one
+ * per int32 lane of its loop, the other forms one per block), so rows are I16_LANE apart. */
+enum { I16_LANE = 8 };
+
+/* Index of the scale (and T4 offset) of element c of row r of a row_len-wide int16 input. */
+static inline int64_t i16_scale_at(int64_t form, int64_t row_len, int64_t r, int64_t c) {
+    return r * (row_len / I16_LANE) + c / (form == I16_T4 ? I16_LANE : I16_BLOCK);
+}
 
 /* Where element i of a row is stored when each block of `block` elements is held paired (its even
  * elements, then its odd ones: the order the nibbles of block / 2 packed bytes come in); block 0:
@@ -308,6 +320,35 @@ static void quantize_i16(const float *x, int64_t n, int paired, int16_t *q, floa
             _mm_storel_epi64((__m128i *)(q + b + I16_BLOCK / 2 + j / 2), _mm_unpackhi_epi64(eo, eo));
         }
     }
+}
+
+/* As quantize_i16 (the same int16 values and block scales), held for w4_dot16_vnni (n a multiple
+ * of 128): each 128-element chunk as 4 vectors of 32 int16, vector j's word p element 4p + j (the
+ * nibble a 16-bit view of the packed row holds at bits 4j .. 4j + 3 of word p), so int32 lane d of
+ * every vector sums elements 8d .. 8d + 7 of the chunk, one block's.  Per lane: scale[d] its
+ * block's scale, off[d] = -8 times the sum of those 8 q (the codes are u = q_w + 8; the offset
+ * starts the lane's int32 sum, so a lane holds its 8 products alone, no large cancelling term). */
+static void quantize_i16_t4(const float *x, int64_t n, int16_t *q, float *scale, int32_t *off) {
+    int16_t in_order[128];
+    float block_scale[128 / I16_BLOCK];
+    for (int64_t c = 0; c < n; c += 128) {
+        quantize_i16(x + c, 128, 0, in_order, block_scale);
+        for (int p = 0; p < 32; ++p)
+            for (int j = 0; j < 4; ++j) q[c + 32 * j + p] = in_order[4 * p + j];
+        for (int d = 0; d < 128 / I16_LANE; ++d) {
+            int32_t sum = 0;
+            for (int i = 0; i < I16_LANE; ++i) sum += in_order[I16_LANE * d + i];
+            scale[c / I16_LANE + d] = block_scale[d * I16_LANE / I16_BLOCK], off[c / I16_LANE + d] = -8 * sum;
+        }
+    }
+}
+
+/* Row x (n elements) as int16 in a role's form, its scales (and T4 offsets) from `scale` / `off`. */
+static void quantize_i16_as(int64_t form, const float *x, int64_t n, int16_t *q, float *scale, int32_t *off) {
+    if (form == I16_T4)
+        quantize_i16_t4(x, n, q, scale, off);
+    else
+        quantize_i16(x, n, form == I16_PAIRED, q, scale);
 }
 
 /* quantize_per_token_int8 (quant/common.py) of one row of n floats, bit for bit: s = max|x| / 127
@@ -625,6 +666,50 @@ A8G_VNNI static void a8g_dot_vnni(const qweight_t *wt, const uint8_t *const *row
     }
 }
 
+/* w4-int against one input row held as int16 (quantize_i16_t4), two weight rows, AVX-512 VNNI:
+ * out[w] = row_w . x.  Per 128 elements (64 bytes of each row), viewed as 32 16-bit words: word p
+ * holds elements 4p .. 4p + 3, so (word >> 4j) & 15 is the code u of element 4p + j, and one
+ * vpdpwssd per j sums u x q into int32 lanes that each stay inside one block of 32 (and one
+ * group): 3 shifts, 3 ands, 4 vpdpwssd, one convert and two multiplies per 128 weights a row,
+ * where the fp32 T8 loop takes 7 shifts, 9 permutes and 10 multiply-adds.  Exact in int32 (a lane
+ * sums 8 products |u q| <= 15 x 32767 and its offset -8 sum(q): < 2^24, so its convert is exact
+ * too); scaled (sum * s_x) * s_w per lane, as the a8 loops. */
+A8G_VNNI static void w4_dot16_vnni(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales,
+                                   const int16_t *xq, const float *xs, const int32_t *xo, float *out) {
+    const int64_t K = wt->k, G = wt->group, per = G >= 128 ? G / 128 : 0; /* chunks of 128 per group; 0: G < 128 */
+    const uint16_t *h0 = (const uint16_t *)scales[0], *h1 = (const uint16_t *)scales[1];
+    const __m512i low = _mm512_set1_epi16(15);
+    __m512 t0 = _mm512_setzero_ps(), t1 = t0, sw0 = t0, sw1 = t0;
+    int64_t left = 0, gi = 0; /* chunks left in group gi - 1 (no division in the loop) */
+    for (int64_t c = 0; c < K / 128; ++c) {
+        const int64_t k = 128 * c;
+        if (!per) {
+            sw0 = a8g_scales16(scales[0], c, G), sw1 = a8g_scales16(scales[1], c, G);
+        } else if (left-- == 0) {
+            sw0 = _mm512_set1_ps(_cvtsh_ss(h0[gi])), sw1 = _mm512_set1_ps(_cvtsh_ss(h1[gi]));
+            ++gi, left = per - 1;
+        }
+        _mm_prefetch((const char *)(rows[0] + k / 2 + PREFETCH_4BIT_BYTES), _MM_HINT_T0);
+        _mm_prefetch((const char *)(rows[1] + k / 2 + PREFETCH_4BIT_BYTES), _MM_HINT_T0);
+        const __m512i x0 = _mm512_loadu_si512(xq + k), x1 = _mm512_loadu_si512(xq + k + 32);
+        const __m512i x2 = _mm512_loadu_si512(xq + k + 64), x3 = _mm512_loadu_si512(xq + k + 96);
+        const __m512i o = _mm512_loadu_si512(xo + 16 * c);
+        const __m512 sx = _mm512_loadu_ps(xs + 16 * c);
+        const __m512i v0 = _mm512_loadu_si512(rows[0] + k / 2), v1 = _mm512_loadu_si512(rows[1] + k / 2);
+        __m512i a0 = _mm512_dpwssd_epi32(o, _mm512_and_si512(v0, low), x0);
+        __m512i a1 = _mm512_dpwssd_epi32(o, _mm512_and_si512(v1, low), x0);
+        a0 = _mm512_dpwssd_epi32(a0, _mm512_and_si512(_mm512_srli_epi16(v0, 4), low), x1);
+        a1 = _mm512_dpwssd_epi32(a1, _mm512_and_si512(_mm512_srli_epi16(v1, 4), low), x1);
+        a0 = _mm512_dpwssd_epi32(a0, _mm512_and_si512(_mm512_srli_epi16(v0, 8), low), x2);
+        a1 = _mm512_dpwssd_epi32(a1, _mm512_and_si512(_mm512_srli_epi16(v1, 8), low), x2);
+        a0 = _mm512_dpwssd_epi32(a0, _mm512_srli_epi16(v0, 12), x3);
+        a1 = _mm512_dpwssd_epi32(a1, _mm512_srli_epi16(v1, 12), x3);
+        t0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a0), sx), sw0, t0);
+        t1 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a1), sx), sw1, t1);
+    }
+    out[0] = _mm512_reduce_add_ps(t0), out[1] = _mm512_reduce_add_ps(t1);
+}
+
 /* out[w * nr + r] of two rows of a group-wise a8w8 role and n activation rows, AVX2: a block of 32
  * a step, 8 exact int32 lanes (the sign trick), each scaled (acc * s_x) * s_w. */
 static void a8w8g_dot_avx2(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales,
@@ -750,7 +835,8 @@ typedef struct {
     int32_t *x8sum, *a8sum;            /* their sums of q [T], [S] */
     float *x8b, *a8b;                  /* grouped a8: x8 / a8 per block of 32, lane scales [T, H / 4], [S, F / 4] */
     int32_t *x8o, *a8o;                /* and offsets, same shapes (quantize_int8_blocks) */
-    float *xs, *as;                    /* their block scales [T, H / I16_BLOCK], [S, F / I16_BLOCK] */
+    float *xs, *as;                    /* their scales, i16_scale_at: [T, H / I16_LANE], [S, F / I16_LANE] */
+    int32_t *xo, *ao;                  /* I16_T4: their lane offsets, same shapes */
     qweight_t w1, w2;
     dot_fn dot;
     dot16_fn dot16;
@@ -842,7 +928,8 @@ static void fc1_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t
                 int8_rows(&s->w1, w, sc, s->x8, s->H, s->x8s, s->x8sum, s->tok, r0, n, nr, out);
             } else if (n == 1 && s->w1.i16) {
                 int64_t t = s->tok[r0];
-                s->dot16(&s->w1, w, sc, s->xq + t * s->H, s->xs + t * (s->H / I16_BLOCK), out);
+                int64_t at = i16_scale_at(s->w1.i16, s->H, t, 0);
+                s->dot16(&s->w1, w, sc, s->xq + t * s->H, s->xs + at, s->xo + at, out);
             } else {
                 s->dot(&s->w1, w, sc, rows, nr, out);
             }
@@ -863,8 +950,10 @@ static void fc1_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t
             int64_t m = f1 - c < 128 ? f1 - c : 128;
             swiglu_span(blk, hr + c, hr + s->F + c, 0, m, limit, g);
             layout_copy(s->a + r * s->F + c, blk, m, s->v, s->w2.layout);
-            if (s->w2.i16 && single)
-                quantize_i16(blk, m, s->w2.i16 == I16_PAIRED, s->aq + r * s->F + c, s->as + (r * s->F + c) / I16_BLOCK);
+            if (s->w2.i16 && single) {
+                int64_t at = i16_scale_at(s->w2.i16, s->F, r, c);
+                quantize_i16_as(s->w2.i16, blk, m, s->aq + r * s->F + c, s->as + at, s->ao + at);
+            }
         }
     }
 }
@@ -885,7 +974,8 @@ static void fc2_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t
             else if (int8_activations(s->w2.fmt))
                 int8_rows(&s->w2, w, sc, s->a8, s->F, s->a8s, s->a8sum, NULL, r0, n, nr, out);
             else if (n == 1 && s->w2.i16)
-                s->dot16(&s->w2, w, sc, s->aq + r0 * s->F, s->as + r0 * (s->F / I16_BLOCK), out);
+                s->dot16(&s->w2, w, sc, s->aq + r0 * s->F, s->as + i16_scale_at(s->w2.i16, s->F, r0, 0),
+                         s->ao + i16_scale_at(s->w2.i16, s->F, r0, 0), out);
             else
                 s->dot(&s->w2, w, sc, rows, nr, out);
             for (int64_t r = 0; r < n; ++r) {
@@ -929,13 +1019,16 @@ static qweight_t role(const int64_t *plan, int which, int64_t n, int64_t k) {
 }
 
 /* Whether a single row's activations go to the loops as int16 blocks (quantize_i16), and how:
- * on AVX2 for the 4- and 8-bit weight-only formats (dot16_2), on AVX-512 for w8-int (dot16_512);
- * MOE_COMPILE_QDECODE_I16=0 keeps the fp32 loop (exact, slower). */
-static int i16_form(int64_t fmt, int64_t k, int64_t isa) {
+ * on AVX2 for the 4- and 8-bit weight-only formats (dot16_2), on AVX-512 for w8-int (dot16_512)
+ * and, where the CPU has VNNI, w4-int rows of whole 128-element chunks whose groups the chunk's
+ * lanes can take (w4_dot16_vnni); MOE_COMPILE_QDECODE_I16=0 keeps the fp32 loop (exact, slower). */
+static int i16_form(int64_t fmt, int64_t k, int64_t group, int64_t isa) {
     const char *off = getenv("MOE_COMPILE_QDECODE_I16");
     if (k % I16_BLOCK || (off && strcmp(off, "0") == 0)) return 0;
     if (fmt == FMT_W8) return I16_NATURAL;
-    return isa == ISA_AVX2 && (fmt == FMT_W4 || fmt == FMT_MXFP4) ? I16_PAIRED : 0;
+    if (isa == ISA_AVX512)
+        return fmt == FMT_W4 && a8g_vnni() && k % 128 == 0 && (group == 32 || group == 64 || group % 128 == 0) ? I16_T4 : 0;
+    return fmt == FMT_W4 || fmt == FMT_MXFP4 ? I16_PAIRED : 0;
 }
 
 /* A decode step.  Returns 0; -1 when its scratch (a few hundred KiB at most) could not be
@@ -962,11 +1055,11 @@ int moe_qdecode_run(const int64_t *plan, float limit, int64_t nparts) {
     s.dot = isa == ISA_AVX512 ? dot_512 : dot_2;
     s.dot16 = isa == ISA_AVX512 ? dot16_512 : dot16_2;
     s.rmax = isa == ISA_AVX512 ? RMAX_512 : RMAX_2;
-    s.w1.i16 = i16_form(s.w1.fmt, s.w1.k, isa), s.w2.i16 = i16_form(s.w2.fmt, s.w2.k, isa);
+    s.w1.i16 = i16_form(s.w1.fmt, s.w1.k, s.w1.group, isa), s.w2.i16 = i16_form(s.w2.fmt, s.w2.k, s.w2.group, isa);
     int64_t *start = calloc((size_t)s.E + 2, sizeof(int64_t)), *tok = malloc((size_t)(2 * s.S + 1) * sizeof(int64_t));
-    /* floats: xp, h, a, the block scales of x and a, the int8 rows' scales; int32: their sums;
-     * int16: x and a blocks; int8: x and a rows */
-    int64_t floats = s.T * s.H + 2 * s.S * s.F + s.S * s.F + (s.T * s.H + s.S * s.F) / I16_BLOCK + 16;
+    /* floats: xp, h, a, the int16 rows' scales and offsets of x and a, the int8 rows' scales;
+     * int32: their sums; int16: x and a blocks; int8: x and a rows */
+    int64_t floats = s.T * s.H + 2 * s.S * s.F + s.S * s.F + 2 * (s.T * s.H + s.S * s.F) / I16_LANE + 16;
     int64_t rows8 = s.T + s.S + 16;
     float *xp = aligned_alloc(64, (size_t)((floats + 2 * rows8) * 4 + (s.T * s.H + s.S * s.F) * 3 + 128) / 64 * 64);
     /* grouped a8: lane scales and offsets of x and a, (T H + S F) / A8G_ROW_DIV of each */
@@ -991,8 +1084,9 @@ int moe_qdecode_run(const int64_t *plan, float limit, int64_t nparts) {
         }
     s.start = start, s.tok = tok, s.slot = slot;
     s.xp = xp, s.h = xp + s.T * s.H, s.a = s.h + 2 * s.S * s.F;
-    s.xs = s.a + s.S * s.F, s.as = s.xs + s.T * s.H / I16_BLOCK;
-    s.xq = (int16_t *)(s.as + s.S * s.F / I16_BLOCK + 16), s.aq = s.xq + s.T * s.H;
+    s.xs = s.a + s.S * s.F, s.as = s.xs + s.T * (s.H / I16_LANE);
+    s.xo = (int32_t *)(s.as + s.S * (s.F / I16_LANE)), s.ao = s.xo + s.T * (s.H / I16_LANE);
+    s.xq = (int16_t *)(s.ao + s.S * (s.F / I16_LANE) + 16), s.aq = s.xq + s.T * s.H;
     s.x8s = (float *)(s.aq + s.S * s.F), s.a8s = s.x8s + s.T;
     s.x8sum = (int32_t *)(s.a8s + s.S + 8), s.a8sum = s.x8sum + s.T;
     s.x8 = (int8_t *)(s.a8sum + s.S + 8), s.a8 = s.x8 + s.T * s.H;
@@ -1006,8 +1100,10 @@ int moe_qdecode_run(const int64_t *plan, float limit, int64_t nparts) {
                                  s.x8o + t * (s.H / A8G_ROW_DIV));
     for (int64_t t = 0; t < s.T; ++t) layout_copy(s.xp + t * s.H, x + t * s.H, s.H, s.v, s.w1.layout);
     if (s.w1.i16)
-        for (int64_t t = 0; t < s.T; ++t)
-            quantize_i16(x + t * s.H, s.H, s.w1.i16 == I16_PAIRED, s.xq + t * s.H, s.xs + t * s.H / I16_BLOCK);
+        for (int64_t t = 0; t < s.T; ++t) {
+            int64_t at = i16_scale_at(s.w1.i16, s.H, t, 0);
+            quantize_i16_as(s.w1.i16, x + t * s.H, s.H, s.xq + t * s.H, s.xs + at, s.xo + at);
+        }
 #pragma omp parallel num_threads(nparts)
     run_parts(&s, limit, omp_get_thread_num(), omp_get_num_threads());
     status = 0;
@@ -1039,11 +1135,12 @@ int moe_qdecode_linear(const int64_t *plan, int64_t nparts) {
     s.dot = isa == ISA_AVX512 ? dot_512 : dot_2;
     s.dot16 = isa == ISA_AVX512 ? dot16_512 : dot16_2;
     s.rmax = isa == ISA_AVX512 ? RMAX_512 : RMAX_2;
-    s.w2.i16 = i16_form(w.fmt, K, isa);
+    s.w2.i16 = i16_form(w.fmt, K, w.group, isa);
     int64_t *idx = malloc((size_t)(T + 2) * sizeof(int64_t));
     float *ones = malloc((size_t)T * sizeof(float));
-    /* a [T, K] in the weight's layout, its int16 blocks and block scales, its int8 rows, scales, sums */
-    size_t bytes = (size_t)(T * K * 4 + T * K / I16_BLOCK * 4 + 64 + T * K * 2 + T * K + 2 * (T + 16) * 4 + 128);
+    /* a [T, K] in the weight's layout, its int16 blocks' scales and offsets, the blocks, its int8
+     * rows, scales, sums */
+    size_t bytes = (size_t)(T * K * 4 + 2 * T * (K / I16_LANE) * 4 + 64 + T * K * 2 + T * K + 2 * (T + 16) * 4 + 128);
     float *a = aligned_alloc(64, (bytes + 63) / 64 * 64);
     float *blk = a8g(w.fmt) ? malloc((size_t)(T * K / A8G_ROW_DIV) * 8 + 64) : NULL; /* grouped a8: lane scales, offsets */
     int status = -1;
@@ -1052,13 +1149,16 @@ int moe_qdecode_linear(const int64_t *plan, int64_t nparts) {
     int64_t start[2] = {0, T};
     for (int64_t t = 0; t < T; ++t) idx[t] = t, ones[t] = 1.f;
     s.start = start, s.tok = idx, s.slot = idx, s.gates = ones;
-    s.a = a, s.as = a + T * K;
-    s.aq = (int16_t *)(s.as + T * K / I16_BLOCK + 16);
+    s.a = a, s.as = a + T * K, s.ao = (int32_t *)(s.as + T * (K / I16_LANE));
+    s.aq = (int16_t *)(s.ao + T * (K / I16_LANE) + 16);
     s.a8s = (float *)(s.aq + T * K), s.a8sum = (int32_t *)(s.a8s + T + 16), s.a8 = (int8_t *)(s.a8sum + T + 16);
     const float *x = (const float *)(intptr_t)plan[L_X];
     for (int64_t t = 0; t < T; ++t) {
         layout_copy(s.a + t * K, x + t * K, K, s.v, s.w2.layout);
-        if (s.w2.i16) quantize_i16(x + t * K, K, s.w2.i16 == I16_PAIRED, s.aq + t * K, s.as + t * K / I16_BLOCK);
+        if (s.w2.i16) {
+            int64_t at = i16_scale_at(s.w2.i16, K, t, 0);
+            quantize_i16_as(s.w2.i16, x + t * K, K, s.aq + t * K, s.as + at, s.ao + at);
+        }
         if (int8_activations(w.fmt))
             s.a8s[t] = quantize_int8_row(s.a + t * K, K, w.fmt == FMT_A8W4 ? a8w4_block(K) : 0, s.a8 + t * K, s.a8sum + t);
         if (a8g(w.fmt))
@@ -1417,13 +1517,21 @@ DOT_ROWS(FMT_MXFP8)
  * AVX2 (dot16_2; w4-int, mxfp4, w8-int): the nibbles mapped by vpshufb to the format's values as
  * integers (w4-int u - 8; mxfp4 twice its e2m1 value, so the scale takes the 1/2), int8
  * sign-extended; two vpmaddwd of 16 lanes.  |q| <= 127: the 4-product lane sums < 2^24, exact as fp32.
- * AVX-512 (dot16_512; w8-int only, i16_form): the block's 32 int8 sign-extended to one zmm and one
+ * AVX-512 (dot16_512; w8-int, i16_form): the block's 32 int8 sign-extended to one zmm and one
  * vpmaddwd: 5 vector operations per 32 weights a row where the fp32 loop takes 8 (convert, scale
  * and fma of every 16), which holds w8-int at ~9 GB/s of weights a core, under the memory's speed
- * with 2 threads.  The 4-bit formats keep AVX-512's fp32 loop: its permute lookup costs less than
- * unpacking nibbles to int16. */
+ * with 2 threads.  w4-int with VNNI goes to w4_dot16_vnni (128 weights a step, I16_T4); mxfp4
+ * keeps AVX-512's fp32 loop, whose permute lookup gives its values directly. */
 static void SFX(dot16)(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales,
-                       const int16_t *xq, const float *xs, float *out) {
+                       const int16_t *xq, const float *xs, const int32_t *xo, float *out) {
+#if QDECODE_ISA == 512
+    if (wt->i16 == I16_T4) {
+        w4_dot16_vnni(wt, rows, scales, xq, xs, xo, out);
+        return;
+    }
+#else
+    (void)xo;
+#endif
     const uint64_t K = (uint64_t)wt->k, G = (uint64_t)wt->group, blocks_per_group = G / I16_BLOCK;
 #if QDECODE_ISA == 2
     const int mx = wt->fmt == FMT_MXFP4, w8 = wt->fmt == FMT_W8;

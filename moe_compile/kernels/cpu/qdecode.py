@@ -25,7 +25,7 @@ Shapes:  T tokens, H hidden, F expert FFN width, E experts, K experts per token.
 Every weight is dequantized exactly (the products q * scale are representable in fp32) and
 dotted with fp32 activations, so y equals the format's reference (dequantize, then the fp32 MoE)
 up to the order of the fp32 sums.  One exception, for speed: on AVX2 the 4- and 8-bit integer
-loops (on AVX-512 w8-int's) take an expert's single row as int16 blocks of 32 (qdecode.c:
+loops (on AVX-512 w8-int's, and w4-int's with VNNI) take an expert's single row as int16 blocks of 32 (qdecode.c:
 quantize_i16; up to ~5e-5 of the output's scale from the reference; ``MOE_COMPILE_QDECODE_I16=0``
 turns it off).  The kernel reads the canonical tensors as they are: no repacked copy, nothing
 kept in ``pack_cache``.

@@ -6,8 +6,9 @@ order, so the only differences are fp32 rounding of the sums (K <= 256 terms of 
 both sides) and the kernels' e^x in the SwiGLU (simd.h, ~2e-7 relative): 1e-5 of the output's
 scale per element.  A wrong nibble, scale, lane order or slot fails it by orders of magnitude.
 
-On AVX2 the 4- and 8-bit integer formats (on AVX-512 w8-int) take an expert's single row (T = 1's
-steps) as int16 blocks of 32 (qdecode.c: quantize_i16): each activation within 2^-16 of its
+On AVX2 the 4- and 8-bit integer formats (on AVX-512 w8-int, and w4-int where the CPU has VNNI
+and the row is whole 128-element chunks) take an expert's single row (T = 1's steps) as int16
+blocks of 32 (qdecode.c: quantize_i16): each activation within 2^-16 of its
 block's largest, which across FC1, the SwiGLU and FC2 measures up to 5.3e-5 of the output's scale
 here (small H and F, Gaussian data): those cases are held to 1.5e-4 of it, still 1000x below
 what a wrong nibble costs.
@@ -21,7 +22,7 @@ import itertools
 import pytest
 import torch
 
-from moe_compile import quant
+from moe_compile import devices, quant
 from moe_compile.ir import FFNAttrs
 from moe_compile.kernels.cpu import qdecode
 from moe_compile.quant import QuantWeight, a8w4_int, reference_moe, w16 as quant_w16
@@ -31,6 +32,8 @@ needs_kernel = pytest.mark.skipif(qdecode.unavailable_reason("w4-int") is not No
                                   reason=f"no qdecode kernel: {qdecode.unavailable_reason('w4-int')}")
 ISAS = [qdecode.ISA_AVX2] + ([qdecode.ISA_AVX512] if qdecode.unavailable_reason("w4-int") is None
                              and qdecode.best_isa() == qdecode.ISA_AVX512 else [])
+# AVX-512 w4-int takes int16 rows (w4_dot16_vnni) only with VNNI's vpdpwssd
+VNNI = qdecode.ISA_AVX512 in ISAS and {"avx512f", "avx512bw", "avx512_vnni"} <= devices.cpu_flags()
 
 
 def pack(fmt: str, w: torch.Tensor, group: int = 32, gen: torch.Generator | None = None,
@@ -73,7 +76,8 @@ def tolerance(fmt: str, isa: int) -> float:
     """Allowed error, relative to the output's scale (the module docstring says why)."""
     if fmt.startswith("a8"):
         return 1e-3  # see _check
-    int16_rows = fmt == "w8-int" or (isa == qdecode.ISA_AVX2 and fmt in ("w4-int", "mxfp4"))
+    int16_rows = (fmt == "w8-int" or (isa == qdecode.ISA_AVX2 and fmt in ("w4-int", "mxfp4"))
+                  or (fmt == "w4-int" and VNNI))
     return 1.5e-4 if int16_rows else 1e-5
 
 
@@ -181,13 +185,15 @@ def test_nan_codes_propagate(isa):
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["w4-int", "mxfp4", "w8-int"])
 @pytest.mark.parametrize("isa", ISAS)
-def test_non_finite_activations_propagate_and_zero_rows_stay_zero(fmt, isa):
-    # The AVX2 4- and 8-bit loops hold a single row's activations as int16 blocks: a NaN or inf in x must
-    # still make that token's output non-finite (as in the reference), and an all-zero x row (its
-    # block scale would be 0 / 32767) must give exactly zero, not NaN.
-    x, _, g, w1, w2 = _case(fmt, 3, H=64, F=32, E=2, K=1, seed=6)
+@pytest.mark.parametrize("H,F", [(64, 32), (256, 128)])
+def test_non_finite_activations_propagate_and_zero_rows_stay_zero(fmt, isa, H, F):
+    # The 4- and 8-bit loops hold a single row's activations as int16 blocks (256 x 128: AVX-512
+    # w4-int's chunks of 128 too): a NaN or inf in x must still make that token's output non-finite
+    # (as in the reference), and an all-zero x row (its block scale would be 0 / 32767) must give
+    # exactly zero, not NaN.
+    x, _, g, w1, w2 = _case(fmt, 3, H=H, F=F, E=2, K=1, seed=6)
     ids = torch.tensor([[0], [1], [0]])
-    x[0, 5], x[1, 40], x[2] = float("nan"), float("inf"), 0.0
+    x[0, 5], x[1, H - 24], x[2] = float("nan"), float("inf"), 0.0
     got = qdecode.run(x, ids, g, w1, w2, FFNAttrs(), None, isa=isa)
     want = reference_moe(x, ids, g, w1, w2, FFNAttrs())
     assert not torch.isfinite(want[0]).any() and not torch.isfinite(got[0]).any()
@@ -229,20 +235,55 @@ def test_bad_input_has_clear_error():
 
 
 @needs_kernel
-def test_int16_switch_keeps_fp32_activations():
-    # MOE_COMPILE_QDECODE_I16=0 runs the AVX2 4-bit loops on fp32 activations: back to the
-    # reference's 1e-5; with the default, the int16 blocks show as a larger (still tiny) error.
+@pytest.mark.parametrize("isa", [qdecode.ISA_AVX2] + ([qdecode.ISA_AVX512] if VNNI else []))
+def test_int16_switch_keeps_fp32_activations(isa):
+    # MOE_COMPILE_QDECODE_I16=0 runs the 4-bit loops on fp32 activations: back to the reference's
+    # 1e-5; with the default, the int16 blocks show as a larger (still tiny) error.
     from tests.conftest import run_python
 
     code = ("import torch; from tests.kernels.cpu.test_qdecode import _case; from moe_compile.kernels.cpu import qdecode;"
             "from moe_compile.quant import reference_moe; from moe_compile.ir import FFNAttrs;"
             "x, ids, g, w1, w2 = _case('w4-int', 1, H=256, F=128, E=4, K=2, seed=9);"
-            "got = qdecode.run(x, ids, g, w1, w2, FFNAttrs(), None, isa=qdecode.ISA_AVX2);"
+            f"got = qdecode.run(x, ids, g, w1, w2, FFNAttrs(), None, isa={isa});"
             "want = reference_moe(x, ids, g, w1, w2, FFNAttrs());"
             "print(float((got - want).abs().max() / want.abs().max()))")
     exact = float(run_python(code, MOE_COMPILE_QDECODE_I16="0").stdout.split()[-1])
     blocks = float(run_python(code).stdout.split()[-1])
-    assert exact <= 1e-5 < blocks <= tolerance("w4-int", qdecode.ISA_AVX2), (exact, blocks)
+    assert exact <= 1e-5 < blocks <= tolerance("w4-int", isa), (exact, blocks)
+
+
+# AVX-512 VNNI w4-int on int16 rows (w4_dot16_vnni): T = 1 sends every expert a single row, so FC1
+# and FC2 both run it, at the group sizes its lanes take (32 and 64 per lane, 128 and 256 per chunk)
+# and a real model's widths.  MOE_COMPILE_QDECODE_I16=0 (read per call) gives the fp32 loop on the
+# same weights: exact to the reference's rounding, and not equal to the int16 loop's output (so
+# the int16 loop is what ran).
+@needs_kernel
+@pytest.mark.skipif(not VNNI, reason="no AVX-512 VNNI on this CPU")
+@pytest.mark.parametrize("H,F,group", [(256, 128, 32), (2048, 768, 32), (512, 256, 64), (512, 256, 128),
+                                       (512, 256, 256)])
+def test_w4_int16_vnni_loop_matches_reference(H, F, group, monkeypatch):
+    x, ids, g, w1, w2 = _case("w4-int", 1, H=H, F=F, E=6, K=4, seed=H + group, group=group)
+    got, want = _check(x, ids, g, w1, w2, FFNAttrs(), qdecode.ISA_AVX512)
+    monkeypatch.setenv("MOE_COMPILE_QDECODE_I16", "0")
+    fp32_loop = qdecode.run(x, ids, g, w1, w2, FFNAttrs(), None, isa=qdecode.ISA_AVX512)
+    torch.testing.assert_close(fp32_loop, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert not torch.equal(got, fp32_loop)
+
+
+@needs_kernel
+@pytest.mark.skipif(not VNNI, reason="no AVX-512 VNNI on this CPU")
+@pytest.mark.parametrize("code", [0, 15])
+def test_w4_int16_lane_sums_at_their_bounds(code):
+    # Every code at 0 (q_w = -8) or 15 (q_w = 7) and every activation at +-32767: each int32 lane
+    # reaches its largest |8 products + offset| (2.1e6 for code 0); an overflow, a lost offset or
+    # a wrong lane's scale shows as a wrong sign or size.  Token 1 alternates signs, so its
+    # offsets cancel to 0 within a lane (its 8 elements).
+    x, ids, g, w1, w2 = _case("w4-int", 2, H=1024, F=256, E=2, K=1, seed=3)
+    ids = torch.tensor([[0], [1]])
+    x[0], x[1] = 1.0, torch.where(torch.arange(1024) % 2 == 0, 1.0, -1.0)
+    for w in (w1, w2):
+        w.data.fill_(code | code << 4)
+    _check(x, ids, g, w1, w2, FFNAttrs(), qdecode.ISA_AVX512)
 
 
 @needs_kernel
