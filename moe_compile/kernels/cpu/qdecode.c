@@ -629,24 +629,31 @@ A8G_VNNI static inline __m512 a8g_scales16(const uint8_t *sc, int64_t c, int64_t
     return _mm512_set1_ps(_cvtsh_ss(h[c])); /* not reached: G >= 128 takes the loop's own scale */
 }
 
+/* The weight scales of two rows' int32 lanes for chunk c of 128 elements: per lane for G < 128
+ * (per = 0), else one per group, stepped every `per` chunks (*left, *gi: no division a chunk). */
+A8G_VNNI static inline void vnni_chunk_scales(const uint8_t *const *scales, int64_t c, int64_t G, int64_t per,
+                                              int64_t *left, int64_t *gi, __m512 *sw0, __m512 *sw1) {
+    if (!per) {
+        *sw0 = a8g_scales16(scales[0], c, G), *sw1 = a8g_scales16(scales[1], c, G);
+    } else if ((*left)-- == 0) {
+        *sw0 = _mm512_set1_ps(_cvtsh_ss(((const uint16_t *)scales[0])[*gi]));
+        *sw1 = _mm512_set1_ps(_cvtsh_ss(((const uint16_t *)scales[1])[*gi]));
+        ++*gi, *left = per - 1;
+    }
+}
+
 /* As a8g_dot_avx2, AVX-512 VNNI, 128 elements (64 bytes of each row) a step; K a multiple of 128. */
 A8G_VNNI static void a8g_dot_vnni(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales,
                                   const int8_t *const *xq, const float *const *xs, const int32_t *const *xo, int64_t n,
                                   int nr, float *out) {
     const int64_t K = wt->k, G = wt->group, per = G >= 128 ? G / 128 : 0; /* chunks of 128 per group; 0: G < 128 */
-    const uint16_t *h0 = (const uint16_t *)scales[0], *h1 = (const uint16_t *)scales[1];
     const __m512i low = _mm512_set1_epi8(15);
     for (int64_t r = 0; r < n; ++r) {
         __m512 t0 = _mm512_setzero_ps(), t1 = t0, sw0 = t0, sw1 = t0;
         int64_t left = 0, gi = 0; /* chunks left in group gi - 1 (no division in the loop) */
         for (int64_t c = 0; c < K / 128; ++c) {
             const int64_t k = 128 * c;
-            if (!per) {
-                sw0 = a8g_scales16(scales[0], c, G), sw1 = a8g_scales16(scales[1], c, G);
-            } else if (left-- == 0) {
-                sw0 = _mm512_set1_ps(_cvtsh_ss(h0[gi])), sw1 = _mm512_set1_ps(_cvtsh_ss(h1[gi]));
-                ++gi, left = per - 1;
-            }
+            vnni_chunk_scales(scales, c, G, per, &left, &gi, &sw0, &sw1);
             if (r == 0) {
                 _mm_prefetch((const char *)(rows[0] + k / 2 + PREFETCH_4BIT_BYTES), _MM_HINT_T0);
                 _mm_prefetch((const char *)(rows[1] + k / 2 + PREFETCH_4BIT_BYTES), _MM_HINT_T0);
@@ -677,18 +684,12 @@ A8G_VNNI static void a8g_dot_vnni(const qweight_t *wt, const uint8_t *const *row
 A8G_VNNI static void w4_dot16_vnni(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales,
                                    const int16_t *xq, const float *xs, const int32_t *xo, float *out) {
     const int64_t K = wt->k, G = wt->group, per = G >= 128 ? G / 128 : 0; /* chunks of 128 per group; 0: G < 128 */
-    const uint16_t *h0 = (const uint16_t *)scales[0], *h1 = (const uint16_t *)scales[1];
     const __m512i low = _mm512_set1_epi16(15);
     __m512 t0 = _mm512_setzero_ps(), t1 = t0, sw0 = t0, sw1 = t0;
     int64_t left = 0, gi = 0; /* chunks left in group gi - 1 (no division in the loop) */
     for (int64_t c = 0; c < K / 128; ++c) {
         const int64_t k = 128 * c;
-        if (!per) {
-            sw0 = a8g_scales16(scales[0], c, G), sw1 = a8g_scales16(scales[1], c, G);
-        } else if (left-- == 0) {
-            sw0 = _mm512_set1_ps(_cvtsh_ss(h0[gi])), sw1 = _mm512_set1_ps(_cvtsh_ss(h1[gi]));
-            ++gi, left = per - 1;
-        }
+        vnni_chunk_scales(scales, c, G, per, &left, &gi, &sw0, &sw1);
         _mm_prefetch((const char *)(rows[0] + k / 2 + PREFETCH_4BIT_BYTES), _MM_HINT_T0);
         _mm_prefetch((const char *)(rows[1] + k / 2 + PREFETCH_4BIT_BYTES), _MM_HINT_T0);
         const __m512i x0 = _mm512_loadu_si512(xq + k), x1 = _mm512_loadu_si512(xq + k + 32);
@@ -965,6 +966,7 @@ static void fc2_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t
     for (int64_t r0 = lo; r0 < hi; r0 += s->rmax) {
         int64_t n = hi - r0 < s->rmax ? hi - r0 : s->rmax;
         int nr = gather_rows(s->a, s->F, NULL, r0, n, s->rmax, rows);
+        const int64_t i16_at = i16_scale_at(s->w2.i16, s->F, r0, 0);
         for (int64_t c = n0; c < n1; c += 2) {
             int64_t c2 = c + 1 < n1 ? c + 1 : c; /* an odd count: the last row twice, once kept */
             const uint8_t *w[2] = {row_at(&s->w2, e, c), row_at(&s->w2, e, c2)};
@@ -974,8 +976,7 @@ static void fc2_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t
             else if (int8_activations(s->w2.fmt))
                 int8_rows(&s->w2, w, sc, s->a8, s->F, s->a8s, s->a8sum, NULL, r0, n, nr, out);
             else if (n == 1 && s->w2.i16)
-                s->dot16(&s->w2, w, sc, s->aq + r0 * s->F, s->as + i16_scale_at(s->w2.i16, s->F, r0, 0),
-                         s->ao + i16_scale_at(s->w2.i16, s->F, r0, 0), out);
+                s->dot16(&s->w2, w, sc, s->aq + r0 * s->F, s->as + i16_at, s->ao + i16_at, out);
             else
                 s->dot(&s->w2, w, sc, rows, nr, out);
             for (int64_t r = 0; r < n; ++r) {
