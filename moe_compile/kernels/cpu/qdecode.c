@@ -65,15 +65,30 @@ enum { SEG = 256 };
  *   bf16: from 0.569 / 0.470 (Mixtral-like T=1, AVX2) to level (0.62 / 0.64) from run to run;
  *   w4-int: level (compute-bound on AVX2).
  * Earlier, prefetching at all against not: w4-int 0.338 / 0.438, w8-int 0.542 / 0.577 (1 thread). */
+/* Prefetches go to L2 (T1), not L1 (T0).  Into L1 each one holds one of the core's few L1 miss
+ * buffers until DRAM answers, so a loop doing real work per line got no more lines in flight
+ * than it had before, and time from memory was memory time plus compute time.  Into L2 the
+ * prefetches run on their own (skinny.c's fp32 loop already did this).  Dense linears at T = 1,
+ * 2 threads, 64 MiB read before each call, medians of 25, 2-core EPYC Zen 4 (AVX-512 VNNI),
+ * lm_head [32000, 2048] ms T0 -> T1: w8-int 4.22 -> 2.56, a8w8-int 6.05 -> 2.33, w16 6.18 -> 3.59,
+ * a8w4-int g32 2.26 -> 1.46; w4-int level (2.03 -> 1.93).  A standalone loop streaming 4 MB of
+ * int4 rows through the w4 VNNI dot: 13.7 GB/s (T0) -> 27-38 GB/s (T1 or T2), the sum of the
+ * same bytes 29 GB/s. */
+#ifndef QDECODE_PREFETCH_HINT
+#define QDECODE_PREFETCH_HINT _MM_HINT_T1
+#endif
+#define PREFETCH_HINT QDECODE_PREFETCH_HINT
 #ifndef QDECODE_PREFETCH_ELEMENTS /* a -D override for A/B builds */
 #define QDECODE_PREFETCH_ELEMENTS 4096
 #endif
 enum { PREFETCH_ELEMENTS = QDECODE_PREFETCH_ELEMENTS };
-/* 4-bit rows: twice the elements ahead (4 KiB).  Their integer loops run at ~45 G weights/s a core
+/* 4-bit rows: 8 KiB ahead (twice the elements).  Their integer loops run at ~45 G weights/s a core
  * in cache, so 2 KiB is ~90 ns ahead, under DRAM's latency; one-process A/B, AVX2, T=1 / T=4,
  * Mixtral-like: a8w4-int 0.185 / 0.581 -> 0.171 / 0.542 ms, w4-int 0.254 / 0.891 -> 0.245 / 0.873;
- * 8-bit formats and bf16 level or 3% slower at the doubled distance, so they keep theirs. */
-enum { PREFETCH_4BIT_BYTES = PREFETCH_ELEMENTS };
+ * 8-bit formats and bf16 level or 3% slower at the doubled distance, so they keep theirs.
+ * Into L2 (above), 4 -> 8 KiB: a8w4-int q_proj / o_proj [4096, 2048] / [2048, 4096] 0.288 / 0.291 ->
+ * 0.278 / 0.253 ms, at 16 KiB lm_head slower again (1.46 -> 2.01). */
+enum { PREFETCH_4BIT_BYTES = 8192 };
 
 #define ALWAYS_INLINE __attribute__((always_inline)) static inline
 
@@ -379,13 +394,13 @@ static float quantize_int8_row(const float *x, int64_t n, int64_t block, int8_t 
 /* One block of 32 elements of weight row `row` into `part` (see int8_dot). */
 ALWAYS_INLINE __m256i int8_block(int64_t fmt, const uint8_t *row, int64_t k, __m256i q, __m256i part, int fetch) {
     if (fmt == FMT_A8W4) {
-        if (fetch) _mm_prefetch((const char *)(row + k / 2 + PREFETCH_4BIT_BYTES), _MM_HINT_T0);
+        if (fetch) _mm_prefetch((const char *)(row + k / 2 + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
         const __m128i low = _mm_set1_epi8(15);
         __m128i v = _mm_loadu_si128((const __m128i *)(row + k / 2));
         __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
         return _mm256_add_epi16(part, _mm256_maddubs_epi16(u, q));
     }
-    if (fetch) _mm_prefetch((const char *)(row + k + PREFETCH_ELEMENTS), _MM_HINT_T0);
+    if (fetch) _mm_prefetch((const char *)(row + k + PREFETCH_ELEMENTS), PREFETCH_HINT);
     __m256i c = _mm256_loadu_si256((const __m256i *)(row + k));
     __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(q, c));
     return _mm256_add_epi32(part, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
@@ -406,8 +421,8 @@ static void a8w4_dot64(int64_t K, const uint8_t *const *rows, const int8_t *xr, 
         for (int64_t k = k0; k < end; k += 64) {
             __m256i qe = _mm256_loadu_si256((const __m256i *)(xr + k)), qo = _mm256_loadu_si256((const __m256i *)(xr + k + 32));
             if (fetch) {
-                _mm_prefetch((const char *)(rows[0] + k / 2 + PREFETCH_4BIT_BYTES), _MM_HINT_T0);
-                _mm_prefetch((const char *)(rows[1] + k / 2 + PREFETCH_4BIT_BYTES), _MM_HINT_T0);
+                _mm_prefetch((const char *)(rows[0] + k / 2 + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
+                _mm_prefetch((const char *)(rows[1] + k / 2 + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
             }
             __m256i v0 = _mm256_loadu_si256((const __m256i *)(rows[0] + k / 2));
             __m256i v1 = _mm256_loadu_si256((const __m256i *)(rows[1] + k / 2));
@@ -574,8 +589,8 @@ static void a8g_dot_avx2(const qweight_t *wt, const uint8_t *const *rows, const 
                 ++gi, left = per - 1;
             }
             if (r == 0 && !(c & 1)) {
-                _mm_prefetch((const char *)(rows[0] + k / 2 + PREFETCH_4BIT_BYTES), _MM_HINT_T0);
-                _mm_prefetch((const char *)(rows[1] + k / 2 + PREFETCH_4BIT_BYTES), _MM_HINT_T0);
+                _mm_prefetch((const char *)(rows[0] + k / 2 + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
+                _mm_prefetch((const char *)(rows[1] + k / 2 + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
             }
             __m256i qe = _mm256_loadu_si256((const __m256i *)(xq[r] + k)), qo = _mm256_loadu_si256((const __m256i *)(xq[r] + k + 32));
             __m256i o = _mm256_loadu_si256((const __m256i *)(xo[r] + 8 * c));
@@ -655,8 +670,8 @@ A8G_VNNI static void a8g_dot_vnni(const qweight_t *wt, const uint8_t *const *row
             const int64_t k = 128 * c;
             vnni_chunk_scales(scales, c, G, per, &left, &gi, &sw0, &sw1);
             if (r == 0) {
-                _mm_prefetch((const char *)(rows[0] + k / 2 + PREFETCH_4BIT_BYTES), _MM_HINT_T0);
-                _mm_prefetch((const char *)(rows[1] + k / 2 + PREFETCH_4BIT_BYTES), _MM_HINT_T0);
+                _mm_prefetch((const char *)(rows[0] + k / 2 + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
+                _mm_prefetch((const char *)(rows[1] + k / 2 + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
             }
             __m512i qe = _mm512_loadu_si512(xq[r] + k), qo = _mm512_loadu_si512(xq[r] + k + 64);
             __m512i o = _mm512_loadu_si512(xo[r] + 16 * c);
@@ -690,8 +705,8 @@ A8G_VNNI static void w4_dot16_vnni(const qweight_t *wt, const uint8_t *const *ro
     for (int64_t c = 0; c < K / 128; ++c) {
         const int64_t k = 128 * c;
         vnni_chunk_scales(scales, c, G, per, &left, &gi, &sw0, &sw1);
-        _mm_prefetch((const char *)(rows[0] + k / 2 + PREFETCH_4BIT_BYTES), _MM_HINT_T0);
-        _mm_prefetch((const char *)(rows[1] + k / 2 + PREFETCH_4BIT_BYTES), _MM_HINT_T0);
+        _mm_prefetch((const char *)(rows[0] + k / 2 + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
+        _mm_prefetch((const char *)(rows[1] + k / 2 + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
         const __m512i x0 = _mm512_loadu_si512(xq + k), x1 = _mm512_loadu_si512(xq + k + 32);
         const __m512i x2 = _mm512_loadu_si512(xq + k + 64), x3 = _mm512_loadu_si512(xq + k + 96);
         const __m512i o = _mm512_loadu_si512(xo + 16 * c);
@@ -730,8 +745,8 @@ static void a8w8g_dot_avx2(const qweight_t *wt, const uint8_t *const *rows, cons
                 ++gi, left = per - 1;
             }
             if (r == 0 && !(b & 1)) {
-                _mm_prefetch((const char *)(rows[0] + k + PREFETCH_ELEMENTS), _MM_HINT_T0);
-                _mm_prefetch((const char *)(rows[1] + k + PREFETCH_ELEMENTS), _MM_HINT_T0);
+                _mm_prefetch((const char *)(rows[0] + k + PREFETCH_ELEMENTS), PREFETCH_HINT);
+                _mm_prefetch((const char *)(rows[1] + k + PREFETCH_ELEMENTS), PREFETCH_HINT);
             }
             __m256i q = _mm256_loadu_si256((const __m256i *)(xq[r] + k));
             __m256 sx = _mm256_loadu_ps(xs[r] + 8 * b);
@@ -766,8 +781,8 @@ A8G_VNNI static void a8w8g_dot_vnni(const qweight_t *wt, const uint8_t *const *r
                 ++gi, left = per - 1;
             }
             if (r == 0) {
-                _mm_prefetch((const char *)(rows[0] + k + PREFETCH_ELEMENTS), _MM_HINT_T0);
-                _mm_prefetch((const char *)(rows[1] + k + PREFETCH_ELEMENTS), _MM_HINT_T0);
+                _mm_prefetch((const char *)(rows[0] + k + PREFETCH_ELEMENTS), PREFETCH_HINT);
+                _mm_prefetch((const char *)(rows[1] + k + PREFETCH_ELEMENTS), PREFETCH_HINT);
             }
             __m512i q = _mm512_loadu_si512(xq[r] + k), o = _mm512_loadu_si512(xo[r] + 16 * c);
             __m512 sx = _mm512_loadu_ps(xs[r] + 16 * c);
@@ -870,8 +885,8 @@ A8G_VNNI static void int8_dot_vnni(int64_t K, const uint8_t *const *rows, const 
         for (; k + 128 <= K; k += 128) {
             if (r == 0)
                 for (int j = 0; j < 2; ++j) {
-                    _mm_prefetch((const char *)(rows[j] + k + PREFETCH_ELEMENTS), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(rows[j] + k + 64 + PREFETCH_ELEMENTS), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(rows[j] + k + PREFETCH_ELEMENTS), PREFETCH_HINT);
+                    _mm_prefetch((const char *)(rows[j] + k + 64 + PREFETCH_ELEMENTS), PREFETCH_HINT);
                 }
             __m512i qa = _mm512_loadu_si512(xq[r] + k), qb = _mm512_loadu_si512(xq[r] + k + 64);
             t0 = _mm512_dpbusd_epi32(t0, _mm512_xor_si512(_mm512_loadu_si512(rows[0] + k), flip), qa);
@@ -1355,7 +1370,7 @@ ALWAYS_INLINE void SFX(chunk)(const int fmt, const int NW, const int R, const ui
     const int64_t ahead = fmt == FMT_W4 || fmt == FMT_MXFP4 ? PREFETCH_4BIT_BYTES
                           : fmt == FMT_BF16 || fmt == FMT_FP16 ? 2 * PREFETCH_ELEMENTS : PREFETCH_ELEMENTS;
     _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) {
-        if ((at & 63) == 0) _mm_prefetch((const char *)(rows[w] + at + ahead), _MM_HINT_T0);
+        if ((at & 63) == 0) _mm_prefetch((const char *)(rows[w] + at + ahead), PREFETCH_HINT);
         SFX(dequant)(fmt, rows[w], k, gs[w], &w0[w], &w1[w]);
     }
     _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
@@ -1380,7 +1395,7 @@ ALWAYS_INLINE void t8_block(const int NW, const int R, const uint8_t *const *row
     vf p[2][RMAX][2];
     _Pragma("GCC unroll 2") for (int w = 0; w < NW; ++w) {
         d[w] = _mm512_loadu_si512((const void *)(rows[w] + k / 2));
-        _mm_prefetch((const char *)(rows[w] + k / 2 + PREFETCH_4BIT_BYTES), _MM_HINT_T0);
+        _mm_prefetch((const char *)(rows[w] + k / 2 + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
     }
     _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j) {
         vf wj[2];
@@ -1561,18 +1576,18 @@ static void SFX(dot16)(const qweight_t *wt, const uint8_t *const *rows, const ui
 #if QDECODE_ISA == 2
                 __m256i lo, hi; /* the block's elements as int16: 4-bit evens / odds, int8 first / second half */
                 if (w8) {
-                    _mm_prefetch((const char *)(rows[w] + k0 + PREFETCH_ELEMENTS), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(rows[w] + k0 + PREFETCH_ELEMENTS), PREFETCH_HINT);
                     lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(rows[w] + k0)));
                     hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(rows[w] + k0 + 16)));
                 } else {
-                    _mm_prefetch((const char *)(rows[w] + k0 / 2 + PREFETCH_4BIT_BYTES), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(rows[w] + k0 / 2 + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
                     __m128i v = _mm_loadu_si128((const __m128i *)(rows[w] + k0 / 2));
                     lo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(values, _mm_and_si128(v, low)));
                     hi = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(v, 4), low)));
                 }
                 __m256 p = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(lo, qe), _mm256_madd_epi16(hi, qo)));
 #else
-                _mm_prefetch((const char *)(rows[w] + k0 + PREFETCH_ELEMENTS), _MM_HINT_T0);
+                _mm_prefetch((const char *)(rows[w] + k0 + PREFETCH_ELEMENTS), PREFETCH_HINT);
                 __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(rows[w] + k0)));
                 __m512 p = _mm512_cvtepi32_ps(_mm512_madd_epi16(v, q));
 #endif
