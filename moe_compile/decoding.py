@@ -115,8 +115,25 @@ def _static_cache(model, input_ids: torch.Tensor, max_cache_len: int):
         cache.reset()
         return cache
     cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    _allocate(model, cache, input_ids.shape[0])
     _caches[model] = cache
     return cache
+
+
+def _allocate(model, cache, batch: int) -> None:
+    """Allocate the cache's tensors before the first forward call, as HF generate does for a compiled
+    prefill.  A lazily allocated cache is allocated inside the first compiled prefill, which then
+    guards on ``is_initialized == False``: the next generate call (the cache reset, still allocated)
+    compiled a second prefill graph, 15-60 s on a small CPU.  Left lazy where this transformers
+    version cannot say the cache's shape (no ``_get_static_cache_init_shape``, or it returns None:
+    layers on several devices, MLA heads)."""
+    shape_of = getattr(model, "_get_static_cache_init_shape", None)
+    shape = shape_of() if callable(shape_of) else None
+    if shape is None:
+        return
+    num_heads, head_dim = shape
+    cache.early_initialization(batch_size=batch, num_heads=num_heads, head_dim=head_dim, dtype=model.dtype,
+                               device=model.device)
 
 
 def _fits(cache, batch: int, max_cache_len: int) -> bool:

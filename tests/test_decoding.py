@@ -50,6 +50,27 @@ def test_compiled_with_moe_backend_equal_to_eager_tokens():
     assert torch.equal(moe_compile.generate(model, ids, n, stop_at_eos=False, check_guards=True), want)
 
 
+def test_a_second_call_compiles_no_new_graph():
+    # the cache is allocated before the first prefill: allocated lazily inside it, the prefill's
+    # graph guarded on is_initialized == False and the next call (the cache reset, still
+    # allocated) compiled the prefill a second time
+    model = _model()
+    ids = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(5))
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend=counting)
+    first = moe_compile.generate(model, ids, 4, stop_at_eos=False)
+    compiled = len(graphs)
+    assert compiled >= 2  # a prefill and a decode graph
+    assert torch.equal(moe_compile.generate(model, ids, 4, stop_at_eos=False), first)
+    assert len(graphs) == compiled
+
+
 class _Drifting(torch.nn.Module):
     """An LM whose Python state changes during generation: after `turn` calls its logits flip, a
     branch Dynamo guards on (a graph compiled before the turn no longer fits after it)."""
