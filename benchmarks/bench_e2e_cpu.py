@@ -189,8 +189,11 @@ def torch_row(model, a, prompt: torch.Tensor, engine: str, recipe: str | None) -
         first = timed()
         first_s = time.perf_counter() - t
         runs = [timed() for _ in range(a.reps)]
-        profile = (profile_decode(model, prompt, a.gen, **kwargs) if recipe in a.profile and engine == "moe"
-                   else None)
+        profile = None
+        if recipe in a.profile and engine == "moe":
+            profile = profile_decode(model, prompt, a.gen, **kwargs)
+        elif recipe in a.profile and engine == "moe-loop":
+            profile = profile_loop(model, prompt, a.gen)
     finally:
         model.forward = forward
         for k, v in saved.items():
@@ -211,6 +214,7 @@ PROFILE_GROUPS = (("dense linears (dense_linear)", ("moe_compile::dense_linear",
                   ("attention (decode_attention, SDPA)", ("moe_compile::decode_attention", "scaled_dot_product")),
                   ("Inductor's kernels (norms, rotary, softmax, ...)", ("Call CompiledFxGraph",)),
                   ("Dynamo guards", ("TorchDynamo Cache Lookup",)),
+                  ("Dynamo's frame (compiled region, pregraph bytecode)", ("Torch-Compiled Region", "Pregraph bytecode")),
                   ("AOTAutograd wrapper", ("AOTDispatcher",)),
                   ("other aten ops", ("aten::",)))
 
@@ -236,7 +240,40 @@ def profile_decode(model, prompt: torch.Tensor, gen: int, **kwargs) -> dict:
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
         model.generate(prompt, max_new_tokens=gen + 1, min_new_tokens=gen + 1, do_sample=False, pad_token_id=0,
                        logits_processor=LogitsProcessorList([Marker()]), **kwargs)
-    events = prof.events()
+    return _step_groups(prof.events(), gen)
+
+
+def profile_loop(model, prompt: torch.Tensor, gen: int) -> dict:
+    """profile_decode for moe_compile.generate: the marker is recorded as the prefill's forward
+    call returns (a wrapper on model.forward, as loop_timed's)."""
+    import functools
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    import moe_compile
+
+    forward, calls = model.forward, []
+
+    @functools.wraps(forward)
+    def marked(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 1:
+            with record_function("decode starts"):
+                pass
+        return out
+
+    model.forward = marked
+    try:
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            moe_compile.generate(model, prompt, gen + 1, stop_at_eos=False)
+    finally:
+        model.forward = forward
+    return _step_groups(prof.events(), gen)
+
+
+def _step_groups(events, gen: int) -> dict:
+    """ms per decode step by PROFILE_GROUPS from the events after the "decode starts" marker."""
     start = next(e.time_range.start for e in events if e.name == "decode starts")
     end = max(e.time_range.end for e in events)
     out = dict.fromkeys([g for g, _ in PROFILE_GROUPS], 0.0)
@@ -293,7 +330,8 @@ def parse_args():
     p.add_argument("--loop", action="store_true",
                    help="also time each backend='moe' recipe through moe_compile.generate (no HF generate loop)")
     p.add_argument("--profile", nargs="*", default=[], choices=list(RECIPES),
-                   help="after timing these recipes, profile 16 decode steps each: where a step's time goes")
+                   help="after timing these recipes, profile their decode steps (HF generate's and, with --loop, "
+                        "moe_compile.generate's): where a step's time goes")
     p.add_argument("--work", default=None, help="where the GGUFs go (default: a temporary directory)")
     p.add_argument("--out", default=None, help="directory for e2e_cpu.json")
     return p.parse_args()
