@@ -73,6 +73,16 @@ def test_prefill_in_fp32_when_asked(monkeypatch):
     assert rel_err(dense.linear(x, w, None, "w8-int"), want) < 1e-5
 
 
+def test_prefill_in_fp32_when_held_to_avx2(monkeypatch):
+    """MOE_COMPILE_FUSED_ISA=avx2 runs what an AVX2-only CPU runs: no bf16 prefill GEMM (such a CPU
+    has no bf16 multiply), whatever flags this CPU has; the result is the fp32 GEMM's."""
+    monkeypatch.setenv("MOE_COMPILE_FUSED_ISA", "avx2")
+    w, x = torch.randn(N, K), torch.randn(40, K)
+    assert dense.prefill_dtype("w4-int") == torch.float32
+    want = x @ quant.dequantize(dense.packed(w, "w4-int").qweight)[0].t()
+    assert rel_err(dense.linear(x, w, None, "w4-int"), want) < 1e-5
+
+
 @pytest.mark.parametrize("fmt", ("none", "w8-int", "w4-int", "a8w8-int"))
 def test_op_cpp_path_equals_python_path(fmt):
     """The op's C++ kernel (when it builds) runs the same C loops: the same bits, any leading dims."""
