@@ -37,6 +37,8 @@ the types no recipe names (q4_K_M) run last.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import statistics
@@ -136,32 +138,38 @@ def generate_timed(model, prompt: torch.Tensor, gen: int, **kwargs) -> dict:
 
 
 def loop_timed(model, prompt: torch.Tensor, gen: int) -> dict:
-    """moe_compile.generate (greedy, static cache, no HF generate loop) of gen + 1 tokens: a wrapper
-    on model.forward stamps the clock as each forward call returns (stamp 0 ends the prefill); the
-    decode is stamp 0 to the end of the call (gen forward calls and their argmaxes, as HF's row
-    counts them).  Not the difference of a long and a short call: the prefill's own run-to-run noise
-    (~5% of 1.5 s) would be in the decode's 0.6 s."""
-    import functools
-
+    """moe_compile.generate (greedy, static cache, no HF generate loop) of gen + 1 tokens: the clock
+    is stamped as each forward call returns (stamp 0 ends the prefill); the decode is stamp 0 to the
+    end of the call (gen forward calls and their argmaxes, as HF's row counts them).  Not the
+    difference of a long and a short call: the prefill's own run-to-run noise (~5% of 1.5 s) would
+    be in the decode's 0.6 s."""
     import moe_compile
 
-    forward, stamps = model.forward, []
-
-    @functools.wraps(forward)  # generate reads the forward's signature (cache / logits_to_keep)
-    def stamped(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        stamps.append(time.perf_counter())
-        return out
-
-    model.forward = stamped
-    try:
+    stamps = []
+    with _after_each_forward(model, lambda: stamps.append(time.perf_counter())):
         t0 = time.perf_counter()
         out = moe_compile.generate(model, prompt, gen + 1, stop_at_eos=False)
         t1 = time.perf_counter()
-    finally:
-        model.forward = forward
     return dict(prefill_s=stamps[0] - t0, decode_s=t1 - stamps[0], tokens=out[0, prompt.shape[1]:].tolist(),
                 first_logits=None, load1=os.getloadavg()[0])
+
+
+@contextlib.contextmanager
+def _after_each_forward(model, after):
+    """model.forward calls after() as each call returns, for the block's duration."""
+    forward = model.forward
+
+    @functools.wraps(forward)  # generate reads the forward's signature (cache / logits_to_keep)
+    def wrapped(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        after()
+        return out
+
+    model.forward = wrapped
+    try:
+        yield
+    finally:
+        model.forward = forward
 
 
 def torch_row(model, a, prompt: torch.Tensor, engine: str, recipe: str | None) -> dict:
@@ -245,30 +253,21 @@ def profile_decode(model, prompt: torch.Tensor, gen: int, **kwargs) -> dict:
 
 def profile_loop(model, prompt: torch.Tensor, gen: int) -> dict:
     """profile_decode for moe_compile.generate: the marker is recorded as the prefill's forward
-    call returns (a wrapper on model.forward, as loop_timed's)."""
-    import functools
-
+    call returns."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     import moe_compile
 
-    forward, calls = model.forward, []
+    calls = []
 
-    @functools.wraps(forward)
-    def marked(*args, **kwargs):
-        out = forward(*args, **kwargs)
+    def mark_first():
         calls.append(1)
         if len(calls) == 1:
             with record_function("decode starts"):
                 pass
-        return out
 
-    model.forward = marked
-    try:
-        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
-            moe_compile.generate(model, prompt, gen + 1, stop_at_eos=False)
-    finally:
-        model.forward = forward
+    with _after_each_forward(model, mark_first), torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        moe_compile.generate(model, prompt, gen + 1, stop_at_eos=False)
     return _step_groups(prof.events(), gen)
 
 

@@ -222,13 +222,19 @@ def prefill_dtype(fmt: str) -> torch.dtype:
     CPU does: oneDNN held to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``) has no bf16 multiply and converts
     instead (a 4-layer Qwen3-MoE's 512-token w4-int prefill on Zen 4 held to AVX2: the dense
     GEMMs 2.18 -> 0.49 s, the prefill 3.80 -> 1.59 s)."""
-    if fmt == "w16" or os.environ.get(PREFILL_BF16_ENV) == "0" or cpu_isa.asked() == "avx2":
+    if fmt == "w16" or os.environ.get(PREFILL_BF16_ENV) == "0":
         return torch.float32
     return torch.bfloat16 if _native_bf16() else torch.float32
 
 
-@functools.cache
 def _native_bf16() -> bool:
+    """Whether this run multiplies bf16 natively: the CPU's flags, unless the ISA switch holds every
+    kernel to AVX2 (read per call: the switch is an environment variable)."""
+    return cpu_isa.asked() != "avx2" and _bf16_flags()
+
+
+@functools.cache
+def _bf16_flags() -> bool:
     from moe_compile.devices import cpu_flags
 
     return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
