@@ -503,3 +503,44 @@ def a2a_layout_rows(splits, ne):
     from moe_compile.ep.a2a_layout import dispatch_rows_needed
 
     return dispatch_rows_needed(torch.stack(splits), ne, None).tolist()
+
+
+def packed_training(rank, world, scenarios):
+    """Training through the packed path: expert weights frozen (no gradient asked), x and the gates
+    trained.  For each (name, Ts, routing) the third forward on unchanged weights (prepacked by then)
+    and its backward: y, dx and dg against the reference, and which forward path ran."""
+    from moe_compile.ep import a2a_cpu
+    from moe_compile.ep.op import call_fused_moe_ep
+    from moe_compile.ir import ExpertWeights, FFNAttrs
+    from moe_compile.kernels.cpu import prepack
+    from moe_compile.kernels.reference import fused_moe_reference
+
+    H, F, E, K = 64, 32, 8, 2  # the packed kernel's multiples: H % 32, F % 16
+    el = E // world
+    results = {}
+    for name, Ts, routing in scenarios:
+        fc1, fc2, xs, ids, gws, dys = _problem(world, Ts, H, F, E, K, routing, seed=len(results) + 71)
+        rx, rg = xs[rank].clone().requires_grad_(), gws[rank].clone().requires_grad_()
+        want = fused_moe_reference(rx, ids[rank], rg, ExpertWeights((fc1,), (), (fc2,)), FFNAttrs())
+        if want.requires_grad:  # T = 0: the reference returns a fresh empty tensor, its gradients empty
+            (want * dys[rank]).sum().backward()
+        else:
+            rx.grad, rg.grad = torch.zeros_like(rx), torch.zeros_like(rg)
+        lo, hi = rank * el, (rank + 1) * el
+        mine = ExpertWeights((fc1[lo:hi].clone(),), (), (fc2[lo:hi].clone(),))
+        real, calls = a2a_cpu.expert_rows, []
+        a2a_cpu.expert_rows = lambda *a: calls.append(1) or real(*a)  # counts the "FC2 into" calls
+        try:
+            for _ in range(3):
+                calls.clear()
+                x, g = xs[rank].clone().requires_grad_(), gws[rank].clone().requires_grad_()
+                y = call_fused_moe_ep(x, ids[rank], g, mine, FFNAttrs(), dist.group.WORLD, E, transport="a2a")
+                with _Scalars() as bwd:
+                    (y * dys[rank]).sum().backward()
+        finally:
+            a2a_cpu.expert_rows = real
+        p = prepack.lookup(xs[rank], mine, FFNAttrs())
+        results[name] = {"y": rel(y, want), "dx": rel(x.grad, rx.grad), "dg": rel(g.grad, rg.grad),
+                         "packed": bool(p is not None and p.fused), "fc2_into": calls == [1],
+                         "dx_nonzero": bool(x.grad.abs().sum() > 0), "scalar_reads": bwd.counts}
+    return results

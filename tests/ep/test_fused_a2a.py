@@ -156,3 +156,28 @@ def test_copying_path_without_the_c_kernel(monkeypatch):
     res = run_world(2, "tests.ep.a2a_workers.fused_scenarios", scenarios, timeout=300)
     for _, _, got in _each_scenario_equal(res, scenarios):
         assert not got["kept"] and got["bwd_dispatch_row_bytes"] == [2 * got["H"] * got["itemsize"] + 4], got
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_training_with_frozen_packed_experts_equals_reference(world):
+    """Experts frozen, inputs and gates trained (fine-tuning around a frozen MoE): from the third
+    call the weights are prepacked, yet the backward's dx and dg must still equal the reference's
+    (fp32: 1e-5, as above) with no scalar read."""
+    T = 9
+    scenarios = [("uniform", [T] * world, "uniform"), ("everything_to_rank0", [T] * world, "rank0"),
+                 ("unequal_T", [3 + 8 * r for r in range(world)], "uniform"),
+                 ("T0_on_rank1", [T if r != 1 else 0 for r in range(world)], "uniform"),
+                 ("rank1_empty", [T] * world, "rank1_empty")]
+    res = run_world(world, "tests.ep.a2a_workers.packed_training", scenarios, timeout=300)
+    for rank, (status, out) in res.items():
+        assert status == "ok", out
+        for name, *_ in scenarios:
+            got = out[name]
+            # every rank's third call ran the packed experts with FC2 into the return windows
+            assert got["packed"] and got["fc2_into"], f"rank {rank}, {name}: not the packed path: {got}"
+            for key in ("y", "dx", "dg"):
+                assert got[key] <= 1e-5, f"rank {rank}, {name}: {key} off by {got[key]:.2e} ({got})"
+            has_tokens = next(Ts for n, Ts, _ in scenarios if n == name)[rank] > 0
+            assert got["dx_nonzero"] == has_tokens, f"rank {rank}, {name}: dx all zero with tokens, or not without"
+            assert got["scalar_reads"] == {"_local_scalar_dense": 0, "tolist": 0}, got["scalar_reads"]
