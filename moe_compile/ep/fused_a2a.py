@@ -28,15 +28,17 @@ Forward (each peer row copied once, into its expert's window; ``in_place``):
   rows, the compact receive window (``a2a_cpu.exchange(window=True)``), the combine to the source.
 Backward: the training op (``fused_moe_ep_train``, what autograd records: ``ep/op.py``) hands
 the forward buffers (``ep/keep.py``), and the forward copies the rows it received into them
-([N, H], expert-major) when every rank's buffer holds its rows; they are forward outputs, so
+([N, H], expert-major) on each rank whose buffer holds its rows; they are forward outputs, so
 eager autograd and AOTAutograd alike save them for the backward, which then sends only [dy | g]
 rows by token index (H * itemsize + 4 bytes, where the forward's rows were sent again as
 [x | dy | g]); the local experts' vjp on the kept rows (dg = dy . FFN(x) computed there too), and
 one combine of [dx | dg] rows back (no counts phase: the dispatch's layout) — two exchanges.  A
-call whose forward kept nothing (the plain op, the copying path, the int8 transport, a buffer
-too small on some rank) sends [x | dy | g] byte rows of the sorted slots instead; every rank takes
-the same branch (the verdict comes from every rank's header; the row width is in the headers: a
-mismatch raises on every rank).
+rank whose buffer was too small (T = 0, or fewer tokens than its peers, without ``max_tokens``)
+gets its x rows again in a third exchange (``_x_again``; the other ranks get no row of it).  A
+call whose forward kept nothing anywhere (the plain op, the copying path, the int8 transport)
+sends [x | dy | g] byte rows of the sorted slots instead; every rank takes the same branch (the
+verdicts come from every rank's header; the row width is in the headers: a mismatch raises on
+every rank).
 The a2a forward is one exchange each way (no chunks), and so is its backward.
 """
 
@@ -230,15 +232,15 @@ def experts_in_place(rcv: a2a_cpu.Received, dtype, w: ExpertWeights, attrs: FFNA
     return out.new_zeros(used, out.shape[1]).index_add_(0, rcv.idx, out * rcv.scale.to(cdt)[:, None]), rows
 
 
-def _keeps_everywhere(rcv: a2a_cpu.Received, kept: keep_mod.Buffers | None, R: int, ne: int) -> bool:
-    """Whether this call keeps its received rows: the training op gave buffers and every rank's
-    holds what it received (from every rank's header: its splits and its T; the same verdict on
-    every rank, so that every backward sends rows of one width)."""
+def _verdicts(rcv: a2a_cpu.Received, kept: keep_mod.Buffers | None, R: int, ne: int) -> np.ndarray:
+    """[R] bool: which ranks keep their received rows in this call — the training op gave buffers
+    and that rank's holds what it received (from every rank's header: its splits and its T; the
+    same verdicts on every rank, so that every source knows which destinations need x again)."""
     if kept is None:
-        return False
+        return np.zeros(R, dtype=bool)
     hdrs = rcv.handle[2]  # [R, W]: every rank's header of this dispatch
     splits = hdrs[:, a2a_cpu.NMETA : a2a_cpu.NMETA + R * ne].reshape(R, R, ne)  # [R_src, R_dst, ne]
-    return kept.fits_everywhere(splits.sum(axis=(0, 2)), hdrs[:, 3])  # hdrs[:, 3]: T (own rows by token)
+    return kept.fits(splits.sum(axis=(0, 2)), hdrs[:, 3])  # hdrs[:, 3]: T (own rows by token)
 
 
 def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_name: str, num_experts: int,
@@ -258,14 +260,17 @@ def forward(x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, group_
     packed = packed_experts(x, w, attrs)
     rcv = a2a_cpu.dispatch_rows(x, route.tokens, route.in_splits, group_name, timeout_s, gates=route.gates,
                                 gate_rows=x.dtype == torch.float32, fc2_into=packed is not None)
-    keep = _keeps_everywhere(rcv, kept, R, ne)
+    verdicts = _verdicts(rcv, kept, R, ne)
+    keep = bool(verdicts[get_context(group_name).rank])
     N = rcv.idx.shape[0]
     kept_out = kept.rows[:N] if keep else None
     if packed is not None:
         out = experts_into_windows(rcv, x, route, packed, w, attrs, kept_out)  # [T, H] fp32: the own outputs
     else:  # the loop (not prepacked fp32 SwiGLU): outputs in a local buffer, sent back by the combine
         out, _ = experts_in_place(rcv, x.dtype, w, attrs, cdt, kept_out)  # [L, H] fp32
-    if keep:  # the received rows, for a backward that then sends only dy
+    if verdicts.any():  # which ranks' backward rows need no x
+        kept.record_verdicts(verdicts)
+    if keep:  # the received rows, for a backward that then sends this rank only dy
         kept.record(N, rcv.oso[0], rcv.bounds)
     return a2a_cpu.combine_sum(out, rcv, route.tokens, route.gates, T, group_name, timeout_s).to(x.dtype)
 
@@ -292,21 +297,29 @@ def _leaf_weights(w: ExpertWeights, need_roles: dict):
 def _received_for_backward(route, x, grad_y, group_name: str, timeout_s: float, R: int, ne: int,
                            kept: keep_mod.KeptRows | None):
     """(x rows [N, H], dy rows [N, H], g [N, 1] fp32, tiles, out_splits_offsets, the combine's handle)
-    on the experts' rank: [dy | g] rows sent by token index when this call's forward kept its received
-    rows (``kept``: then they are x's; every rank kept, or none), else [x | dy | g] byte rows of the
-    sorted slots (the forward's rows sent again)."""
+    on the experts' rank: [dy | g] rows sent by token index when some rank's forward kept its
+    received rows (``kept``: then they are x's there), and x's rows again, in a second exchange,
+    to each rank that kept nothing (``KeptRows.ranks_kept``: the same verdicts on every rank); when
+    no rank kept, [x | dy | g] byte rows of the sorted slots (the forward's rows sent again)."""
     H, S = x.shape[1], route.order.shape[0]
     if kept is not None and in_place(compute_dtype(x.dtype)):
         g = route.gates.float()[:, None]  # [S, 1]
         rcv = a2a_cpu.dispatch_rows(grad_y.to(x.dtype), route.tokens, route.in_splits, group_name, timeout_s,
                                     extra=g)
-        if rcv.bounds != kept.bounds or not np.array_equal(rcv.oso[0], kept.splits):
-            raise RuntimeError("fused_moe_ep a2a backward: the rows arrived in another layout than the forward's")
+        if kept.rows is not None:
+            _same_layout(rcv, kept.bounds, kept.splits)
+        # copied out before the next exchange: the window is reused by the one after it
         dyw, gw = _columns(rcv.window.index_select(0, rcv.idx), ((H, x.dtype), (1, torch.float32)))
+        xw = kept.rows
+        if not kept.ranks_kept.all():
+            again = _x_again(route, x, group_name, timeout_s, kept.ranks_kept, ne)
+            if xw is None:  # this rank kept nothing: its x rows came again, in the same layout as dy's
+                _same_layout(again, rcv.bounds, rcv.oso[0])
+                xw = _columns(again.window.index_select(0, again.idx), ((H, x.dtype),))[0]
         ep, st, drows, oso, sent, _ = rcv.handle
         oso = np.stack([oso[0], np.cumsum(oso[0]) - oso[0]])  # [2, ne*R]: blocks of the expert-major rows
         handle = (ep, st, drows, oso, sent, int(oso[0].sum()))
-        return kept.rows, dyw, gw, list(zip(kept.bounds[:-1], kept.bounds[1:])), torch.from_numpy(oso), handle
+        return xw, dyw, gw, list(zip(rcv.bounds[:-1], rcv.bounds[1:])), torch.from_numpy(oso), handle
     parts = (x.index_select(0, route.tokens), grad_y.to(x.dtype).index_select(0, route.tokens),
              route.gates.float()[:, None])
     send = torch.cat([p.contiguous().view(torch.uint8).reshape(S, p.shape[1] * p.element_size()) for p in parts],
@@ -315,6 +328,25 @@ def _received_for_backward(route, x, grad_y, group_name: str, timeout_s: float, 
                                                    timeout_s, window=True)
     xw, dyw, gw = _columns(window, ((H, x.dtype), (H, x.dtype), (1, torch.float32)))  # copies
     return xw, dyw, gw, _tiles(oso_np, R, ne), oso, handle
+
+
+def _same_layout(rcv: a2a_cpu.Received, bounds: list, splits: np.ndarray) -> None:
+    """The backward's rows arrive in the layout of the rows they meet: else a row would meet
+    another row's x."""
+    if rcv.bounds != list(bounds) or not np.array_equal(rcv.oso[0], splits):
+        raise RuntimeError("fused_moe_ep a2a backward: the rows arrived in another layout than the forward's")
+
+
+def _x_again(route, x, group_name: str, timeout_s: float, ranks_kept: np.ndarray, ne: int) -> a2a_cpu.Received:
+    """The backward's second exchange, where some rank kept nothing in the forward: x[token] of
+    every slot whose expert lives on such a rank (the others get no row).  Every rank takes part
+    (the verdicts are the same everywhere); host numbers only, no torch scalar read."""
+    splits = route.in_splits.numpy()  # [E], rank-major: expert g lives on rank g // ne
+    again = np.repeat(~ranks_kept, ne)  # [E]: its rank kept nothing
+    slots = np.repeat(again, splits)  # [sum(splits)]: the slots sorted by expert, valid ones first
+    tokens = np.ascontiguousarray(route.tokens.numpy()[: slots.size][slots], dtype=np.int64)
+    return a2a_cpu.dispatch_rows(x, torch.from_numpy(tokens), torch.from_numpy(splits * again), group_name,
+                                 timeout_s)
 
 
 def backward(grad_y, x, topk_ids, topk_weights, w: ExpertWeights, attrs: FFNAttrs, need_roles: dict,
