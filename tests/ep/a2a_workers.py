@@ -6,6 +6,8 @@ checks it against the pure-torch model of all ranks (``ep/a2a_reference``).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -396,11 +398,25 @@ def int8_scenarios(rank, world, scenarios):
     return results
 
 
+@contextlib.contextmanager
+def _fc2_into_calls():
+    """A list that gets one entry per "FC2 into" call (``a2a_cpu.expert_rows``, wrapped: test
+    instrumentation, restored on exit)."""
+    from moe_compile.ep import a2a_cpu
+
+    real, calls = a2a_cpu.expert_rows, []
+    a2a_cpu.expert_rows = lambda *a: calls.append(1) or real(*a)
+    try:
+        yield calls
+    finally:
+        a2a_cpu.expert_rows = real
+
+
 def packed_forward(rank, world, scenarios):
     """The in-place forward with prepacked fp32 panels (the packed kernel reading the receive window
     where the rows lie): for each (name, Ts, routing) the third call on unchanged weights (packed
     by then) vs the reference, and whether the in-place path and the packed kernel took it."""
-    from moe_compile.ep import a2a_cpu, fused_a2a
+    from moe_compile.ep import fused_a2a
     from moe_compile.ep.op import call_fused_moe_ep
     from moe_compile.ir import ExpertWeights, FFNAttrs
     from moe_compile.kernels.cpu import prepack
@@ -414,16 +430,12 @@ def packed_forward(rank, world, scenarios):
         want = fused_moe_reference(xs[rank], ids[rank], gws[rank], ExpertWeights((fc1,), (), (fc2,)), FFNAttrs())
         lo, hi = rank * el, (rank + 1) * el
         mine = ExpertWeights((fc1[lo:hi].clone(),), (), (fc2[lo:hi].clone(),))
-        real, calls = a2a_cpu.expert_rows, []
-        a2a_cpu.expert_rows = lambda *a: calls.append(1) or real(*a)  # counts the "FC2 into" calls
-        try:
+        with _fc2_into_calls() as calls:
             for _ in range(3):
                 calls.clear()
                 with _Scalars() as fwd:
                     y = call_fused_moe_ep(xs[rank], ids[rank], gws[rank], mine, FFNAttrs(), dist.group.WORLD, E,
                                           transport="a2a")
-        finally:
-            a2a_cpu.expert_rows = real
         p = prepack.lookup(xs[rank], mine, FFNAttrs())
         results[name] = {"y": rel(y, want), "in_place": fused_a2a.in_place(torch.float32),
                          "packed": bool(p is not None and p.fused), "fc2_into": calls == [1],
@@ -509,7 +521,6 @@ def packed_training(rank, world, scenarios):
     """Training through the packed path: expert weights frozen (no gradient asked), x and the gates
     trained.  For each (name, Ts, routing) the third forward on unchanged weights (prepacked by then)
     and its backward: y, dx and dg against the reference, and which forward path ran."""
-    from moe_compile.ep import a2a_cpu
     from moe_compile.ep.op import call_fused_moe_ep
     from moe_compile.ir import ExpertWeights, FFNAttrs
     from moe_compile.kernels.cpu import prepack
@@ -528,17 +539,13 @@ def packed_training(rank, world, scenarios):
             rx.grad, rg.grad = torch.zeros_like(rx), torch.zeros_like(rg)
         lo, hi = rank * el, (rank + 1) * el
         mine = ExpertWeights((fc1[lo:hi].clone(),), (), (fc2[lo:hi].clone(),))
-        real, calls = a2a_cpu.expert_rows, []
-        a2a_cpu.expert_rows = lambda *a: calls.append(1) or real(*a)  # counts the "FC2 into" calls
-        try:
+        with _fc2_into_calls() as calls:
             for _ in range(3):
                 calls.clear()
                 x, g = xs[rank].clone().requires_grad_(), gws[rank].clone().requires_grad_()
                 y = call_fused_moe_ep(x, ids[rank], g, mine, FFNAttrs(), dist.group.WORLD, E, transport="a2a")
                 with _Scalars() as bwd:
                     (y * dys[rank]).sum().backward()
-        finally:
-            a2a_cpu.expert_rows = real
         p = prepack.lookup(xs[rank], mine, FFNAttrs())
         results[name] = {"y": rel(y, want), "dx": rel(x.grad, rx.grad), "dg": rel(g.grad, rg.grad),
                          "packed": bool(p is not None and p.fused), "fc2_into": calls == [1],

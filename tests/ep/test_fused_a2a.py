@@ -126,6 +126,14 @@ def test_int8_dispatch_into_a8w8_experts_equals_the_single_device_op():
             assert got["scalar_reads"] == {"_local_scalar_dense": 0, "tolist": 0}, got["scalar_reads"]
 
 
+def _packed_scenarios(world, T=9):
+    """(name, Ts, routing) of the packed-kernel tests (fp32: the packed kernel's dtype)."""
+    return [("uniform", [T] * world, "uniform"), ("everything_to_rank0", [T] * world, "rank0"),
+            ("unequal_T", [3 + 8 * r for r in range(world)], "uniform"),
+            ("T0_on_rank1", [T if r != 1 else 0 for r in range(world)], "uniform"),
+            ("rank1_empty", [T] * world, "rank1_empty")]
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_in_place_forward_with_packed_experts_equals_reference(world):
@@ -133,11 +141,7 @@ def test_in_place_forward_with_packed_experts_equals_reference(world):
     every expert's rows of all sources) and this rank's own rows in x; FC2's epilogue stores each
     peer's row times its gate into its source's return window, and the source sums its slots:
     equal to the reference (fp32: 1e-5, as above), no scalar read."""
-    T = 9
-    scenarios = [("uniform", [T] * world, "uniform"), ("everything_to_rank0", [T] * world, "rank0"),
-                 ("unequal_T", [3 + 8 * r for r in range(world)], "uniform"),
-                 ("T0_on_rank1", [T if r != 1 else 0 for r in range(world)], "uniform"),
-                 ("rank1_empty", [T] * world, "rank1_empty")]
+    scenarios = _packed_scenarios(world)
     res = run_world(world, "tests.ep.a2a_workers.packed_forward", scenarios, timeout=300)
     for rank, (status, out) in res.items():
         assert status == "ok", out
@@ -168,11 +172,7 @@ def test_training_with_frozen_packed_experts_equals_reference(world):
     """Experts frozen, inputs and gates trained (fine-tuning around a frozen MoE): from the third
     call the weights are prepacked, yet the backward's dx and dg must still equal the reference's
     (fp32: 1e-5, as above) with no scalar read."""
-    T = 9
-    scenarios = [("uniform", [T] * world, "uniform"), ("everything_to_rank0", [T] * world, "rank0"),
-                 ("unequal_T", [3 + 8 * r for r in range(world)], "uniform"),
-                 ("T0_on_rank1", [T if r != 1 else 0 for r in range(world)], "uniform"),
-                 ("rank1_empty", [T] * world, "rank1_empty")]
+    scenarios = _packed_scenarios(world)
     res = run_world(world, "tests.ep.a2a_workers.packed_training", scenarios, timeout=300)
     for rank, (status, out) in res.items():
         assert status == "ok", out
