@@ -34,16 +34,23 @@ def _scenarios(world):
     ]
 
 
+def _per_scenario(res, scenarios):
+    """(rank, name, result) of every scenario on every rank, after asserting that each rank's
+    worker ran to its end."""
+    for rank, (status, out) in res.items():
+        assert status == "ok", out
+        for name, *_ in scenarios:
+            yield rank, name, out[name]
+
+
 def _each_scenario_equal(res, scenarios):
     """(rank, name, result) of every scenario, after asserting that its output and every gradient
     are within the dtype's TOL of the reference."""
-    for rank, (status, out) in res.items():
-        assert status == "ok", out
-        for name, _, _, dtype in scenarios:
-            got = out[name]
-            for key in ("y", "dx", "dg", "dw1", "dw2"):
-                assert got[key] <= TOL[dtype], f"rank {rank}, {name}: {key} off by {got[key]:.2e}"
-            yield rank, name, got
+    dtypes = {name: dtype for name, _, _, dtype in scenarios}
+    for rank, name, got in _per_scenario(res, scenarios):
+        for key in ("y", "dx", "dg", "dw1", "dw2"):
+            assert got[key] <= TOL[dtypes[name]], f"rank {rank}, {name}: {key} off by {got[key]:.2e}"
+        yield rank, name, got
 
 
 @pytest.mark.dist
@@ -117,13 +124,10 @@ def test_int8_dispatch_into_a8w8_experts_equals_the_single_device_op():
     scenarios = [("uniform", [T, T], "uniform"), ("everything_to_rank0", [T, T], "rank0"),
                  ("T0_on_rank1", [T, 0], "uniform")]
     res = run_world(2, "tests.ep.a2a_workers.int8_scenarios", scenarios, timeout=300)
-    for rank, (status, out) in res.items():
-        assert status == "ok", out
-        for name, *_ in scenarios:
-            got = out[name]
-            assert got["vs_a8w8"] <= 1e-5, f"rank {rank}, {name}: {got['vs_a8w8']:.2e} off the a8w8-int op"
-            assert got["sqnr_db"] >= 30.0, f"rank {rank}, {name}: SQNR {got['sqnr_db']:.1f} dB against fp32"
-            assert got["scalar_reads"] == {"_local_scalar_dense": 0, "tolist": 0}, got["scalar_reads"]
+    for rank, name, got in _per_scenario(res, scenarios):
+        assert got["vs_a8w8"] <= 1e-5, f"rank {rank}, {name}: {got['vs_a8w8']:.2e} off the a8w8-int op"
+        assert got["sqnr_db"] >= 30.0, f"rank {rank}, {name}: SQNR {got['sqnr_db']:.1f} dB against fp32"
+        assert got["scalar_reads"] == {"_local_scalar_dense": 0, "tolist": 0}, got["scalar_reads"]
 
 
 def _packed_scenarios(world, T=9):
@@ -143,15 +147,12 @@ def test_in_place_forward_with_packed_experts_equals_reference(world):
     equal to the reference (fp32: 1e-5, as above), no scalar read."""
     scenarios = _packed_scenarios(world)
     res = run_world(world, "tests.ep.a2a_workers.packed_forward", scenarios, timeout=300)
-    for rank, (status, out) in res.items():
-        assert status == "ok", out
-        for name, *_ in scenarios:
-            got = out[name]
-            # every rank's third call: prepacked, so its experts store their peers' rows, times the gate,
-            # straight into the sources' return windows ("FC2 into"), reading its own rows in x
-            assert got["in_place"] and got["packed"] and got["fc2_into"], f"rank {rank}, {name}: not FC2 into: {got}"
-            assert got["y"] <= 1e-5, f"rank {rank}, {name}: y off by {got['y']:.2e}"
-            assert got["scalar_reads"] == {"_local_scalar_dense": 0, "tolist": 0}, got["scalar_reads"]
+    for rank, name, got in _per_scenario(res, scenarios):
+        # every rank's third call: prepacked, so its experts store their peers' rows, times the gate,
+        # straight into the sources' return windows ("FC2 into"), reading its own rows in x
+        assert got["in_place"] and got["packed"] and got["fc2_into"], f"rank {rank}, {name}: not FC2 into: {got}"
+        assert got["y"] <= 1e-5, f"rank {rank}, {name}: y off by {got['y']:.2e}"
+        assert got["scalar_reads"] == {"_local_scalar_dense": 0, "tolist": 0}, got["scalar_reads"]
 
 
 @pytest.mark.dist
@@ -174,14 +175,11 @@ def test_training_with_frozen_packed_experts_equals_reference(world):
     (fp32: 1e-5, as above) with no scalar read."""
     scenarios = _packed_scenarios(world)
     res = run_world(world, "tests.ep.a2a_workers.packed_training", scenarios, timeout=300)
-    for rank, (status, out) in res.items():
-        assert status == "ok", out
-        for name, *_ in scenarios:
-            got = out[name]
-            # every rank's third call ran the packed experts with FC2 into the return windows
-            assert got["packed"] and got["fc2_into"], f"rank {rank}, {name}: not the packed path: {got}"
-            for key in ("y", "dx", "dg"):
-                assert got[key] <= 1e-5, f"rank {rank}, {name}: {key} off by {got[key]:.2e} ({got})"
-            has_tokens = next(Ts for n, Ts, _ in scenarios if n == name)[rank] > 0
-            assert got["dx_nonzero"] == has_tokens, f"rank {rank}, {name}: dx all zero with tokens, or not without"
-            assert got["scalar_reads"] == {"_local_scalar_dense": 0, "tolist": 0}, got["scalar_reads"]
+    for rank, name, got in _per_scenario(res, scenarios):
+        # every rank's third call ran the packed experts with FC2 into the return windows
+        assert got["packed"] and got["fc2_into"], f"rank {rank}, {name}: not the packed path: {got}"
+        for key in ("y", "dx", "dg"):
+            assert got[key] <= 1e-5, f"rank {rank}, {name}: {key} off by {got[key]:.2e} ({got})"
+        has_tokens = next(Ts for n, Ts, _ in scenarios if n == name)[rank] > 0
+        assert got["dx_nonzero"] == has_tokens, f"rank {rank}, {name}: dx all zero with tokens, or not without"
+        assert got["scalar_reads"] == {"_local_scalar_dense": 0, "tolist": 0}, got["scalar_reads"]
