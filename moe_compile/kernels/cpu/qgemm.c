@@ -37,7 +37,9 @@
  *               (|a| x sign(w, a): pairs stay <= 2 * 127 * 127 < 2^15, no saturation); a8w4 with
  *               the nibbles unsigned as above (pairs <= 2 * 15 * 127).
  *           float: fp32 FMA tiles, AVX-512 8 x (16 + 16) reading A's rows in place, AVX2 6 x (8 + 8)
- *           reading A tile-packed (x's rows packed per chunk by the team, FC1 writing its output so).
+ *           reading A tile-packed (x's rows packed per chunk by the team, FC1 writing its output so);
+ *           with AVX-512 BF16 (the call's bf16 field, every float format but w16) bf16 tiles 8 x
+ *           (16 + 16), vdpbf16ps on x, FC2's input and the dequantized panels rounded to bf16.
  *           FC1's two blocks are gate and up of the same features, FC2's consecutive columns of y.
  * Threads:  as experts.c: each GEMM splits its column units evenly over the OpenMP team (every
  *           weight read once, each column of y one writer); per chunk of an expert's rows one
@@ -365,6 +367,74 @@ DQ512 void dequant_panel512(int fmt, const uint8_t *codes, const void *scales, i
 
 #pragma GCC pop_options
 
+/* ---- bf16 float tiles (AVX-512 BF16) ----
+ * Where the CPU multiplies bf16 natively, the float formats' tiles (not w16's: its 16-bit weights
+ * hold more than bf16 keeps) run vdpbf16ps: 2 products a lane and instruction, twice the fp32
+ * FMA's, on operands rounded to bf16 (nearest even): the dequantized panel (q * s rounded once)
+ * and the activations, the sums in fp32.  kernels/cpu/dense.py's prefill GEMMs do the same
+ * (prefill_dtype); the error is ~2^-9 of a product, far under the formats' own.
+ * Operands in k-pairs: a bf16 panel is [K/2][16][2] (lane j of pair step kp holds column j's
+ * elements 2kp, 2kp + 1), a bf16 row is the row itself (element pairs are 32-bit words). */
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c")))
+
+/* fp32 panel [K][16] (K even) -> bf16 k-pairs [K/2][16][2]. */
+BF16_TARGET static void panel_to_pairs(const float *src, int64_t K, uint16_t *dst) {
+    for (int64_t k = 0; k < K; k += 2) {
+        __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + k * 16)));
+        __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + (k + 1) * 16)));
+        _mm512_storeu_si512(dst + k * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+}
+
+/* dst [n, K] bf16 = src's rows (ld apart), K a multiple of 16: this thread's share of the rows
+ * (the caller then waits for the team). */
+BF16_TARGET static void rows_to_bf16(const float *src, int64_t ld, int64_t n, int64_t K, uint16_t *dst) {
+    int64_t t = omp_get_thread_num(), parts = omp_get_num_threads();
+    for (int64_t r = n * t / parts; r < n * (t + 1) / parts; ++r) {
+        const float *row = src + r * ld;
+        for (int64_t k = 0; k < K; k += 16)
+            _mm256_storeu_si256((__m256i *)(dst + r * K + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + k)));
+    }
+}
+
+#define BTILE_ROW(R)                                                                  \
+    if (mr > R) {                                                                     \
+        __m512bh av = (__m512bh)_mm512_set1_epi32(a##R[kp]);                          \
+        c##R##0 = _mm512_dpbf16_ps(c##R##0, av, v0);                                  \
+        c##R##1 = _mm512_dpbf16_ps(c##R##1, av, v1);                                  \
+    }
+
+/* c [mr][32] = A rows . [b0 | b1] over K (even): A's rows as k-pairs read in place, b0 / b1 bf16
+ * panels in k-pairs; mr <= 8 rows x (16 + 16) columns, as f32_tile512. */
+BF16_TARGET __attribute__((always_inline)) static inline void bf16_tile512(const int mr, const int32_t *const *a,
+                                                                          const uint16_t *b0, const uint16_t *b1,
+                                                                          int64_t K, float *c) {
+    const int32_t *a0 = a[0], *a1 = a[mr > 1 ? 1 : 0], *a2 = a[mr > 2 ? 2 : 0], *a3 = a[mr > 3 ? 3 : 0],
+                  *a4 = a[mr > 4 ? 4 : 0], *a5 = a[mr > 5 ? 5 : 0], *a6 = a[mr > 6 ? 6 : 0], *a7 = a[mr > 7 ? 7 : 0];
+    __m512 z = _mm512_setzero_ps();
+    __m512 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z;
+    __m512 c40 = z, c41 = z, c50 = z, c51 = z, c60 = z, c61 = z, c70 = z, c71 = z;
+    for (int64_t kp = 0; kp < K / 2; ++kp) {
+        __m512bh v0 = (__m512bh)_mm512_loadu_si512(b0 + kp * 32), v1 = (__m512bh)_mm512_loadu_si512(b1 + kp * 32);
+        TILE_EACH8(BTILE_ROW)
+    }
+    TILE_EACH8(TILE_STORE512)
+}
+
+BF16_TARGET static void bf16_tile512_any(int mr, const int32_t *const *a, const uint16_t *b0, const uint16_t *b1,
+                                         int64_t K, float *c) {
+    switch (mr) {
+    case 8: bf16_tile512(8, a, b0, b1, K, c); break;
+    case 7: bf16_tile512(7, a, b0, b1, K, c); break;
+    case 6: bf16_tile512(6, a, b0, b1, K, c); break;
+    case 5: bf16_tile512(5, a, b0, b1, K, c); break;
+    case 4: bf16_tile512(4, a, b0, b1, K, c); break;
+    case 3: bf16_tile512(3, a, b0, b1, K, c); break;
+    case 2: bf16_tile512(2, a, b0, b1, K, c); break;
+    default: bf16_tile512(1, a, b0, b1, K, c); break;
+    }
+}
+
 /* ---- per-token int8 quantization (quant/common.py: quantize_per_token_int8) ---- */
 
 /* q = clamp(round_half_even(x / s), -127, 127), s = max|x| / 127 (1 for a zero row), of one row of
@@ -460,6 +530,8 @@ typedef struct {
     float *sa;
     int32_t *suma;
     int act_blocks;        /* grouped a8w4-int / a8w8-int: FC2's input quantized per block of 32 (fake_quantize_blocks) */
+    int bf16;              /* float formats on AVX-512 BF16: the bf16 tiles, on xb / ab */
+    uint16_t *xb, *ab;     /* bf16 tiles: x [T, H] and FC2's input [chunk + MR_MAX, F] as bf16 */
 } Call;
 
 /* One expert's packed weights: codes, scales (fp32 per channel for integer formats, the format's
@@ -614,25 +686,49 @@ static void pack_x(const Call *cl, Shape s, int64_t lo, int64_t n, float *xp) {
     }
 }
 
+/* Panel p of a float-format weight for the call's tile: fp32 [K][16] into out, or for the bf16
+ * tiles its k-pairs into out (half its size) by way of tmp [K][16]. */
+static const void *tile_panel(const Call *cl, Shape s, const uint8_t *w, const void *scales, int64_t p, int64_t K,
+                              int64_t G, float *out, float *tmp) {
+    if (!cl->bf16) {
+        dequant(s, w, scales, p, K, G, out);
+        return out;
+    }
+    dequant(s, w, scales, p, K, G, tmp);
+    panel_to_pairs(tmp, K, (uint16_t *)out);
+    return out;
+}
+
+/* The call's float tile (fp32, or bf16 on rows and panels in k-pairs) over mr rows. */
+static void tile_rows(const Call *cl, Shape s, int mr, const void *const *rows, const void *b0, const void *b1,
+                      int64_t K, float *c) {
+    if (cl->bf16)
+        bf16_tile512_any(mr, (const int32_t *const *)rows, b0, b1, K, c);
+    else
+        fpanel(s, mr, (const float *const *)rows, b0, b1, K, c);
+}
+
 /* Float FC1 + SwiGLU: this thread's 16-feature units, gate and up panels dequantized into buf;
- * a [n, F] in the shape's layout; xp: x's rows tile-packed where the shape reads them so. */
+ * a [n, F] in the shape's layout; xp: x's rows tile-packed where the shape reads them so; tmp:
+ * the bf16 tiles' fp32 panel. */
 static void ffc1(const Call *cl, Shape s, int64_t lo, int64_t n, const Expert *ex, const float *xp, float *a,
-                 float *buf) {
+                 float *buf, float *tmp) {
     float c[MR_MAX * 32], act[16];
-    const float *rows[MR_MAX];
+    const void *rows[MR_MAX];
     int64_t u0, u1, H = cl->H, F = cl->F;
-    float *bg = buf, *bu = buf + H * 16;
     my_units(F / 16, &u0, &u1);
     for (int64_t u = u0; u < u1; ++u) {
-        dequant(s, ex->w1, ex->s1, u, H, cl->G1, bg);
-        dequant(s, ex->w1, ex->s1, F / 16 + u, H, cl->G1, bu);
+        const void *bg = tile_panel(cl, s, ex->w1, ex->s1, u, H, cl->G1, buf, tmp);
+        const void *bu = tile_panel(cl, s, ex->w1, ex->s1, F / 16 + u, H, cl->G1, buf + H * 16, tmp);
         for (int64_t r0 = 0; r0 < n; r0 += s.mr) {
             int mr = rows_at(s, n, r0);
             if (s.packed)
-                frows(s, xp, r0, mr, H, rows);
+                frows(s, xp, r0, mr, H, (const float **)rows);
+            else if (cl->bf16)
+                for (int i = 0; i < mr; ++i) rows[i] = cl->xb + cl->tok[lo + r0 + i] * H;
             else
                 for (int i = 0; i < mr; ++i) rows[i] = cl->x + cl->tok[lo + r0 + i] * cl->ldx;
-            fpanel(s, mr, rows, bg, bu, H, c);
+            tile_rows(cl, s, mr, rows, bg, bu, H, c);
             for (int i = 0; i < mr; ++i) {
                 float k = cl->between ? route(cl, lo + r0 + i) : 1.f;
                 if (!s.packed) {  /* the row's 16 features are contiguous in a */
@@ -646,20 +742,24 @@ static void ffc1(const Call *cl, Shape s, int64_t lo, int64_t n, const Expert *e
     }
 }
 
-/* Float FC2 + weighted combine: this thread's 32-column units of y. */
-static void ffc2(const Call *cl, Shape s, int64_t lo, int64_t n, const Expert *ex, const float *a, float *buf) {
+/* Float FC2 + weighted combine: this thread's 32-column units of y (the bf16 tiles read FC2's
+ * input from cl->ab). */
+static void ffc2(const Call *cl, Shape s, int64_t lo, int64_t n, const Expert *ex, const float *a, float *buf,
+                 float *tmp) {
     float c[MR_MAX * 32];
-    const float *rows[MR_MAX];
+    const void *rows[MR_MAX];
     int64_t u0, u1, F = cl->F;
-    float *b0 = buf, *b1 = buf + F * 16;
     my_units(cl->H / 32, &u0, &u1);
     for (int64_t u = u0; u < u1; ++u) {
-        dequant(s, ex->w2, ex->s2, 2 * u, F, cl->G2, b0);
-        dequant(s, ex->w2, ex->s2, 2 * u + 1, F, cl->G2, b1);
+        const void *b0 = tile_panel(cl, s, ex->w2, ex->s2, 2 * u, F, cl->G2, buf, tmp);
+        const void *b1 = tile_panel(cl, s, ex->w2, ex->s2, 2 * u + 1, F, cl->G2, buf + F * 16, tmp);
         for (int64_t r0 = 0; r0 < n; r0 += s.mr) {
             int mr = rows_at(s, n, r0);
-            frows(s, a, r0, mr, F, rows);
-            fpanel(s, mr, rows, b0, b1, F, c);
+            if (cl->bf16)
+                for (int i = 0; i < mr; ++i) rows[i] = cl->ab + (r0 + i) * F;
+            else
+                frows(s, a, r0, mr, F, (const float **)rows);
+            tile_rows(cl, s, mr, rows, b0, b1, F, c);
             for (int i = 0; i < mr; ++i) {
                 int64_t slot = lo + r0 + i;
                 float k = cl->between ? 1.f : route(cl, slot), *dst = cl->y + cl->tok[slot] * cl->ldy + u * 32;
@@ -703,13 +803,16 @@ static void quantize_rows(const float *src, int64_t n, int64_t K, int8_t *q, flo
 
 /* ---- entry points ---- */
 
-/* Bit 0: AVX-512F (float tiles), bit 1: AVX-512 VNNI + BW (integer tiles). */
+/* Bit 0: AVX-512F (float tiles), bit 1: AVX-512 VNNI + BW (integer tiles), bit 2: AVX-512 BF16 + BW
+ * (the float formats' bf16 tiles). */
 int64_t moe_qgemm_cpu_features(void) {
     __builtin_cpu_init();
     int64_t f = 0;
     if (__builtin_cpu_supports("avx512f")) f |= 1;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni"))
         f |= 2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16"))
+        f |= 4;
     return f;
 }
 
@@ -722,14 +825,14 @@ static int isa_ok(int isa, int fmt) {
 /* Call fields, int64 each (pointers as integers):
  *   x, ldx, y, ldy, tok, scale, H, F, G1, G2, chunk, scratch, isa, fmt, between, qx, sx, sumx, qa, sa, suma,
  *   act_blocks (grouped a8w4-int / a8w8-int on FMT_W4 / FMT_W8 panels: x already quantized per block by
- *   the host, F % 32 == 0)
+ *   the host, F % 32 == 0), bf16 (1: the float formats' bf16 tiles, AVX-512 BF16 only; not w16)
  * experts: E rows of (w1, w2, s1, s2, cs1, cs2) pointers; bounds: E + 1 slot offsets.  scratch:
  * FC1's output of two chunks, 2 * (chunk + MR_MAX) * F floats; qx [T, H] bytes, sx / sumx [T];
  * qa [chunk + MR_MAX, F] bytes, sa / suma [chunk + MR_MAX] (integer formats; sumx / suma used by
  * a8w4 alone, may be 0 otherwise).  Returns 0; -1 for an ISA this CPU lacks or sizes the tiles do
  * not divide; -2 when the dequantization buffers cannot be allocated. */
 enum { C_X, C_LDX, C_Y, C_LDY, C_TOK, C_SCALE, C_H, C_F, C_G1, C_G2, C_CHUNK, C_SCRATCH, C_ISA, C_FMT, C_BETWEEN,
-       C_QX, C_SX, C_SUMX, C_QA, C_SA, C_SUMA, C_ACT_BLOCKS, C_FIELDS };
+       C_QX, C_SX, C_SUMX, C_QA, C_SA, C_SUMA, C_ACT_BLOCKS, C_BF16, C_FIELDS };
 #define PTR(type, f, i) ((type *)(intptr_t)(f)[i])
 
 /* Rows of x already quantized by the host (plain int8 q [n, K] in place of the kernel's own
@@ -779,16 +882,29 @@ static int64_t run_call(const int64_t *f, const int64_t *experts, const int64_t 
                PTR(int8_t, f, C_QX), PTR(float, f, C_SX), PTR(int32_t, f, C_SUMX), PTR(int8_t, f, C_QA),
                PTR(float, f, C_SA), PTR(int32_t, f, C_SUMA)};
     cl.act_blocks = (int)f[C_ACT_BLOCKS];
+    cl.bf16 = (int)f[C_BF16];
+    if (cl.bf16 && (is_int(fmt) || fmt == FMT_BF16 || fmt == FMT_F16 || s.isa != ISA_AVX512 ||
+                    !(moe_qgemm_cpu_features() & 4)))
+        return -1;
     int64_t chunk = f[C_CHUNK], kmax = cl.H > cl.F ? cl.H : cl.F;
     int offset = fmt == FMT_A8W8 && s.isa == ISA_AVX512;  /* vpdpbusd's unsigned operand */
     float *scratch[2] = {PTR(float, f, C_SCRATCH), PTR(float, f, C_SCRATCH) + (chunk + MR_MAX) * cl.F};
-    float *bufs = is_int(fmt) ? NULL : malloc(sizeof(float) * nthreads * 2 * kmax * 16);
+    /* per thread: two panels [kmax][16] fp32 (the bf16 tiles: their k-pairs), and the bf16 tiles' fp32 panel */
+    const int64_t per_thread = (cl.bf16 ? 3 : 2) * kmax * 16;
+    float *bufs = is_int(fmt) ? NULL : malloc(sizeof(float) * nthreads * per_thread);
     float *xp = s.packed ? malloc(sizeof(float) * (chunk + MR_MAX) * cl.H) : NULL;
-    if ((!is_int(fmt) && bufs == NULL) || (s.packed && xp == NULL)) return free(bufs), free(xp), -2;
+    uint16_t *bf = cl.bf16 ? malloc(sizeof(uint16_t) * (num_tokens * cl.H + (chunk + MR_MAX) * cl.F)) : NULL;
+    if ((!is_int(fmt) && bufs == NULL) || (s.packed && xp == NULL) || (cl.bf16 && bf == NULL))
+        return free(bufs), free(xp), free(bf), -2;
+    cl.xb = bf, cl.ab = bf ? bf + num_tokens * cl.H : NULL;
 #pragma omp parallel num_threads(nthreads)
     {
         int64_t step = 0;
-        float *buf = bufs ? bufs + omp_get_thread_num() * 2 * kmax * 16 : NULL;
+        float *buf = bufs ? bufs + omp_get_thread_num() * per_thread : NULL, *tmp = buf ? buf + 2 * kmax * 16 : NULL;
+        if (cl.bf16) {
+            rows_to_bf16(cl.x, cl.ldx, num_tokens, cl.H, cl.xb);
+#pragma omp barrier
+        }
         if (is_int(fmt)) {
             if (prequantized)
                 adopt_rows(cl.qx, num_tokens, cl.H, cl.sumx, offset);
@@ -814,18 +930,22 @@ static int64_t run_call(const int64_t *f, const int64_t *experts, const int64_t 
                         pack_x(&cl, s, lo, n, xp);
 #pragma omp barrier
                     }
-                    ffc1(&cl, s, lo, n, &ex, xp, a, buf);
+                    ffc1(&cl, s, lo, n, &ex, xp, a, buf, tmp);
 #pragma omp barrier
                     if (cl.act_blocks) {
                         fake_quantize_blocks(s, a, n, cl.F);
 #pragma omp barrier
                     }
-                    ffc2(&cl, s, lo, n, &ex, a, buf);
+                    if (cl.bf16) { /* FC2's input as bf16: every thread's FC2 of the last chunk is done */
+                        rows_to_bf16(a, cl.F, n, cl.F, cl.ab);
+#pragma omp barrier
+                    }
+                    ffc2(&cl, s, lo, n, &ex, a, buf, tmp);
                 }
             }
         }
     }
-    free(bufs), free(xp);
+    free(bufs), free(xp), free(bf);
     return 0;
 }
 

@@ -13,7 +13,10 @@ Formats:
   w4-int / mxfp4 / w8-int / w16
                        fp32 activations; each thread dequantizes one 16-row weight panel at a
                        time into a [K][16] fp32 buffer and runs the fp32 tile over the chunk's rows
-                       (never a dequantized copy of a whole weight).
+                       (never a dequantized copy of a whole weight).  Where the CPU has AVX-512
+                       BF16, every float format but w16 runs bf16 tiles instead (``bf16_tiles``:
+                       the panel and the activations rounded to bf16, fp32 sums; the dense
+                       prefill's ``prefill_dtype`` policy and switch).
   a8w4-int / a8w8-int group-wise
                        w4-int's / w8-int's float panels (the same bytes) on activations quantized
                        per token and block of 32 and dequantized (x here, FC2's input in the
@@ -85,6 +88,17 @@ def best_isa(fmt: str) -> int:
     need = 2 if fmt in INTEGER else 1  # "grouped": the float tiles
     native = ISA_AVX512 if _features() & need == need else ISA_AVX2
     return cpu_isa.choose(native, f"{'AVX-512 VNNI' if fmt in INTEGER else 'AVX-512'} for {fmt}")
+
+
+def bf16_tiles(p: "QGemmPack", isa: int) -> bool:
+    """Whether a call on ``p``'s panels runs the bf16 tiles: a float format other than w16 on the
+    AVX-512 tile, a CPU with AVX-512 BF16, and the dense prefill's policy saying bf16
+    (``dense.prefill_dtype``: not with ``MOE_COMPILE_PREFILL_BF16=0`` nor under the AVX2 switch)."""
+    from moe_compile.kernels.cpu import dense
+
+    if isa != ISA_AVX512 or p.code in (FORMAT_CODES["a8w8-int"], FORMAT_CODES["a8w4-int"], 6, 7):
+        return False
+    return bool(_features() & 4) and dense.prefill_dtype(p.fmt) == torch.bfloat16
 
 
 @dataclass(frozen=True)
@@ -226,10 +240,11 @@ def _scratch(fmt: str, T: int, H: int, F: int, chunk: int):
 
 
 def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, attrs: FFNAttrs, pack_cache,
-        isa: int | None = None, threads: int | None = None) -> torch.Tensor:
+        isa: int | None = None, threads: int | None = None, bf16: bool | None = None) -> torch.Tensor:
     """y [T, H] fp32 of the quantized MoE (``quant.reference_moe``'s meaning).  ``x`` [T, H] fp32,
     ``ids`` [T, K] int64 (ids outside [0, E) contribute nothing), ``weights`` [T, K].  ``isa`` /
-    ``threads``: force a tile / a team size (tests); default the best and torch's threads."""
+    ``threads`` / ``bf16``: force a tile / a team size / the bf16 tiles on or off (tests); default
+    the best, torch's threads and ``bf16_tiles``."""
     from moe_compile.kernels.cpu.forward import sort_by_expert
 
     check_call(x, w1, w2, attrs)
@@ -254,9 +269,10 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, attrs
     chunk = max(1, min(CHUNK_ROWS, max((b - a for a, b in zip(rel, rel[1:])), default=0)))
     a, q = _scratch(GROUPED_PANELS[w1.fmt] if grouped else w1.fmt, T, H, F, chunk)
     qptr = [t.data_ptr() for t in q] if q is not None else [0] * 6
-    fields = (ctypes.c_int64 * 22)(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), tokens.data_ptr(),
+    bf16 = bf16_tiles(p1, isa) if bf16 is None else bf16
+    fields = (ctypes.c_int64 * 23)(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), tokens.data_ptr(),
                                    scale.data_ptr(), H, F, w1.group, w2.group, chunk, a.data_ptr(), isa, p1.code,
-                                   int(attrs.weight_on == "between"), *qptr, int(grouped))
+                                   int(attrs.weight_on == "between"), *qptr, int(grouped), int(bf16))
     status = _KERNEL.lib().moe_qgemm_run(fields, _expert_table(p1, p2), (ctypes.c_int64 * len(rel))(*rel),
                                          E, T, attrs.limit, threads)
     if status == -2:
@@ -296,9 +312,9 @@ def run_quantized_rows(qx: torch.Tensor, sx: torch.Tensor, tokens: torch.Tensor,
     sums = torch.empty(N, dtype=torch.int32)
     qptr = [qx.data_ptr(), sx.contiguous().data_ptr(), sums.data_ptr()] + [t.data_ptr() for t in q[3:]]
     tokens, scale = tokens.contiguous(), scale.float().contiguous()
-    fields = (ctypes.c_int64 * 22)(0, H, y.data_ptr(), y.stride(0), tokens.data_ptr(), scale.data_ptr(), H, F,
+    fields = (ctypes.c_int64 * 23)(0, H, y.data_ptr(), y.stride(0), tokens.data_ptr(), scale.data_ptr(), H, F,
                                    w1.group, w2.group, chunk, a.data_ptr(), isa, p1.code,
-                                   int(attrs.weight_on == "between"), *qptr, 0)
+                                   int(attrs.weight_on == "between"), *qptr, 0, 0)
     status = _KERNEL.lib().moe_qgemm_run_quantized(fields, _expert_table(p1, p2), (ctypes.c_int64 * len(rel))(*rel),
                                                    E, N, attrs.limit, threads)
     if status != 0:

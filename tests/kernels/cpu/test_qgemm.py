@@ -14,7 +14,7 @@ from moe_compile import quant
 from moe_compile.ir import FFNAttrs
 from moe_compile.kernels.cpu import qgemm
 from moe_compile.quant import a8w4_int, w16
-from moe_compile.quant.common import quantize_per_token_int8, unpack_nibbles
+from moe_compile.quant.common import quantize_per_block_int8, quantize_per_token_int8, unpack_nibbles
 
 pytestmark = pytest.mark.skipif(not qgemm.available(), reason=f"{qgemm.unavailable_reason('a8w8-int')}")
 
@@ -140,6 +140,9 @@ def assert_matches(fmt, y, ref):
     torch.testing.assert_close(y, ref, rtol=0, atol=1e-3 * scale)
 
 
+# The whole-call tests below hold the fp32 tiles (bf16=False) to the reference's fp32 rounding;
+# test_bf16_tiles_* hold the bf16 tiles (the default on CPUs with AVX-512 BF16) to the same MoE on
+# bf16-rounded operands.
 # T = 513 for every format in the default run would double its time: the integer formats and
 # w4-int there, the other float formats (the same tile behind another panel decoder) marked slow.
 WIDE_T = [(T, fmt, isa) for T in (17, 64, 513) for fmt, isa in CASES]
@@ -153,7 +156,7 @@ def test_matches_reference(fmt, isa, T):
     x, ids, g, w1, w2 = make_case(T, E, K, fmt, seed=T)
     attrs = FFNAttrs()
     ref = quant.reference_moe(x, ids, g, w1, w2, attrs)
-    y = qgemm.run(x, ids, g, w1, w2, attrs, {}, isa=isa, threads=2)
+    y = qgemm.run(x, ids, g, w1, w2, attrs, {}, isa=isa, threads=2, bf16=False)
     assert_matches(fmt, y, ref)
 
 
@@ -170,7 +173,7 @@ def test_odd_routes_between_and_clamp(fmt, isa, threads):
     ids[1, 0], ids[2, 2] = E, 4
     attrs = FFNAttrs(limit=0.7, weight_on="between")
     ref = quant.reference_moe(x, ids, g, w1, w2, attrs)
-    y = qgemm.run(x, ids, g, w1, w2, attrs, {}, isa=isa, threads=threads)
+    y = qgemm.run(x, ids, g, w1, w2, attrs, {}, isa=isa, threads=threads, bf16=False)
     assert_matches(fmt, y, ref)
 
 
@@ -181,7 +184,7 @@ def test_experts_in_chunks_of_rows(fmt, isa, monkeypatch):
     x, ids, g, w1, w2 = make_case(29, 4, 2, fmt, seed=3)
     attrs = FFNAttrs()
     ref = quant.reference_moe(x, ids, g, w1, w2, attrs)
-    assert_matches(fmt, qgemm.run(x, ids, g, w1, w2, attrs, {}, isa=isa), ref)
+    assert_matches(fmt, qgemm.run(x, ids, g, w1, w2, attrs, {}, isa=isa, bf16=False), ref)
 
 
 def test_pack_cache_holds_one_pack_per_weight():
@@ -233,3 +236,85 @@ def test_isa_switch(monkeypatch):
     monkeypatch.setenv("MOE_COMPILE_FUSED_ISA", "sse")
     with pytest.raises(ValueError, match="use one of"):
         qgemm.best_isa("a8w8-int")
+
+
+# ---- the bf16 tiles (AVX-512 BF16): float formats but w16, group-wise a8w4-int ----
+
+BF16_FORMATS = ["w4-int", "mxfp4", "w8-int", "mxfp8", "a8w4-int"]
+needs_bf16 = pytest.mark.skipif(not qgemm.available() or not qgemm._features() & 4,
+                                reason="no AVX-512 BF16 on this CPU")
+
+
+def _fake_quantize_blocks(t):
+    q, s = quantize_per_block_int8(t)
+    return (q.float().reshape(t.shape[0], -1, 32) * s[..., None]).reshape(t.shape)
+
+
+def bf16_reference(x, ids, g, w1, w2, attrs, grouped):
+    """quant.reference_moe with each GEMM on bf16-rounded operands (the activations and the dequantized
+    weight, each rounded to nearest even once), summed in fp32: what the bf16 tiles compute.  Group-wise
+    a8w4-int quantizes x and FC2's input per block first, as its float panels do."""
+    from moe_compile.quant.reference import swiglu
+
+    bf = lambda t: t.bfloat16().float()  # noqa: E731
+    d1, d2 = quant.dequantize(w1), quant.dequantize(w2)
+    x = _fake_quantize_blocks(x) if grouped else x
+    y = torch.zeros_like(x)
+    for e in range(d1.shape[0]):
+        tok, k = torch.where(ids == e)
+        if tok.numel() == 0:
+            continue
+        gk = g[tok, k][:, None]
+        a = swiglu(bf(x[tok]) @ bf(d1[e]).t(), attrs.limit)
+        a = a * gk if attrs.weight_on == "between" else a
+        a = _fake_quantize_blocks(a) if grouped else a
+        out = bf(a) @ bf(d2[e]).t()
+        y.index_add_(0, tok, out * gk if attrs.weight_on == "output" else out)
+    return y
+
+
+@needs_bf16
+@pytest.mark.parametrize("fmt", BF16_FORMATS)
+@pytest.mark.parametrize("T,weight_on", [(17, "output"), (64, "between"), (513, "output")])
+def test_bf16_tiles_match_a_bf16_reference(fmt, T, weight_on):
+    # Against the same MoE on bf16-rounded operands the tiles differ by fp32 sum order and the
+    # SiLU's polynomial (~1e-6), and where those move an FC2 input across a bf16 rounding boundary,
+    # by one bf16 step of that element times its weights: 2e-4 of the output's scale bounds it here,
+    # where a wrong pair, lane or panel costs ~1e-1.  a8w4-int's per-block re-quantization of FC2's
+    # input can move a code as well (as assert_matches allows the fp32 tiles).  Against the fp32
+    # reference the bf16 rounding shows (2^-8 of a product): the tiles are what ran.
+    E, K = 6, 3
+    x, ids, g, w1, w2 = make_case(T, E, K, fmt, seed=T + 1)
+    attrs = FFNAttrs(weight_on=weight_on, limit=0.0 if T != 64 else 0.7)
+    p1 = qgemm.pack(w1)
+    assert qgemm.bf16_tiles(p1, qgemm.ISA_AVX512)
+    y = qgemm.run(x, ids, g, w1, w2, attrs, {}, isa=qgemm.ISA_AVX512, threads=2, bf16=True)
+    want = bf16_reference(x, ids, g, w1, w2, attrs, fmt == "a8w4-int")
+    scale = float(want.abs().max())
+    if fmt == "a8w4-int":
+        off = (y - want).abs() > 2e-4 * scale
+        assert off.float().mean() <= 1e-2, f"{int(off.sum())} of {off.numel()} elements off by more than 2e-4"
+        torch.testing.assert_close(y, want, rtol=0, atol=1e-3 * scale)
+    else:
+        torch.testing.assert_close(y, want, rtol=0, atol=2e-4 * scale)
+    fp32 = quant.reference_moe(x, ids, g, w1, w2, attrs)
+    assert float((y - fp32).abs().max()) > 1e-5 * scale
+
+
+def test_bf16_tiles_policy(monkeypatch):
+    # On by default where the CPU has AVX-512 BF16, for the float formats but w16 (its 16-bit
+    # weights hold more than bf16) and not for the integer tiles; off with MOE_COMPILE_PREFILL_BF16=0
+    # and under the AVX2 switch (as dense.prefill_dtype); the kernel refuses bf16 where it has none.
+    from moe_compile.kernels.cpu import dense
+
+    gen = torch.Generator().manual_seed(0)
+    packs = {f: qgemm.pack(make_weight(f, 1, 32, 64, gen)) for f in ("w4-int", "w16", "a8w8-int", "a8w4-int-pc")}
+    native = bool(qgemm.available() and qgemm._features() & 4) and dense.prefill_dtype("w4-int") == torch.bfloat16
+    assert qgemm.bf16_tiles(packs["w4-int"], qgemm.ISA_AVX512) == native
+    assert not qgemm.bf16_tiles(packs["w4-int"], qgemm.ISA_AVX2)
+    assert not any(qgemm.bf16_tiles(packs[f], qgemm.ISA_AVX512) for f in ("w16", "a8w8-int", "a8w4-int-pc"))
+    monkeypatch.setenv(dense.PREFILL_BF16_ENV, "0")
+    assert not qgemm.bf16_tiles(packs["w4-int"], qgemm.ISA_AVX512)
+    x, ids, g, w1, w2 = make_case(20, 4, 2, "w16")
+    with pytest.raises(RuntimeError, match="refused"):
+        qgemm.run(x, ids, g, w1, w2, FFNAttrs(), {}, isa=qgemm.ISA_AVX512 if native else qgemm.ISA_AVX2, bf16=True)
