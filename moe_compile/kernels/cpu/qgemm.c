@@ -421,19 +421,8 @@ BF16_TARGET __attribute__((always_inline)) static inline void bf16_tile512(const
     TILE_EACH8(TILE_STORE512)
 }
 
-BF16_TARGET static void bf16_tile512_any(int mr, const int32_t *const *a, const uint16_t *b0, const uint16_t *b1,
-                                         int64_t K, float *c) {
-    switch (mr) {
-    case 8: bf16_tile512(8, a, b0, b1, K, c); break;
-    case 7: bf16_tile512(7, a, b0, b1, K, c); break;
-    case 6: bf16_tile512(6, a, b0, b1, K, c); break;
-    case 5: bf16_tile512(5, a, b0, b1, K, c); break;
-    case 4: bf16_tile512(4, a, b0, b1, K, c); break;
-    case 3: bf16_tile512(3, a, b0, b1, K, c); break;
-    case 2: bf16_tile512(2, a, b0, b1, K, c); break;
-    default: bf16_tile512(1, a, b0, b1, K, c); break;
-    }
-}
+/* bf16_tile512 at a run-time row count mr (1..8). */
+TILE512_ANY(bf16_tile512_any, bf16_tile512, int32_t, uint16_t, BF16_TARGET)
 
 /* ---- per-token int8 quantization (quant/common.py: quantize_per_token_int8) ---- */
 

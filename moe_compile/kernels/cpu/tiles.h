@@ -72,20 +72,25 @@ __attribute__((always_inline)) static inline void f32_tile256(const int mr, cons
     TILE_EACH6(TILE_STORE256)
 }
 
-/* f32_tile512 at a run-time row count mr (1..8). */
-__attribute__((target("avx512f,avx2,fma"))) static void f32_tile512_any(int mr, const float *const *a, const float *b0,
-                                                                        const float *b1, int64_t K, float *c) {
-    switch (mr) {
-    case 8: f32_tile512(8, a, b0, b1, K, c); break;
-    case 7: f32_tile512(7, a, b0, b1, K, c); break;
-    case 6: f32_tile512(6, a, b0, b1, K, c); break;
-    case 5: f32_tile512(5, a, b0, b1, K, c); break;
-    case 4: f32_tile512(4, a, b0, b1, K, c); break;
-    case 3: f32_tile512(3, a, b0, b1, K, c); break;
-    case 2: f32_tile512(2, a, b0, b1, K, c); break;
-    default: f32_tile512(1, a, b0, b1, K, c); break;
+/* Defines `static void NAME(int mr, a, b0, b1, K, c)`: TILE (an always-inlined 8-row tile such as
+ * f32_tile512) at a run-time row count mr (1..8), with A_T / B_T its A rows' and panels' element
+ * types and ATTR the target attribute it needs. */
+#define TILE512_ANY(NAME, TILE, A_T, B_T, ATTR)                                                          \
+    ATTR static void NAME(int mr, const A_T *const *a, const B_T *b0, const B_T *b1, int64_t K, float *c) { \
+        switch (mr) {                                                                                   \
+        case 8: TILE(8, a, b0, b1, K, c); break;                                                        \
+        case 7: TILE(7, a, b0, b1, K, c); break;                                                        \
+        case 6: TILE(6, a, b0, b1, K, c); break;                                                        \
+        case 5: TILE(5, a, b0, b1, K, c); break;                                                        \
+        case 4: TILE(4, a, b0, b1, K, c); break;                                                        \
+        case 3: TILE(3, a, b0, b1, K, c); break;                                                        \
+        case 2: TILE(2, a, b0, b1, K, c); break;                                                        \
+        default: TILE(1, a, b0, b1, K, c); break;                                                       \
+        }                                                                                               \
     }
-}
+
+/* f32_tile512 at a run-time row count mr (1..8). */
+TILE512_ANY(f32_tile512_any, f32_tile512, float, float, __attribute__((target("avx512f,avx2,fma"))))
 
 /* Defines `static void NAME(int mr, a, b0, b1, K, c)`: f32_tile256 at a run-time row count mr
  * (1..6) with the caller's constant A stride, c row stride and b1 offset. */
