@@ -201,6 +201,14 @@ def quantize_per_block_int8(x: torch.Tensor, block: int = ACT_BLOCK) -> tuple[to
     return q.to(torch.int8).reshape(T, K), s
 
 
+def dequantized_blocks(x: torch.Tensor, block: int = ACT_BLOCK) -> torch.Tensor:
+    """x [T, K] quantized per token and block (``quantize_per_block_int8``) and dequantized, q * s in
+    fp32: the activations a group-wise a8 format's float panels multiply."""
+    q, s = quantize_per_block_int8(x, block)
+    T, K = q.shape
+    return (q.float().reshape(T, K // block, block) * s[..., None]).reshape(T, K)
+
+
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     """q [..., K] integers in [0, 15] -> uint8 [..., K/2]: element 2j low nibble, 2j + 1 high."""
     u = q.to(torch.uint8)

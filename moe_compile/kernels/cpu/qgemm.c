@@ -192,20 +192,7 @@ AVX2 void itile256_w4(const int mr, const void *const *a, const uint8_t *b0, con
 }
 
 /* One function per (tile, format) with mr dispatched to a constant (the row branches fold). */
-#define DISPATCH8(NAME, ATTR)                                                                          \
-    ATTR static void NAME##_any(int mr, const void *const *a, const uint8_t *b0, const uint8_t *b1, int64_t K, \
-                                int32_t *c) {                                                          \
-        switch (mr) {                                                                                  \
-        case 8: NAME(8, a, b0, b1, K, c); break;                                                       \
-        case 7: NAME(7, a, b0, b1, K, c); break;                                                       \
-        case 6: NAME(6, a, b0, b1, K, c); break;                                                       \
-        case 5: NAME(5, a, b0, b1, K, c); break;                                                       \
-        case 4: NAME(4, a, b0, b1, K, c); break;                                                       \
-        case 3: NAME(3, a, b0, b1, K, c); break;                                                       \
-        case 2: NAME(2, a, b0, b1, K, c); break;                                                       \
-        default: NAME(1, a, b0, b1, K, c); break;                                                      \
-        }                                                                                              \
-    }
+#define DISPATCH8(NAME, ATTR) TILE512_ANY(NAME##_any, NAME, void, uint8_t, int32_t, ATTR)
 #define DISPATCH4(NAME)                                                                                \
     static void NAME##_any(int mr, const void *const *a, const uint8_t *b0, const uint8_t *b1, int64_t K, int32_t *c) { \
         switch (mr) {                                                                                  \
@@ -422,7 +409,7 @@ BF16_TARGET __attribute__((always_inline)) static inline void bf16_tile512(const
 }
 
 /* bf16_tile512 at a run-time row count mr (1..8). */
-TILE512_ANY(bf16_tile512_any, bf16_tile512, int32_t, uint16_t, BF16_TARGET)
+TILE512_ANY(bf16_tile512_any, bf16_tile512, int32_t, uint16_t, float, BF16_TARGET)
 
 /* ---- per-token int8 quantization (quant/common.py: quantize_per_token_int8) ---- */
 

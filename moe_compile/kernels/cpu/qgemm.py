@@ -40,7 +40,7 @@ import torch
 from moe_compile.ir import FFNAttrs
 from moe_compile.kernels.cpu import cc as cpu_cc, isa as cpu_isa, memory as cpu_memory
 from moe_compile.kernels.cpu.isa import ISA_AVX2, ISA_AVX512
-from moe_compile.quant.common import ACT_BLOCK, grouped_a8, quantize_per_block_int8
+from moe_compile.quant.common import dequantized_blocks, grouped_a8
 
 ENV = "MOE_COMPILE_QGEMM"
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -96,7 +96,7 @@ def bf16_tiles(p: "QGemmPack", isa: int) -> bool:
     (``dense.prefill_dtype``: not with ``MOE_COMPILE_PREFILL_BF16=0`` nor under the AVX2 switch)."""
     from moe_compile.kernels.cpu import dense
 
-    if isa != ISA_AVX512 or p.code in (FORMAT_CODES["a8w8-int"], FORMAT_CODES["a8w4-int"], 6, 7):
+    if isa != ISA_AVX512 or not float_panels(p) or p.fmt == "w16":
         return False
     return bool(_features() & 4) and dense.prefill_dtype(p.fmt) == torch.bfloat16
 
@@ -259,8 +259,7 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, attrs
     p1, p2 = packed(w1, pack_cache), packed(w2, pack_cache)
     x = x.contiguous()
     if grouped:  # x quantized per block of 32 and dequantized: what the float panels multiply
-        q, s = quantize_per_block_int8(x)
-        x = (q.float().reshape(T, -1, ACT_BLOCK) * s[..., None]).reshape(T, H)
+        x = dequantized_blocks(x)
     order, bounds = sort_by_expert(ids, E)
     valid = order[bounds[0]: bounds[-1]]  # [S'] slots with an id in [0, E)
     tokens = (valid // ids.shape[1]).contiguous()

@@ -72,11 +72,11 @@ __attribute__((always_inline)) static inline void f32_tile256(const int mr, cons
     TILE_EACH6(TILE_STORE256)
 }
 
-/* Defines `static void NAME(int mr, a, b0, b1, K, c)`: TILE (an always-inlined 8-row tile such as
- * f32_tile512) at a run-time row count mr (1..8), with A_T / B_T its A rows' and panels' element
- * types and ATTR the target attribute it needs. */
-#define TILE512_ANY(NAME, TILE, A_T, B_T, ATTR)                                                          \
-    ATTR static void NAME(int mr, const A_T *const *a, const B_T *b0, const B_T *b1, int64_t K, float *c) { \
+/* Defines `static void NAME(int mr, a, b0, b1, K, c)`: TILE (an always-inlined tile of up to 8 rows
+ * such as f32_tile512) at a run-time row count mr (1..8), with A_T / B_T / C_T its A rows', panels'
+ * and results' element types and ATTR the target attribute it needs. */
+#define TILE512_ANY(NAME, TILE, A_T, B_T, C_T, ATTR)                                                     \
+    ATTR static void NAME(int mr, const A_T *const *a, const B_T *b0, const B_T *b1, int64_t K, C_T *c) { \
         switch (mr) {                                                                                   \
         case 8: TILE(8, a, b0, b1, K, c); break;                                                        \
         case 7: TILE(7, a, b0, b1, K, c); break;                                                        \
@@ -90,7 +90,7 @@ __attribute__((always_inline)) static inline void f32_tile256(const int mr, cons
     }
 
 /* f32_tile512 at a run-time row count mr (1..8). */
-TILE512_ANY(f32_tile512_any, f32_tile512, float, float, __attribute__((target("avx512f,avx2,fma"))))
+TILE512_ANY(f32_tile512_any, f32_tile512, float, float, float, __attribute__((target("avx512f,avx2,fma"))))
 
 /* Defines `static void NAME(int mr, a, b0, b1, K, c)`: f32_tile256 at a run-time row count mr
  * (1..6) with the caller's constant A stride, c row stride and b1 offset. */

@@ -14,7 +14,7 @@ from moe_compile import quant
 from moe_compile.ir import FFNAttrs
 from moe_compile.kernels.cpu import qgemm
 from moe_compile.quant import a8w4_int, w16
-from moe_compile.quant.common import quantize_per_block_int8, quantize_per_token_int8, unpack_nibbles
+from moe_compile.quant.common import dequantized_blocks, quantize_per_token_int8, unpack_nibbles
 
 pytestmark = pytest.mark.skipif(not qgemm.available(), reason=f"{qgemm.unavailable_reason('a8w8-int')}")
 
@@ -245,11 +245,6 @@ needs_bf16 = pytest.mark.skipif(not qgemm.available() or not qgemm._features() &
                                 reason="no AVX-512 BF16 on this CPU")
 
 
-def _fake_quantize_blocks(t):
-    q, s = quantize_per_block_int8(t)
-    return (q.float().reshape(t.shape[0], -1, 32) * s[..., None]).reshape(t.shape)
-
-
 def bf16_reference(x, ids, g, w1, w2, attrs, grouped):
     """quant.reference_moe with each GEMM on bf16-rounded operands (the activations and the dequantized
     weight, each rounded to nearest even once), summed in fp32: what the bf16 tiles compute.  Group-wise
@@ -258,7 +253,7 @@ def bf16_reference(x, ids, g, w1, w2, attrs, grouped):
 
     bf = lambda t: t.bfloat16().float()  # noqa: E731
     d1, d2 = quant.dequantize(w1), quant.dequantize(w2)
-    x = _fake_quantize_blocks(x) if grouped else x
+    x = dequantized_blocks(x) if grouped else x
     y = torch.zeros_like(x)
     for e in range(d1.shape[0]):
         tok, k = torch.where(ids == e)
@@ -267,7 +262,7 @@ def bf16_reference(x, ids, g, w1, w2, attrs, grouped):
         gk = g[tok, k][:, None]
         a = swiglu(bf(x[tok]) @ bf(d1[e]).t(), attrs.limit)
         a = a * gk if attrs.weight_on == "between" else a
-        a = _fake_quantize_blocks(a) if grouped else a
+        a = dequantized_blocks(a) if grouped else a
         out = bf(a) @ bf(d2[e]).t()
         y.index_add_(0, tok, out * gk if attrs.weight_on == "output" else out)
     return y
