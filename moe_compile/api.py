@@ -77,8 +77,10 @@ def empty_cache() -> dict:
     from moe_compile.kernels.cpu import dense as cpu_dense, grad_cache as cpu_grad_cache, prepack as cpu_prepack
     from moe_compile.kernels.cpu import quant as cpu_quant
 
+    dense = cpu_dense.stats()
     held = {"packed_weights": cpu_prepack.stats()["bytes"], "gradient_buffers": cpu_grad_cache.held_bytes(),
-            "quantized_weights": cpu_quant.stats()["bytes"], "dense_weights": cpu_dense.stats()["dense_pack_bytes"]}
+            "quantized_weights": cpu_quant.stats()["bytes"],
+            "dense_weights": dense["dense_pack_bytes"] + dense["dense_rows16_bytes"]}
     cpu_dense.clear()
     cpu_prepack.clear()
     cpu_grad_cache.clear()

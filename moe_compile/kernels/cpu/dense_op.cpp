@@ -32,6 +32,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 namespace {
 
@@ -47,8 +48,8 @@ struct Pack {
   int64_t version = 0;
   void* data = nullptr;
   std::string fmt;
-  at::Tensor packed_data, packed_scale;  // kept alive here: the fields point into them
-  int64_t fields[4] = {};                // qdecode's [data, scale, format code, group]
+  std::vector<at::Tensor> keep;  // kept alive here: the fields point into them
+  int64_t fields[6] = {};        // qdecode's [data, scale, format code, group, rows16 data, rows16 scale]
 };
 std::mutex packs_mutex;
 std::unordered_map<std::string, Pack> packs;  // by (weight, format, group): pack_key
@@ -65,12 +66,11 @@ std::string pack_key(const at::Tensor& weight, c10::string_view fmt, int64_t gro
   return key;
 }
 
-void register_pack(const at::Tensor& weight, c10::string_view fmt, int64_t group, const at::Tensor& data,
-                   const at::Tensor& scale,
+void register_pack(const at::Tensor& weight, c10::string_view fmt, int64_t group, at::TensorList keep,
                    at::IntArrayRef fields) {
-  TORCH_CHECK(fields.size() == 4, "dense_register: 4 role fields, got ", fields.size());
+  TORCH_CHECK(fields.size() == 6, "dense_register: 6 fields, got ", fields.size());
   Pack p{c10::weak_intrusive_ptr<c10::TensorImpl>(weight.getIntrusivePtr()), weight._version(), weight.data_ptr(),
-         std::string(fmt), data, scale};
+         std::string(fmt), keep.vec()};
   std::memcpy(p.fields, fields.data(), sizeof(p.fields));
   std::lock_guard<std::mutex> lock(packs_mutex);
   if (packs.size() > 4096)  // weights of dropped models
@@ -125,7 +125,7 @@ at::Tensor dense_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   bool fp32 = fmt == "none" && plain(weight, at::kFloat);
-  int64_t fields[4];
+  int64_t fields[6];
   if (T <= 0 || K == 0) return general(x, weight, bias, fmt, group);
   if (fp32 && skinny_run != nullptr && T <= skinny_rows) {
     at::Tensor y = at::detail::empty_cpu(out_shape, at::kFloat, false, c10::nullopt);
@@ -140,8 +140,8 @@ at::Tensor dense_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const
   if (fp32 || linear_run == nullptr || T > linear_rows || !pack_fields(weight, fmt, group, fields))
     return general(x, weight, bias, fmt, group);
   at::Tensor y = at::detail::empty_cpu(out_shape, at::kFloat, false, c10::nullopt);
-  const int64_t plan[10] = {reinterpret_cast<int64_t>(x.data_ptr()), T, K, N, reinterpret_cast<int64_t>(y.data_ptr()),
-                            isa, fields[0], fields[1], fields[2], fields[3]};
+  const int64_t plan[12] = {reinterpret_cast<int64_t>(x.data_ptr()), T, K, N, reinterpret_cast<int64_t>(y.data_ptr()),
+                            isa, fields[0], fields[1], fields[2], fields[3], fields[4], fields[5]};
   if (linear_run(plan, at::get_num_threads()) != 0) return general(x, weight, bias, fmt, group);
   if (bias) {
     float* out = y.data_ptr<float>();
@@ -163,7 +163,7 @@ extern "C" void moe_dense_op_set_kernels(void* skinny, int64_t s_rows, void* lin
 extern "C" int64_t moe_dense_op_fast_calls(void) { return fast_calls.load(std::memory_order_relaxed); }
 
 TORCH_LIBRARY_FRAGMENT(moe_compile, m) {
-  m.def("dense_register(Tensor weight, str fmt, int group, Tensor data, Tensor scale, int[] fields) -> ()",
+  m.def("dense_register(Tensor weight, str fmt, int group, Tensor[] keep, int[] fields) -> ()",
         TORCH_FN(register_pack));
   m.def("dense_forget() -> ()", TORCH_FN(forget_packs));
   m.def("dense_prune() -> ()", TORCH_FN(prune_packs));

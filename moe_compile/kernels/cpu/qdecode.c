@@ -726,6 +726,91 @@ A8G_VNNI static void w4_dot16_vnni(const qweight_t *wt, const uint8_t *const *ro
     out[0] = _mm512_reduce_add_ps(t0), out[1] = _mm512_reduce_add_ps(t1);
 }
 
+/* Dense linears at T = 1 in w4-int on AVX-512 VNNI, on the weight held 16 rows interleaved
+ * ("rows16", made once beside the canonical pack by qdecode.py's interleave_rows16):
+ *   data  [N/16, K/8, 16, 4] bytes: for each block of 16 rows and each 8 elements k0 .. k0 + 7, the
+ *         4 packed bytes of those elements of each of the 16 rows (one 64-byte vector);
+ *   scale [N/16, K/G, 16] fp16: each group's 16 row scales side by side.
+ * Why: w4_dot16_vnni's lanes each hold 8 elements of one row, so every 128 elements of a row cost
+ * an fp32 convert, two multiplies and a scale expansion besides the integer work; from memory that
+ * arithmetic, not the memory, set the time (a dense T = 1 call with the scaling removed ran 0.65-0.83
+ * of the time, 2-core Zen 4).  Here lane r is row r of the block: the int32 lane sums a whole
+ * 32-element block of its row (4 vectors x 4 vpdpwssd against broadcast pairs of x), then one
+ * convert, multiply and FMA scale 16 rows' block at once, and each thread reads one stream.
+ * The activations are quantize_i16's (int16 per block of 32, the same values as w4_dot16_vnni's),
+ * a lane's sum is exact in int32 and in its fp32 convert (|sum (u - 8) q| <= 32 x 8 x 32767 < 2^24),
+ * scaled (sum * s_x) * s_w and summed over blocks in order: each row by one thread, so the result
+ * does not depend on the thread count. */
+enum { ROWS16 = 16 };
+
+/* x (K floats, K a multiple of 32) for rows16_dot_vnni: quantize_i16's blocks, as int32 pairs
+ * xp[4 c + j] = (q[8 c + j], q[8 c + 4 + j]) (the two elements a 16-bit word's nibble j holds in an
+ * int32 lane of 8 elements), each block's scale sx and offset off = -8 sum(q) (the codes are
+ * u = q_w + 8, so the offset starts the block's sum). */
+static void rows16_prepare(const float *x, int64_t K, int16_t *q, int32_t *xp, float *sx, int32_t *off) {
+    quantize_i16(x, K, 0, q, sx);
+    for (int64_t b = 0; b < K; b += I16_BLOCK) {
+        int32_t sum = 0;
+        for (int i = 0; i < I16_BLOCK; ++i) sum += q[b + i];
+        off[b / I16_BLOCK] = -8 * sum;
+    }
+    for (int64_t c = 0; c < K / 8; ++c)
+        for (int j = 0; j < 4; ++j)
+            xp[4 * c + j] = (int32_t)(uint16_t)q[8 * c + j] | (int32_t)((uint32_t)(uint16_t)q[8 * c + 4 + j] << 16);
+}
+
+/* y[16 b .. 16 b + 15] for row blocks [b0, b1). */
+A8G_VNNI static void rows16_dot_vnni(const uint8_t *data, const uint16_t *scale, int64_t K, int64_t G,
+                                     const int32_t *xp, const float *sx, const int32_t *off, int64_t b0, int64_t b1,
+                                     float *y) {
+    const __m512i low = _mm512_set1_epi16(15);
+    const int64_t blocks = K / I16_BLOCK;
+    for (int64_t b = b0; b < b1; ++b) {
+        const uint8_t *d = data + b * ROWS16 * (K / 2);
+        const uint16_t *s = scale + b * (K / G) * ROWS16;
+        __m512 t = _mm512_setzero_ps();
+        for (int64_t g = 0; g < blocks; ++g) {
+            const uint8_t *dg = d + g * 4 * 64; /* a block's 32 elements: 4 vectors */
+            const int32_t *xg = xp + 16 * g;
+            __m512i acc[4];
+            for (int c = 0; c < 4; ++c) {
+                _mm_prefetch((const char *)(dg + 64 * c + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
+                const __m512i v = _mm512_loadu_si512(dg + 64 * c);
+                __m512i a = c ? _mm512_setzero_si512() : _mm512_set1_epi32(off[g]);
+                a = _mm512_dpwssd_epi32(a, _mm512_and_si512(v, low), _mm512_set1_epi32(xg[4 * c]));
+                a = _mm512_dpwssd_epi32(a, _mm512_and_si512(_mm512_srli_epi16(v, 4), low), _mm512_set1_epi32(xg[4 * c + 1]));
+                a = _mm512_dpwssd_epi32(a, _mm512_and_si512(_mm512_srli_epi16(v, 8), low), _mm512_set1_epi32(xg[4 * c + 2]));
+                acc[c] = _mm512_dpwssd_epi32(a, _mm512_srli_epi16(v, 12), _mm512_set1_epi32(xg[4 * c + 3]));
+            }
+            const __m512i a = _mm512_add_epi32(_mm512_add_epi32(acc[0], acc[1]), _mm512_add_epi32(acc[2], acc[3]));
+            const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + g * I16_BLOCK / G * ROWS16)));
+            t = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(sx[g])), sw, t);
+        }
+        _mm512_storeu_ps(y + ROWS16 * b, t);
+    }
+}
+
+/* y [N] = x [K] . W^T on a rows16 weight, the blocks split over nparts threads.  Returns 0, -1
+ * without memory. */
+static int rows16_linear(const float *x, int64_t K, int64_t N, const uint8_t *data, const uint8_t *scale, int64_t G,
+                         float *y, int64_t nparts) {
+    int16_t *q = aligned_alloc(64, (size_t)(K * 2 + 63) / 64 * 64);
+    int32_t *xp = aligned_alloc(64, (size_t)(K * 2 + 63) / 64 * 64), *off = malloc((size_t)(K / I16_BLOCK) * 4);
+    float *sx = malloc((size_t)(K / I16_BLOCK) * 4);
+    int status = -1;
+    if (q && xp && off && sx) {
+        rows16_prepare(x, K, q, xp, sx, off);
+#pragma omp parallel num_threads(nparts)
+        {
+            const int64_t blocks = N / ROWS16, p = omp_get_thread_num(), P = omp_get_num_threads();
+            rows16_dot_vnni(data, (const uint16_t *)scale, K, G, xp, sx, off, blocks * p / P, blocks * (p + 1) / P, y);
+        }
+        status = 0;
+    }
+    free(q), free(xp), free(off), free(sx);
+    return status;
+}
+
 /* out[w * nr + r] of two rows of a group-wise a8w8 role and n activation rows, AVX2: a block of 32
  * a step, 8 exact int32 lanes (the sign trick), each scaled (acc * s_x) * s_w. */
 static void a8w8g_dot_avx2(const qweight_t *wt, const uint8_t *const *rows, const uint8_t *const *scales,
@@ -825,6 +910,9 @@ static void a8g_rows(const qweight_t *wt, const uint8_t *const *rows, const uint
 #include "qdecode.c"
 #pragma GCC pop_options
 #undef QDECODE_ISA
+
+/* Whether this CPU has AVX-512 VNNI (the rows16 copy of a dense weight is made only where it does). */
+int64_t moe_qdecode_vnni(void) { return a8g_vnni(); }
 
 /* The widest ISA this CPU runs the loops in: ISA_AVX512, ISA_AVX2, or 0 (no F16C / FMA). */
 int64_t moe_qdecode_best_isa(void) {
@@ -1132,8 +1220,10 @@ done:
  * dense MLPs: kernels/cpu/dense.py): the E = 1, no-activation case of the decode step, i.e. its
  * FC2 phase alone with x as FC2's input, every row its own slot and weight 1.  The same loops,
  * so the same formats, ISA choice and exactness as a decode step's FC2.
- * Plan: [x, T, K, N, y, isa, data, scale, fmt, group]; y is zeroed here.  Returns as moe_qdecode_run. */
-enum { L_X, L_T, L_K, L_N, L_Y, L_ISA, L_ROLE };
+ * Plan: [x, T, K, N, y, isa, data, scale, fmt, group, rows16 data, rows16 scale]; the last two 0, or
+ * the weight's rows16 copy (above), which a T = 1 w4-int call on AVX-512 VNNI then reads instead.
+ * y is written whole.  Returns as moe_qdecode_run. */
+enum { L_X, L_T, L_K, L_N, L_Y, L_ISA, L_ROLE, L_ROWS16 = L_ROLE + W_FIELDS, L_ROWS16_SCALE };
 
 int moe_qdecode_linear(const int64_t *plan, int64_t nparts) {
     int64_t T = plan[L_T], K = plan[L_K], N = plan[L_N], isa = plan[L_ISA];
@@ -1145,6 +1235,9 @@ int moe_qdecode_linear(const int64_t *plan, int64_t nparts) {
     if (int8_activations(w.fmt) && (K % 32 || w.group != K)) return -2;
     if (a8g(w.fmt) && !a8g_ok(K, w.group)) return -2;
     a8g_setup(&w, isa);
+    if (T == 1 && plan[L_ROWS16] && N % ROWS16 == 0 && i16_form(w.fmt, K, w.group, isa) == I16_T4)
+        return rows16_linear((const float *)(intptr_t)plan[L_X], K, N, (const uint8_t *)(intptr_t)plan[L_ROWS16],
+                             (const uint8_t *)(intptr_t)plan[L_ROWS16_SCALE], w.group, (float *)(intptr_t)plan[L_Y], nparts);
     step_t s = {.T = T, .H = N, .F = K, .K = 1, .E = 1, .S = T, .between = 0, .y = (float *)(intptr_t)plan[L_Y]};
     s.v = isa == ISA_AVX512 ? 16 : 8;
     s.w2 = w, s.w2.layout = layout_of(w.fmt, w.group, isa);

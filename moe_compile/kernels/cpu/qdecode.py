@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import weakref
 
 import torch
@@ -60,6 +61,7 @@ from moe_compile.kernels.cpu.isa import ISA_AVX2, ISA_AVX512, ISA_ENV  # noqa: F
 from moe_compile.quant.common import GROUPED_A8, a8_group_tiles, grouped_a8
 
 ENV = "MOE_COMPILE_QDECODE"
+I16_ENV = "MOE_COMPILE_QDECODE_I16"  # "0": one row's activations stay fp32 (qdecode.c: i16_form)
 MAX_ROWS = 16  # tokens per call: decode (the prefill kernel takes more)
 GROUP_MULTIPLE = 32  # scale groups must span whole 32-element blocks (a 16-byte load of 4-bit codes)
 _FORMATS = {"w16-bf16": 1, "w16-fp16": 2, "w8-int": 3, "w4-int": 4, "mxfp4": 5, "mxfp8": 6, "a8w8-int": 7,
@@ -69,6 +71,7 @@ _NO_KERNEL = ("a8w8-fp8",)
 _KERNEL = cpu_cc.Kernel("qdecode", ENV,
                         {"moe_qdecode_run": ([ctypes.c_void_p, ctypes.c_float, ctypes.c_int64], ctypes.c_int),
                          "moe_qdecode_best_isa": ([], ctypes.c_int64),
+                         "moe_qdecode_vnni": ([], ctypes.c_int64),
                          "moe_qdecode_a8g_matmul": ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                                      ctypes.c_int64, ctypes.c_void_p], ctypes.c_int)},
@@ -104,6 +107,30 @@ def kernel_address() -> int | None:
 def role_fields(w, n: int, k: int) -> list[int]:
     """The C side's [data, scale, format code, group] of a role, logically [E, n, k] (checked)."""
     return _role_fields(w, "weight", n, k)
+
+
+ROWS16 = 16  # rows a dense weight's rows16 copy interleaves (qdecode.c: rows16_dot_vnni)
+
+
+def interleave_rows16(w) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A dense w4-int weight ([1, N, K]) held 16 rows interleaved, (data [N/16, K/8, 16, 4] uint8,
+    scale [N/16, K/G, 16] fp16), for qdecode.c's T = 1 loop on AVX-512 VNNI (the same bytes, another
+    order), or None where that loop would not run it: another format, N not a multiple of 16, the
+    int16 loop's shape rules (K a multiple of 128, G 32, 64 or a multiple of 128), no VNNI, the
+    AVX2 switch, or ``MOE_COMPILE_QDECODE_I16=0``."""
+    if w.fmt != "w4-int" or w.data.shape[0] != 1 or best_isa() != 512 or os.environ.get(I16_ENV) == "0":
+        return None
+    N, K, G = w.shape[1], w.shape[2], w.group
+    if N % ROWS16 or K % 128 or not (G in (32, 64) or G % 128 == 0) or not _KERNEL.lib().moe_qdecode_vnni():
+        return None
+    data = w.data[0].reshape(N // ROWS16, ROWS16, K // 8, 4).permute(0, 2, 1, 3).contiguous()
+    scale = w.scale[0].reshape(N // ROWS16, ROWS16, K // G).permute(0, 2, 1).contiguous()
+    return data, scale
+
+
+def rows16_fields(rows16) -> list[int]:
+    """The linear plan's [rows16 data, rows16 scale] pointers: 0, 0 without a copy."""
+    return [0, 0] if rows16 is None else [rows16[0].data_ptr(), rows16[1].data_ptr()]
 
 
 @functools.cache

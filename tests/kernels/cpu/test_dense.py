@@ -160,3 +160,101 @@ def test_one_pack_per_weight_and_format():
     first = dense.packed(w, "w8-int")
     dense.packed(w, "w4-int")
     assert dense.packed(w, "w8-int") is first
+
+
+# ------------------------------------------------------------------ w4-int's rows16 copy (T = 1)
+def _runs_rows16() -> bool:
+    """Whether this CPU (and switches) make the rows16 copy: AVX-512 VNNI, no AVX2 switch."""
+    return qdecode.interleave_rows16(quant.pack("w4-int", torch.randn(1, 16, 128))) is not None
+
+
+needs_rows16 = pytest.mark.skipif(not _runs_rows16(), reason="the rows16 loop needs AVX-512 VNNI")
+
+
+def _rows16_emulation(x: torch.Tensor, qw) -> torch.Tensor:
+    """What the rows16 loop computes for one row x [K]: x as int16 per block of 32 (s = max|x| /
+    32767, q = round half even(x / s), as qdecode.c's quantize_i16), each (row, block) sum of
+    (u - 8) q exact in integers, then per block t = fma((sum * s_x) * s_w, t) in fp32, in block order."""
+    N, K = qw.shape[1:]
+    xb = x.float().reshape(K // 32, 32)
+    big = xb.abs().amax(dim=1)
+    sx = torch.where(big == 0, torch.ones_like(big), big / 32767)
+    q = torch.round(xb / sx[:, None]).clamp(-32767, 32767).to(torch.int64)  # round half to even
+    packed = qw.data[0].to(torch.int64)
+    u = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(N, K // 32, 32)
+    sums = ((u - 8) * q[None]).sum(dim=2)  # [N, K/32], exact
+    sw = qw.scale[0].float().repeat_interleave(qw.group // 32, dim=1)  # [N, K/32]
+    t = torch.zeros(N, dtype=torch.float32)
+    for g in range(K // 32):
+        prod = sums[:, g].float() * sx[g]
+        t = (prod.double() * sw[:, g].double() + t.double()).float()  # one rounding, as the FMA
+    return t
+
+
+def test_rows16_copy_holds_the_packs_bytes():
+    """interleave_rows16 reorders, never changes: its inverse permutation is the canonical pack."""
+    qw = quant.pack("w4-int", torch.randn(1, 48, 256))
+    rows16 = qdecode.interleave_rows16(qw)
+    if rows16 is None:
+        pytest.skip("no rows16 copy on this CPU")
+    data, scale = rows16
+    assert torch.equal(data.permute(0, 2, 1, 3).reshape(48, 128), qw.data[0])
+    assert torch.equal(scale.permute(0, 2, 1).reshape(48, 256 // qw.group), qw.scale[0])
+
+
+@needs_rows16
+@pytest.mark.parametrize("group", (32, 64, 128))
+def test_rows16_matches_its_emulation_and_the_reference(group):
+    """A T = 1 w4-int call runs the rows16 loop: its result is the loop's exact-integer emulation to
+    fp32 rounding (1e-6 of the output's scale: a wrong row, block or nibble is off by 1e-2 or more),
+    the reference within the int16 activations' error (TOL), and the C++ op's bits."""
+    n, k = 80, 512
+    w, x = torch.randn(n, k), torch.randn(1, k)
+    pack = dense.packed(w, "w4-int", group)
+    assert pack.rows16 is not None and pack.fields[4] == pack.rows16[0].data_ptr()
+    got = dense.linear(x, w, None, "w4-int", group)
+    assert rel_err(got[0], _rows16_emulation(x[0], pack.qweight)) < 1e-6
+    assert rel_err(got, x @ quant.dequantize(pack.qweight)[0].t()) < TOL
+    dense.install()
+    assert torch.equal(torch.ops.moe_compile.dense_linear(x, w, None, "w4-int", group), got)
+    pack.rows16[0][0].fill_(0x88)  # block 0's rows read as zeros (u = 8) in the copy alone
+    changed = dense.linear(x, w, None, "w4-int", group)
+    assert changed[0, :16].abs().max() == 0 and torch.equal(changed[0, 16:], got[0, 16:])  # it read the copy
+    dense.clear()
+
+
+@needs_rows16
+def test_rows16_and_the_row_loop_agree():
+    """T = 1 on the rows16 copy and T = 3 on the canonical pack (the row loops, fp32 activations)
+    give each row the same value up to T = 1's int16 activation blocks (~5e-5 of the output's
+    scale, TOL); a row read from the wrong copy or offset would be off by the weights' scale."""
+    w, x = torch.randn(64, K), torch.randn(3, K)
+    many = dense.linear(x, w, None, "w4-int")
+    for t in range(3):
+        assert rel_err(dense.linear(x[t:t + 1], w, None, "w4-int")[0], many[t]) < TOL
+
+
+@needs_rows16
+def test_rows16_passes_nan_and_inf_on():
+    """A NaN or inf in x reaches the output (its block's scale is not finite), as in the reference."""
+    w = torch.randn(32, K)
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(1, K)
+        x[0, 7] = bad
+        got = dense.linear(x, w, None, "w4-int")
+        assert not torch.isfinite(got).any()
+
+
+def test_rows16_only_where_its_loop_runs(monkeypatch):
+    """No copy (no memory spent) for other formats, N not a multiple of 16, the AVX2 switch or
+    MOE_COMPILE_QDECODE_I16=0; such calls run the row loops on the canonical pack."""
+    assert qdecode.interleave_rows16(quant.pack("w8-int", torch.randn(1, 32, 128))) is None
+    assert qdecode.interleave_rows16(quant.pack("w4-int", torch.randn(1, 40, 128))) is None
+    monkeypatch.setenv(qdecode.I16_ENV, "0")
+    assert qdecode.interleave_rows16(quant.pack("w4-int", torch.randn(1, 32, 128))) is None
+    monkeypatch.delenv(qdecode.I16_ENV)
+    monkeypatch.setattr(qdecode, "best_isa", lambda: 2)
+    assert qdecode.interleave_rows16(quant.pack("w4-int", torch.randn(1, 32, 128))) is None
+    w, x = torch.randn(40, K), torch.randn(1, K)
+    assert dense.packed(w, "w4-int").rows16 is None
+    assert rel_err(dense.linear(x, w, None, "w4-int"), x @ quant.dequantize(dense.packed(w, "w4-int").qweight)[0].t()) < TOL
