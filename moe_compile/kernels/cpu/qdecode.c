@@ -726,7 +726,8 @@ A8G_VNNI static void w4_dot16_vnni(const qweight_t *wt, const uint8_t *const *ro
     out[0] = _mm512_reduce_add_ps(t0), out[1] = _mm512_reduce_add_ps(t1);
 }
 
-/* Dense linears at T = 1 in w4-int on AVX-512 VNNI, on the weight held 16 rows interleaved
+/* Dense linears at T = 1 in w4-int and group-wise a8w4-int on AVX-512 VNNI, on the weight held 16
+ * rows interleaved
  * ("rows16", made once beside the canonical pack by qdecode.py's interleave_rows16):
  *   data  [N/16, K/8, 16, 4] bytes: for each block of 16 rows and each 8 elements k0 .. k0 + 7, the
  *         4 packed bytes of those elements of each of the 16 rows (one 64-byte vector);
@@ -737,10 +738,11 @@ A8G_VNNI static void w4_dot16_vnni(const qweight_t *wt, const uint8_t *const *ro
  * of the time, 2-core Zen 4).  Here lane r is row r of the block: the int32 lane sums a whole
  * 32-element block of its row (4 vectors x 4 vpdpwssd against broadcast pairs of x), then one
  * convert, multiply and FMA scale 16 rows' block at once, and each thread reads one stream.
- * The activations are quantize_i16's (int16 per block of 32, the same values as w4_dot16_vnni's),
- * a lane's sum is exact in int32 and in its fp32 convert (|sum (u - 8) q| <= 32 x 8 x 32767 < 2^24),
- * scaled (sum * s_x) * s_w and summed over blocks in order: each row by one thread, so the result
- * does not depend on the thread count. */
+ * w4-int's activations are quantize_i16's (int16 per block of 32, the same values as
+ * w4_dot16_vnni's), a8w4-int's quantize_int8_blocks' (the format's int8 per block of 32, vpdpbusd 4
+ * products a lane); a lane's sum is exact in int32 and in its fp32 convert (|sum (u - 8) q| <=
+ * 32 x 8 x 32767 < 2^24), scaled (sum * s_x) * s_w and summed over blocks in order: each row by one
+ * thread, so the result does not depend on the thread count. */
 enum { ROWS16 = 16 };
 
 /* x (K floats, K a multiple of 32) for rows16_dot_vnni: quantize_i16's blocks, as int32 pairs
@@ -790,20 +792,84 @@ A8G_VNNI static void rows16_dot_vnni(const uint8_t *data, const uint16_t *scale,
     }
 }
 
-/* y [N] = x [K] . W^T on a rows16 weight, the blocks split over nparts threads.  Returns 0, -1
- * without memory. */
-static int rows16_linear(const float *x, int64_t K, int64_t N, const uint8_t *data, const uint8_t *scale, int64_t G,
-                         float *y, int64_t nparts) {
-    int16_t *q = aligned_alloc(64, (size_t)(K * 2 + 63) / 64 * 64);
-    int32_t *xp = aligned_alloc(64, (size_t)(K * 2 + 63) / 64 * 64), *off = malloc((size_t)(K / I16_BLOCK) * 4);
-    float *sx = malloc((size_t)(K / I16_BLOCK) * 4);
+/* x (K floats) for rows16_a8_dot_vnni: the format's int8 blocks (quantize_int8_blocks, in order) as
+ * int32 quads, xq[2 c] = q[8 c + 0, 2, 4, 6] and xq[2 c + 1] = q[8 c + 1, 3, 5, 7] (the elements
+ * the low and the high nibbles of an int32 lane's 4 bytes hold), each block's scale sx[4 b] and
+ * offset off[4 b] (quantize_int8_blocks' lane 0 of the block). */
+static void rows16_a8_prepare(const float *x, int64_t K, int8_t *q, int32_t *xq, float *sx, int32_t *off) {
+    const qweight_t in_order = {.fmt = FMT_A8W4G, .k = K, .pairing = 0};
+    quantize_int8_blocks(&in_order, x, q, sx, off);
+    for (int64_t c = 0; c < K / 8; ++c)
+        for (int h = 0; h < 2; ++h) {
+            uint32_t quad = 0;
+            for (int i = 0; i < 4; ++i) quad |= (uint32_t)(uint8_t)q[8 * c + 2 * i + h] << (8 * i);
+            xq[2 * c + h] = (int32_t)quad;
+        }
+}
+
+/* As rows16_dot_vnni for group-wise a8w4-int: per vector, the low and the high nibbles (bytes
+ * u = q_w + 8) against broadcast int8 quads of x, one vpdpbusd each. */
+A8G_VNNI static void rows16_a8_dot_vnni(const uint8_t *data, const uint16_t *scale, int64_t K, int64_t G,
+                                        const int32_t *xq, const float *sx, const int32_t *off, int64_t b0,
+                                        int64_t b1, float *y) {
+    const __m512i low = _mm512_set1_epi8(15);
+    const int64_t blocks = K / A8G_BLOCK;
+    for (int64_t b = b0; b < b1; ++b) {
+        const uint8_t *d = data + b * ROWS16 * (K / 2);
+        const uint16_t *s = scale + b * (K / G) * ROWS16;
+        __m512 t = _mm512_setzero_ps();
+        for (int64_t g = 0; g < blocks; ++g) {
+            const uint8_t *dg = d + g * 4 * 64;
+            const int32_t *xg = xq + 8 * g;
+            __m512i acc[4];
+            for (int c = 0; c < 4; ++c) {
+                _mm_prefetch((const char *)(dg + 64 * c + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
+                const __m512i v = _mm512_loadu_si512(dg + 64 * c);
+                __m512i a = c ? _mm512_setzero_si512() : _mm512_set1_epi32(off[4 * g]);
+                a = _mm512_dpbusd_epi32(a, _mm512_and_si512(v, low), _mm512_set1_epi32(xg[2 * c]));
+                acc[c] = _mm512_dpbusd_epi32(a, _mm512_and_si512(_mm512_srli_epi16(v, 4), low), _mm512_set1_epi32(xg[2 * c + 1]));
+            }
+            const __m512i a = _mm512_add_epi32(_mm512_add_epi32(acc[0], acc[1]), _mm512_add_epi32(acc[2], acc[3]));
+            const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + g * A8G_BLOCK / G * ROWS16)));
+            t = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(sx[4 * g])), sw, t);
+        }
+        _mm512_storeu_ps(y + ROWS16 * b, t);
+    }
+}
+
+static int i16_form(int64_t fmt, int64_t k, int64_t group, int64_t isa);
+
+/* Which rows16 loop runs a dense weight at T = 1 on this ISA: 1 w4-int's, 2 a8w4-int's, 0 none
+ * (the row loops on the canonical pack).  The same conditions as those loops' VNNI forms, so a
+ * copy changes the speed, not the arithmetic's regime. */
+static int rows16_loop(const qweight_t *w, int64_t isa) {
+    if (isa != ISA_AVX512 || w->n % ROWS16) return 0;
+    if (w->fmt == FMT_W4) return i16_form(w->fmt, w->k, w->group, isa) == I16_T4;
+    return w->fmt == FMT_A8W4G && w->vnni ? 2 : 0;
+}
+
+/* y [N] = x [K] . W^T on a rows16 weight (loop: rows16_loop's), the blocks split over nparts
+ * threads.  Returns 0, -1 without memory. */
+static int rows16_linear(int loop, const float *x, int64_t K, int64_t N, const uint8_t *data, const uint8_t *scale,
+                         int64_t G, float *y, int64_t nparts) {
+    /* int16 (w4) or int8 (a8w4) x, its pairs or quads, per-block (a8: per-lane) scales and offsets */
+    void *q = aligned_alloc(64, (size_t)(K * 2 + 63) / 64 * 64);
+    int32_t *xp = aligned_alloc(64, (size_t)(K * 2 + 63) / 64 * 64), *off = malloc((size_t)(K / A8G_ROW_DIV + 8) * 4);
+    float *sx = malloc((size_t)(K / A8G_ROW_DIV + 8) * 4);
     int status = -1;
     if (q && xp && off && sx) {
-        rows16_prepare(x, K, q, xp, sx, off);
+        if (loop == 1)
+            rows16_prepare(x, K, q, xp, sx, off);
+        else
+            rows16_a8_prepare(x, K, q, xp, sx, off);
 #pragma omp parallel num_threads(nparts)
         {
             const int64_t blocks = N / ROWS16, p = omp_get_thread_num(), P = omp_get_num_threads();
-            rows16_dot_vnni(data, (const uint16_t *)scale, K, G, xp, sx, off, blocks * p / P, blocks * (p + 1) / P, y);
+            const int64_t b0 = blocks * p / P, b1 = blocks * (p + 1) / P;
+            if (loop == 1)
+                rows16_dot_vnni(data, (const uint16_t *)scale, K, G, xp, sx, off, b0, b1, y);
+            else
+                rows16_a8_dot_vnni(data, (const uint16_t *)scale, K, G, xp, sx, off, b0, b1, y);
         }
         status = 0;
     }
@@ -1221,7 +1287,8 @@ done:
  * FC2 phase alone with x as FC2's input, every row its own slot and weight 1.  The same loops,
  * so the same formats, ISA choice and exactness as a decode step's FC2.
  * Plan: [x, T, K, N, y, isa, data, scale, fmt, group, rows16 data, rows16 scale]; the last two 0, or
- * the weight's rows16 copy (above), which a T = 1 w4-int call on AVX-512 VNNI then reads instead.
+ * the weight's rows16 copy (above), which a T = 1 w4-int or group-wise a8w4-int call on AVX-512
+ * VNNI then reads instead.
  * y is written whole.  Returns as moe_qdecode_run. */
 enum { L_X, L_T, L_K, L_N, L_Y, L_ISA, L_ROLE, L_ROWS16 = L_ROLE + W_FIELDS, L_ROWS16_SCALE };
 
@@ -1235,8 +1302,9 @@ int moe_qdecode_linear(const int64_t *plan, int64_t nparts) {
     if (int8_activations(w.fmt) && (K % 32 || w.group != K)) return -2;
     if (a8g(w.fmt) && !a8g_ok(K, w.group)) return -2;
     a8g_setup(&w, isa);
-    if (T == 1 && plan[L_ROWS16] && N % ROWS16 == 0 && i16_form(w.fmt, K, w.group, isa) == I16_T4)
-        return rows16_linear((const float *)(intptr_t)plan[L_X], K, N, (const uint8_t *)(intptr_t)plan[L_ROWS16],
+    const int loop = T == 1 && plan[L_ROWS16] ? rows16_loop(&w, isa) : 0;
+    if (loop)
+        return rows16_linear(loop, (const float *)(intptr_t)plan[L_X], K, N, (const uint8_t *)(intptr_t)plan[L_ROWS16],
                              (const uint8_t *)(intptr_t)plan[L_ROWS16_SCALE], w.group, (float *)(intptr_t)plan[L_Y], nparts);
     step_t s = {.T = T, .H = N, .F = K, .K = 1, .E = 1, .S = T, .between = 0, .y = (float *)(intptr_t)plan[L_Y]};
     s.v = isa == ISA_AVX512 ? 16 : 8;

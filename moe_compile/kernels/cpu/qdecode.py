@@ -113,12 +113,13 @@ ROWS16 = 16  # rows a dense weight's rows16 copy interleaves (qdecode.c: rows16_
 
 
 def interleave_rows16(w) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A dense w4-int weight ([1, N, K]) held 16 rows interleaved, (data [N/16, K/8, 16, 4] uint8,
-    scale [N/16, K/G, 16] fp16), for qdecode.c's T = 1 loop on AVX-512 VNNI (the same bytes, another
-    order), or None where that loop would not run it: another format, N not a multiple of 16, the
-    int16 loop's shape rules (K a multiple of 128, G 32, 64 or a multiple of 128), no VNNI, the
-    AVX2 switch, or ``MOE_COMPILE_QDECODE_I16=0``."""
-    if w.fmt != "w4-int" or w.data.shape[0] != 1 or best_isa() != 512 or os.environ.get(I16_ENV) == "0":
+    """A dense w4-int or group-wise a8w4-int weight ([1, N, K]) held 16 rows interleaved, (data
+    [N/16, K/8, 16, 4] uint8, scale [N/16, K/G, 16] fp16), for qdecode.c's T = 1 loops on AVX-512
+    VNNI (the same bytes, another order), or None where those loops would not run it: another
+    format, N not a multiple of 16, the VNNI loops' shape rules (K a multiple of 128, G 32, 64 or a
+    multiple of 128), no VNNI, the AVX2 switch, or for w4-int ``MOE_COMPILE_QDECODE_I16=0``."""
+    four_bit = w.fmt == "w4-int" and os.environ.get(I16_ENV) != "0" or w.fmt == "a8w4-int" and w.grouped_activations
+    if not four_bit or w.data.shape[0] != 1 or best_isa() != 512:
         return None
     N, K, G = w.shape[1], w.shape[2], w.group
     if N % ROWS16 or K % 128 or not (G in (32, 64) or G % 128 == 0) or not _KERNEL.lib().moe_qdecode_vnni():

@@ -162,7 +162,8 @@ def test_one_pack_per_weight_and_format():
     assert dense.packed(w, "w8-int") is first
 
 
-# ------------------------------------------------------------------ w4-int's rows16 copy (T = 1)
+# ------------------------------------------- the 4-bit formats' rows16 copy (T = 1, AVX-512 VNNI)
+ROWS16_FORMATS = ("w4-int", "a8w4-int")  # a8w4-int: its group-wise form, dense's default
 def _runs_rows16() -> bool:
     """Whether this CPU (and switches) make the rows16 copy: AVX-512 VNNI, no AVX2 switch."""
     return qdecode.interleave_rows16(quant.pack("w4-int", torch.randn(1, 16, 128))) is not None
@@ -172,14 +173,21 @@ needs_rows16 = pytest.mark.skipif(not _runs_rows16(), reason="the rows16 loop ne
 
 
 def _rows16_emulation(x: torch.Tensor, qw) -> torch.Tensor:
-    """What the rows16 loop computes for one row x [K]: x as int16 per block of 32 (s = max|x| /
-    32767, q = round half even(x / s), as qdecode.c's quantize_i16), each (row, block) sum of
-    (u - 8) q exact in integers, then per block t = fma((sum * s_x) * s_w, t) in fp32, in block order."""
+    """What the rows16 loops compute for one row x [K]: x as int16 per block of 32 for w4-int (s =
+    max|x| / 32767, q = round half even(x / s), as qdecode.c's quantize_i16), as the format's int8
+    blocks for a8w4-int (quantize_per_block_int8), each (row, block) sum of (u - 8) q exact in
+    integers, then per block t = fma((sum * s_x) * s_w, t) in fp32, in block order."""
+    from moe_compile.quant.common import quantize_per_block_int8
+
     N, K = qw.shape[1:]
-    xb = x.float().reshape(K // 32, 32)
-    big = xb.abs().amax(dim=1)
-    sx = torch.where(big == 0, torch.ones_like(big), big / 32767)
-    q = torch.round(xb / sx[:, None]).clamp(-32767, 32767).to(torch.int64)  # round half to even
+    if qw.fmt == "a8w4-int":
+        q8, sx = quantize_per_block_int8(x.reshape(1, K))
+        q, sx = q8.reshape(K // 32, 32).to(torch.int64), sx[0]
+    else:
+        xb = x.float().reshape(K // 32, 32)
+        big = xb.abs().amax(dim=1)
+        sx = torch.where(big == 0, torch.ones_like(big), big / 32767)
+        q = torch.round(xb / sx[:, None]).clamp(-32767, 32767).to(torch.int64)  # round half to even
     packed = qw.data[0].to(torch.int64)
     u = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(N, K // 32, 32)
     sums = ((u - 8) * q[None]).sum(dim=2)  # [N, K/32], exact
@@ -191,9 +199,10 @@ def _rows16_emulation(x: torch.Tensor, qw) -> torch.Tensor:
     return t
 
 
-def test_rows16_copy_holds_the_packs_bytes():
+@pytest.mark.parametrize("fmt", ROWS16_FORMATS)
+def test_rows16_copy_holds_the_packs_bytes(fmt):
     """interleave_rows16 reorders, never changes: its inverse permutation is the canonical pack."""
-    qw = quant.pack("w4-int", torch.randn(1, 48, 256))
+    qw = quant.pack(fmt, torch.randn(1, 48, 256), 32)
     rows16 = qdecode.interleave_rows16(qw)
     if rows16 is None:
         pytest.skip("no rows16 copy on this CPU")
@@ -203,22 +212,27 @@ def test_rows16_copy_holds_the_packs_bytes():
 
 
 @needs_rows16
+@pytest.mark.parametrize("fmt", ROWS16_FORMATS)
 @pytest.mark.parametrize("group", (32, 64, 128))
-def test_rows16_matches_its_emulation_and_the_reference(group):
-    """A T = 1 w4-int call runs the rows16 loop: its result is the loop's exact-integer emulation to
-    fp32 rounding (1e-6 of the output's scale: a wrong row, block or nibble is off by 1e-2 or more),
-    the reference within the int16 activations' error (TOL), and the C++ op's bits."""
+def test_rows16_matches_its_emulation_and_the_reference(fmt, group):
+    """A T = 1 call runs the rows16 loop: its result is the loop's exact-integer emulation to fp32
+    rounding (1e-6 of the output's scale: a wrong row, block or nibble is off by 1e-2 or more), the
+    reference within the activations' error (w4-int's int16 blocks: TOL; a8w4-int's reference
+    quantizes them as the loop does: fp32 order alone), and the C++ op's bits."""
     n, k = 80, 512
     w, x = torch.randn(n, k), torch.randn(1, k)
-    pack = dense.packed(w, "w4-int", group)
+    pack = dense.packed(w, fmt, group)
     assert pack.rows16 is not None and pack.fields[4] == pack.rows16[0].data_ptr()
-    got = dense.linear(x, w, None, "w4-int", group)
+    got = dense.linear(x, w, None, fmt, group)
     assert rel_err(got[0], _rows16_emulation(x[0], pack.qweight)) < 1e-6
-    assert rel_err(got, x @ quant.dequantize(pack.qweight)[0].t()) < TOL
+    if fmt == "a8w4-int":
+        assert rel_err(got, quant.matmul(x, pack.qweight, 0)) < 1e-6
+    else:
+        assert rel_err(got, x @ quant.dequantize(pack.qweight)[0].t()) < TOL
     dense.install()
-    assert torch.equal(torch.ops.moe_compile.dense_linear(x, w, None, "w4-int", group), got)
+    assert torch.equal(torch.ops.moe_compile.dense_linear(x, w, None, fmt, group), got)
     pack.rows16[0][0].fill_(0x88)  # block 0's rows read as zeros (u = 8) in the copy alone
-    changed = dense.linear(x, w, None, "w4-int", group)
+    changed = dense.linear(x, w, None, fmt, group)
     assert changed[0, :16].abs().max() == 0 and torch.equal(changed[0, 16:], got[0, 16:])  # it read the copy
     dense.clear()
 
@@ -235,20 +249,26 @@ def test_rows16_and_the_row_loop_agree():
 
 
 @needs_rows16
-def test_rows16_passes_nan_and_inf_on():
+@pytest.mark.parametrize("fmt", ROWS16_FORMATS)
+def test_rows16_passes_nan_and_inf_on(fmt):
     """A NaN or inf in x reaches the output (its block's scale is not finite), as in the reference."""
     w = torch.randn(32, K)
     for bad in (float("nan"), float("inf")):
         x = torch.randn(1, K)
         x[0, 7] = bad
-        got = dense.linear(x, w, None, "w4-int")
+        got = dense.linear(x, w, None, fmt)
         assert not torch.isfinite(got).any()
 
 
 def test_rows16_only_where_its_loop_runs(monkeypatch):
-    """No copy (no memory spent) for other formats, N not a multiple of 16, the AVX2 switch or
-    MOE_COMPILE_QDECODE_I16=0; such calls run the row loops on the canonical pack."""
+    """No copy (no memory spent) for other formats, a8w4-int's per-channel form, N not a multiple
+    of 16, the AVX2 switch or (w4-int) MOE_COMPILE_QDECODE_I16=0; such calls run the row loops on
+    the canonical pack."""
+    from moe_compile.quant import a8w4_int
+
     assert qdecode.interleave_rows16(quant.pack("w8-int", torch.randn(1, 32, 128))) is None
+    per_channel = a8w4_int.pack(torch.randn(1, 32, 128), group_size=None)
+    assert qdecode.interleave_rows16(per_channel) is None
     assert qdecode.interleave_rows16(quant.pack("w4-int", torch.randn(1, 40, 128))) is None
     monkeypatch.setenv(qdecode.I16_ENV, "0")
     assert qdecode.interleave_rows16(quant.pack("w4-int", torch.randn(1, 32, 128))) is None
