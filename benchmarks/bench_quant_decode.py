@@ -22,6 +22,12 @@ x [T, H] ~ normal(0, 1), K distinct random experts per token, softmax routing we
                   one; q4_0 also in the CPU_REPACK buffer), the fastest reported; 2 ggml threads.
   roof            bytes of the touched experts at the format (data + scales) / the read bandwidth
                   (``torch.sum`` over 256 MiB, timed in the same rounds, best sample).
+  read <fmt>      ``torch.sum`` over one fp32 buffer of exactly those bytes, timed like the others
+                  (after the same 64 MiB read, median of the rounds): what merely streaming that
+                  much memory from DRAM takes here at that size, no arithmetic.  On small cells it
+                  is well above the roof (a few MiB do not reach the large read's speed), so
+                  ``op / read`` says how far a kernel is from the memory it reads, ``op / roof``
+                  how far from the machine's best large read.
 
 Load: before each cell the script waits until other processes use at most ``--others-limit``
 cores (all waiting stops after ``--max-wait-s``); each row reports what they used before and
@@ -210,7 +216,10 @@ def main(argv=None):
             ids = torch.rand(T, E, generator=gen).argsort(dim=1)[:, :K].contiguous()
             g = torch.softmax(torch.randn(T, K, generator=gen), dim=1).contiguous()
             fns, errs, attrs = {}, {}, FFNAttrs()
+            touched = int(torch.unique(ids).numel())
             for f, (w1, w2) in packed.items():
+                read_buf = torch.ones(int(touched * (w1.nbytes + w2.nbytes) / E) // 4)
+                fns[f"read {f}"] = lambda read_buf=read_buf: read_buf.sum()
                 fns[f"qdecode {f}"] = lambda w1=w1, w2=w2: qdecode.run(x, ids, g, w1, w2, attrs, None)
                 ref_q = quant.reference_moe(x, ids, g, w1, w2, attrs)
                 errs[f"qdecode {f}"] = rel_err(fns[f"qdecode {f}"](), ref_q)
@@ -238,7 +247,6 @@ def main(argv=None):
                 during = ((ticks1[0] - ticks0[0]) - (ticks1[1] - ticks0[1])) / os.sysconf("SC_CLK_TCK") / elapsed
             med = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
             bw = max(bw_buf.numel() * 4 / s for s in samples["bw"])
-            touched = int(torch.unique(ids).numel())
             row = {"shape": shape, "H": H, "F": F, "E": E, "K": K, "T": T, "touched_experts": touched, "isa": isa,
                    "read_GBps_best": round(bw / 1e9, 1), "load_before": load0,
                    "others_cores_before": round(others, 2), "others_cores_during": round(max(0.0, during), 2), "load_after": os.getloadavg(),
@@ -261,6 +269,7 @@ def main(argv=None):
                                          for f in packed if PEER_OF[f] in best_peer}
             ops_run = [f for f in packed if f in OP_FORMATS]
             row["roof_over_op"] = {f: round(roofs[f] / med[f"op {f}"], 3) for f in ops_run}
+            row["read_over_op"] = {f: round(med[f"read {f}"] / med[f"op {f}"], 3) for f in ops_run}
             row["llama_over_op"] = {f: round(best_peer[PEER_OF[f]][1] / med[f"op {f}"], 3)
                                     for f in ops_run if PEER_OF[f] in best_peer}
             line = json.dumps(row)
@@ -275,7 +284,8 @@ def main(argv=None):
                 peer = best_peer.get(PEER_OF[f])
                 vs = f"  llama {PEER_OF[f]} {peer[1]:.3f} ms -> {peer[1] / med[side]:.2f}x" if peer else ""
                 print(f"#   {side:12s} {med[side]:.3f} ms (qdecode.run {med[f'qdecode {f}']:.3f})  roof {roofs[f]:.3f} "
-                      f"({roofs[f] / med[side]:.2f}){vs}  err {errs[side]:.1e}", flush=True)
+                      f"({roofs[f] / med[side]:.2f})  read {med[f'read {f}']:.3f} ({med[f'read {f}'] / med[side]:.2f})"
+                      f"{vs}  err {errs[side]:.1e}", flush=True)
             for call in peer_keep[1]:
                 lib.peer_free(call)
             peer_keep[1].clear()

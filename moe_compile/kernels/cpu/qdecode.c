@@ -57,7 +57,7 @@ enum { ISA_AVX2 = 2, ISA_AVX512 = 512 };
 /* Group scales of one weight row converted to fp32 SEG at a time (a stack buffer per row). */
 enum { SEG = 256 };
 /* Software prefetch distance into the weight rows, in elements (so the same time ahead whatever
- * the format's bytes: 4 KiB of int8 / fp8, 8 KiB of bf16; 4-bit rows below); rows of one
+ * the format's bytes: 8 KiB of int8 / fp8, 16 KiB of bf16; 4-bit rows below); rows of one
  * expert are contiguous, so it runs on into the next rows, and past an expert's end it is
  * harmless.  A/B in one process, 2 threads, 64 MiB read before each call, medians of 100
  * interleaved, 2-core EPYC (Zen 5), 4 runs, ms at 2 KiB (the old fixed distance) / this:
@@ -78,14 +78,20 @@ enum { SEG = 256 };
 #define QDECODE_PREFETCH_HINT _MM_HINT_T1
 #endif
 #define PREFETCH_HINT QDECODE_PREFETCH_HINT
+/* 8 KiB of int8 (16 of bf16) since the hint went to L2, from 4 KiB: a dense row of 4096 int8 was
+ * then exactly the distance, so the loops' two rows a pass prefetched the pair's other row, not
+ * the next pair's.  One-process A/B, 2 threads, 64 MiB read before each call, 2-core Zen 4, ms at
+ * 4 KiB / 8 KiB: dense T = 1 w8-int o_proj [2048, 4096] 0.37-0.38 / 0.21-0.30, q_proj [4096, 2048]
+ * 0.24-0.33 / 0.22-0.31, lm_head [32000, 2048] 1.77-2.29 / 1.45-2.29; bf16 o_proj 0.63-0.72 /
+ * 0.59-0.63; the MoE step (bench shapes, T = 1 and 4: w8-int, w16, a8w8-int) 0.95-1.04 of before. */
 #ifndef QDECODE_PREFETCH_ELEMENTS /* a -D override for A/B builds */
-#define QDECODE_PREFETCH_ELEMENTS 4096
+#define QDECODE_PREFETCH_ELEMENTS 8192
 #endif
 enum { PREFETCH_ELEMENTS = QDECODE_PREFETCH_ELEMENTS };
 /* 4-bit rows: 8 KiB ahead (twice the elements).  Their integer loops run at ~45 G weights/s a core
  * in cache, so 2 KiB is ~90 ns ahead, under DRAM's latency; one-process A/B, AVX2, T=1 / T=4,
  * Mixtral-like: a8w4-int 0.185 / 0.581 -> 0.171 / 0.542 ms, w4-int 0.254 / 0.891 -> 0.245 / 0.873;
- * 8-bit formats and bf16 level or 3% slower at the doubled distance, so they keep theirs.
+ * 8-bit formats and bf16 were then (prefetching into L1) level or 3% slower at the doubled distance.
  * Into L2 (above), 4 -> 8 KiB: a8w4-int q_proj / o_proj [4096, 2048] / [2048, 4096] 0.288 / 0.291 ->
  * 0.278 / 0.253 ms, at 16 KiB lm_head slower again (1.46 -> 2.01). */
 enum { PREFETCH_4BIT_BYTES = 8192 };
@@ -727,8 +733,8 @@ A8G_VNNI static void w4_dot16_vnni(const qweight_t *wt, const uint8_t *const *ro
 }
 
 /* Dense linears at T = 1 in w4-int and group-wise a8w4-int on AVX-512 VNNI, on the weight held 16
- * rows interleaved
- * ("rows16", made once beside the canonical pack by qdecode.py's interleave_rows16):
+ * rows interleaved ("rows16", made once beside the canonical pack by qdecode.py's
+ * interleave_rows16):
  *   data  [N/16, K/8, 16, 4] bytes: for each block of 16 rows and each 8 elements k0 .. k0 + 7, the
  *         4 packed bytes of those elements of each of the 16 rows (one 64-byte vector);
  *   scale [N/16, K/G, 16] fp16: each group's 16 row scales side by side.
@@ -742,7 +748,8 @@ A8G_VNNI static void w4_dot16_vnni(const qweight_t *wt, const uint8_t *const *ro
  * w4_dot16_vnni's), a8w4-int's quantize_int8_blocks' (the format's int8 per block of 32, vpdpbusd 4
  * products a lane); a lane's sum is exact in int32 and in its fp32 convert (|sum (u - 8) q| <=
  * 32 x 8 x 32767 < 2^24), scaled (sum * s_x) * s_w and summed over blocks in order: each row by one
- * thread, so the result does not depend on the thread count. */
+ * thread, so the result does not depend on the thread count. 8-bit weights keep the row loops:
+ * from memory they run at the memory's speed there (a w8-int rows16 loop was level, 2-core Zen 4). */
 enum { ROWS16 = 16 };
 
 /* x (K floats, K a multiple of 32) for rows16_dot_vnni: quantize_i16's blocks, as int32 pairs

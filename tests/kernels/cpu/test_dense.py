@@ -207,7 +207,7 @@ def test_rows16_copy_holds_the_packs_bytes(fmt):
     if rows16 is None:
         pytest.skip("no rows16 copy on this CPU")
     data, scale = rows16
-    assert torch.equal(data.permute(0, 2, 1, 3).reshape(48, 128), qw.data[0])
+    assert torch.equal(data.permute(0, 2, 1, 3).reshape(48, -1), qw.data[0])
     assert torch.equal(scale.permute(0, 2, 1).reshape(48, 256 // qw.group), qw.scale[0])
 
 
