@@ -9,8 +9,10 @@ The model: a Qwen3-MoE causal LM (default: Qwen3-30B-A3B's layer shapes, 4 layer
 untied lm_head; 1.4 B parameters, fixed seed), built from its config with random weights.  Its
 GGUF is written here with the ``gguf`` package (every tensor fp32, Qwen3-MoE's GGUF names) and
 quantized by llama.cpp's own ``llama-quantize`` to f16 / q8_0 / q4_0 / q4_K_M; ``llama-bench``
-(``-p PROMPT -n GEN -t THREADS -r REPS``) times it.  Both tools come from a llama.cpp build given
-by path; without them only the PyTorch rows run.
+times it: prefill ``-p PROMPT -n 0``, decode ``-p 0 -n GEN -d PROMPT`` (after PROMPT tokens of
+context, as ours decodes; ``--llama-empty-context``: llama-bench's default ``-n GEN`` from an empty
+context, as before 2026-12-04), ``-t THREADS -r REPS``.  Both tools come from a llama.cpp build
+given by path; without them only the PyTorch rows run.
 
 PyTorch rows: one ``generate`` call = a PROMPT-token prefill + GEN greedy tokens; a logits
 processor stamps the clock at each step (stamp 0 ends the prefill), medians of --reps calls
@@ -31,7 +33,10 @@ Order: the baseline engines, then each recipe's rows followed at once by the lla
 the same bits (``PEER_TYPE``: fp32 / f32, w16 / f16, w8 and a8w8 / q8_0, 4-bit / q4_0), the pair
 under one bandwidth reading taken just before it ("GB/s"; the roof uses it), so that the memory's
 drift on a shared VM does not enter a recipe's ratio ("vs llama": decode, "pf vs": prefill);
-the types no recipe names (q4_K_M) run last.
+the types no recipe names (q4_K_M) run last.  ``--alternate N`` (with ``--loop``): after a
+recipe's loop row, N pairs of one loop call and one single-repeat llama-bench run of its type,
+alternating, and the median of the pairs' decode ratios with its range: on a VM whose memory speed
+moves within minutes, a better reading of the ratio than one pair.
 """
 
 from __future__ import annotations
@@ -96,8 +101,10 @@ def llama_formats(a, f32_path: str) -> dict:
     return paths
 
 
-def llama_bench(a, path: str) -> dict:
-    return llamacpp.bench(a.llama_bench, path, a.threads, a.prompt, a.gen, a.reps)
+def llama_bench(a, path: str, reps: int | None = None) -> dict:
+    """llama-bench's prefill and, after the prompt's context as ours, decode (``--llama-depth``)."""
+    return llamacpp.bench(a.llama_bench, path, a.threads, a.prompt, a.gen, reps or a.reps,
+                          decode_depth=a.prompt if a.llama_depth else 0)
 
 
 def llama_greedy(a, path: str, prompt: torch.Tensor, n: int) -> tuple[list[int], np.ndarray]:
@@ -172,8 +179,9 @@ def _after_each_forward(model, after):
         model.forward = forward
 
 
-def torch_row(model, a, prompt: torch.Tensor, engine: str, recipe: str | None) -> dict:
-    """One engine / recipe: a first (compiling) call, then --reps timed calls."""
+def torch_row(model, a, prompt: torch.Tensor, engine: str, recipe: str | None, peer=None) -> dict:
+    """One engine / recipe: a first (compiling) call, then --reps timed calls; with ``peer`` (a
+    callable timing the llama.cpp type once) and --alternate N, then N (ours, peer) pairs."""
     import moe_compile
 
     torch._dynamo.reset()
@@ -197,6 +205,7 @@ def torch_row(model, a, prompt: torch.Tensor, engine: str, recipe: str | None) -
         first = timed()
         first_s = time.perf_counter() - t
         runs = [timed() for _ in range(a.reps)]
+        pairs = [(a.gen / timed()["decode_s"], peer()["decode_tok_s"]) for _ in range(a.alternate if peer else 0)]
         profile = None
         if recipe in a.profile and engine == "moe":
             profile = profile_decode(model, prompt, a.gen, **kwargs)
@@ -212,7 +221,7 @@ def torch_row(model, a, prompt: torch.Tensor, engine: str, recipe: str | None) -
     pre, dec = statistics.median(r["prefill_s"] for r in runs), statistics.median(r["decode_s"] for r in runs)
     return dict(engine=engine, recipe=recipe, prefill_tok_s=a.prompt / pre, decode_tok_s=a.gen / dec,
                 decode_ms_tok=1e3 * dec / a.gen, first_call_s=first_s, load1=statistics.median(r["load1"] for r in runs),
-                tokens=first["tokens"], first_logits=first["first_logits"], profile=profile)
+                tokens=first["tokens"], first_logits=first["first_logits"], profile=profile, pairs=pairs)
 
 
 # Profiler rows of a decode step, by what they are (first match wins); the rest of the step's wall
@@ -326,6 +335,13 @@ def parse_args():
     p.add_argument("--llama-quantize", help="llama.cpp's llama-quantize binary (for the non-f32 GGUFs)")
     p.add_argument("--llama-greedy", help="greedy-from-ids checker (see the module docstring)")
     p.add_argument("--llama-formats", nargs="*", default=list(LLAMA_FORMATS))
+    p.add_argument("--llama-empty-context", action="store_true",
+                   help="time llama.cpp's decode from an empty context (llama-bench's default) instead of after "
+                        "the prompt's --prompt tokens, where ours decodes")
+    p.add_argument("--alternate", type=int, default=0,
+                   help="with --loop: after each recipe's timed runs, N more pairs of one moe_compile.generate "
+                        "and one llama-bench run of its type, alternating; the median of the pairs' decode ratios "
+                        "(the VM's memory speed drifts by 10-30%% within minutes, which one pair folds in)")
     p.add_argument("--loop", action="store_true",
                    help="also time each backend='moe' recipe through moe_compile.generate (no HF generate loop)")
     p.add_argument("--profile", nargs="*", default=[], choices=list(RECIPES),
@@ -333,7 +349,9 @@ def parse_args():
                         "moe_compile.generate's): where a step's time goes")
     p.add_argument("--work", default=None, help="where the GGUFs go (default: a temporary directory)")
     p.add_argument("--out", default=None, help="directory for e2e_cpu.json")
-    return p.parse_args()
+    a = p.parse_args()
+    a.llama_depth = not a.llama_empty_context
+    return a
 
 
 def main() -> None:
@@ -353,10 +371,12 @@ def main() -> None:
         # this VM's memory speed drifts by 10-20% within the run, which sequential blocks would fold
         # into the ratio
         pair_bw = harness.best_read_bandwidth()
-        for engine in ("moe", "moe-loop") if a.loop else ("moe",):
-            rows.append(torch_row(model, a, prompt, engine, recipe)
-                        | dict(bytes=decode_bytes(model, *RECIPE_BYTES.get(recipe, RECIPES[recipe])), bw=pair_bw))
         peer = PEER_TYPE.get(recipe)
+        for engine in ("moe", "moe-loop") if a.loop else ("moe",):
+            once = (lambda path=paths[peer]: llama_bench(a, path, reps=1)) if engine == "moe-loop" and peer in paths \
+                else None
+            rows.append(torch_row(model, a, prompt, engine, recipe, once)
+                        | dict(bytes=decode_bytes(model, *RECIPE_BYTES.get(recipe, RECIPES[recipe])), bw=pair_bw))
         if peer in paths:
             rows.append(_llama_row(a, model, paths[peer], peer, pair_bw) | dict(pair=recipe))
             ran.add(peer)
@@ -467,6 +487,13 @@ def _print(rows: list[dict], bw: float, checks: dict) -> None:
         print(f"{r['engine']:10s} {str(r['recipe'] or 'fp32'):8s} {r['prefill_tok_s']:13.1f} {r['decode_tok_s']:12.2f} "
               f"{r['decode_ms_tok']:9.2f} {roof_ms:8.2f} {roof_ms / r['decode_ms_tok']:7.2f} {rbw / 1e9:5.1f} {vs} {pf} "
               f"{r['load1']:5.2f}")
+    for r in rows:
+        if r.get("pairs"):
+            ratios = sorted(ours / peer for ours, peer in r["pairs"])
+            print(f"\n{r['recipe']}: {len(ratios)} alternating pairs (moe_compile.generate, llama-bench {PEER_TYPE[r['recipe']]}"
+                  f"): decode ratio median {statistics.median(ratios):.2f} (min {ratios[0]:.2f}, max {ratios[-1]:.2f}); "
+                  f"ours {statistics.median(o for o, _ in r['pairs']):.1f} tok/s, llama.cpp "
+                  f"{statistics.median(p for _, p in r['pairs']):.1f}")
     for r in rows:
         if r.get("profile"):
             print(f"\nprofile {r['engine']}:{r['recipe']}: {r['profile']['step_ms']:.2f} ms a decode step (profiled)")

@@ -195,7 +195,8 @@ def print_llama_speeds(model, name: str, llama_bench: str, prompt_len: int, toke
     with tempfile.TemporaryDirectory(prefix="moe_demo_gguf_") as tmp:
         path = os.path.join(tmp, "model-f32.gguf")
         llamacpp.write_gguf(model, path)
-        llama = llamacpp.bench(llama_bench, path, torch.get_num_threads(), prompt_len, tokens, repeats)
+        llama = llamacpp.bench(llama_bench, path, torch.get_num_threads(), prompt_len, tokens, repeats,
+                               decode_depth=prompt_len)  # ours decodes after the prompt too
     ours = 1 / statistics.median(r.decode_s for r in results['backend="moe"'])
     print(f"  llama.cpp f32 (llama-bench, {torch.get_num_threads()} threads): prefill {llama['prefill_tok_s']:.0f}, "
           f"decode {llama['decode_tok_s']:.1f} tokens/s; backend=\"moe\" decode is "

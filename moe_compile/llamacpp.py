@@ -85,19 +85,26 @@ def gguf_tensors(model):
     yield "output.weight", model.lm_head.weight
 
 
-def bench(llama_bench: str, path: str, threads: int, prompt: int, gen: int, reps: int) -> dict:
-    """llama-bench's prefill (``-p prompt``) and decode (``-n gen``) tokens/s on a GGUF.  Its default
-    (CPU_REPACK weight layouts) first; where that run crashes — seen on a 2-core Intel Xeon with
-    AMX for q8_0 / q4_0 prefill, llama.cpp 0.3.36's vendored tree — again with ``--repack 0``, and
-    the row says so (``repack``)."""
-    for repack in ("1", "0"):
-        done = subprocess.run([llama_bench, "-m", path, "-t", str(threads), "-p", str(prompt), "-n", str(gen),
-                               "-r", str(reps), "--repack", repack, "-o", "json"], capture_output=True, text=True)
-        if done.returncode == 0:
-            break
-    done.check_returncode()
-    rows = json.loads(done.stdout)
+def bench(llama_bench: str, path: str, threads: int, prompt: int, gen: int, reps: int, decode_depth: int = 0) -> dict:
+    """llama-bench's prefill (``-p prompt``) and decode (``-n gen``) tokens/s on a GGUF, the decode
+    after ``decode_depth`` tokens of context (``-d``; give the prompt's length to time the decode a
+    user's prompt-then-generate runs: its attention reads that many cached positions, where
+    llama-bench's own default decodes from an empty context).  Its default (CPU_REPACK weight
+    layouts) first; where that run crashes — seen on a 2-core Intel Xeon with AMX for q8_0 / q4_0
+    prefill, llama.cpp 0.3.36's vendored tree — again with ``--repack 0``, and the row says so
+    (``repack``)."""
+    tests = [["-p", str(prompt), "-n", "0"], ["-p", "0", "-n", str(gen), "-d", str(decode_depth)]] if decode_depth \
+        else [["-p", str(prompt), "-n", str(gen)]]
+    rows = []
+    for test in tests:
+        for repack in ("1", "0"):
+            done = subprocess.run([llama_bench, "-m", path, "-t", str(threads), *test, "-r", str(reps), "--repack",
+                                   repack, "-o", "json"], capture_output=True, text=True)
+            if done.returncode == 0:
+                break
+        done.check_returncode()
+        rows += [r | {"repack": int(repack)} for r in json.loads(done.stdout)]
     pre = next(r for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0)
     dec = next(r for r in rows if r["n_gen"] > 0 and r["n_prompt"] == 0)
     return dict(prefill_tok_s=pre["avg_ts"], decode_tok_s=dec["avg_ts"], decode_ms_tok=1e3 / dec["avg_ts"],
-                load1=os.getloadavg()[0], repack=int(repack))
+                decode_depth=decode_depth, load1=os.getloadavg()[0], repack=min(pre["repack"], dec["repack"]))
