@@ -80,7 +80,7 @@ def empty_cache() -> dict:
     dense = cpu_dense.stats()
     held = {"packed_weights": cpu_prepack.stats()["bytes"], "gradient_buffers": cpu_grad_cache.held_bytes(),
             "quantized_weights": cpu_quant.stats()["bytes"],
-            "dense_weights": dense["dense_pack_bytes"] + dense["dense_rows16_bytes"]}
+            "dense_weights": dense["dense_pack_bytes"] + dense["dense_panel_bytes"]}
     cpu_dense.clear()
     cpu_prepack.clear()
     cpu_grad_cache.clear()

@@ -51,8 +51,9 @@ def test_generate_decodes_on_the_compiled_graphs_and_the_fast_path(monkeypatch):
 
 def test_llama_bench_row(tmp_path, capsys):
     """``moe-compile demo --llama-bench PATH``: the demo model written as a GGUF, llama-bench run on
-    it with the demo's threads, prompt and tokens, and its decode speed printed beside ours.  A
-    stand-in llama-bench records its arguments and answers as llama-bench -o json does."""
+    it with the demo's threads, prompt and tokens (the decode after the prompt's context, as ours),
+    and its decode speed printed beside ours.  A stand-in llama-bench records its arguments and
+    answers as llama-bench -o json does."""
     import os
     import stat
 
@@ -60,7 +61,7 @@ def test_llama_bench_row(tmp_path, capsys):
 
     pytest.importorskip("gguf")
     fake = tmp_path / "llama-bench"
-    fake.write_text("#!/bin/sh\necho \"$@\" > " + str(tmp_path / "args") + "\n"
+    fake.write_text("#!/bin/sh\necho \"$@\" >> " + str(tmp_path / "args") + "\n"
                     "echo '[{\"n_prompt\": 16, \"n_gen\": 0, \"avg_ts\": 400.0}, {\"n_prompt\": 0, \"n_gen\": 8, "
                     "\"avg_ts\": 50.0}]'\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
@@ -69,6 +70,8 @@ def test_llama_bench_row(tmp_path, capsys):
     demo.print_llama_speeds(model, "qwen3-moe", str(fake), 16, 8, 2, {'backend="moe"': runs})
     out = capsys.readouterr().out
     assert "decode 50.0 tokens/s" in out and "2.00x llama.cpp's" in out  # 100 tok/s against 50
-    args = (tmp_path / "args").read_text().split()
-    assert args[args.index("-p") + 1] == "16" and args[args.index("-n") + 1] == "8" and args[args.index("-r") + 1] == "2"
-    assert args[args.index("-m") + 1].endswith("model-f32.gguf") and not os.path.exists(args[args.index("-m") + 1])
+    prefill, decode = (line.split() for line in (tmp_path / "args").read_text().splitlines())
+    assert prefill[prefill.index("-p") + 1] == "16" and prefill[prefill.index("-n") + 1] == "0"
+    assert decode[decode.index("-p") + 1] == "0" and decode[decode.index("-n") + 1] == "8"
+    assert decode[decode.index("-d") + 1] == "16" and decode[decode.index("-r") + 1] == "2"
+    assert decode[decode.index("-m") + 1].endswith("model-f32.gguf") and not os.path.exists(decode[decode.index("-m") + 1])

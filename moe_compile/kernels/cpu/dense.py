@@ -18,11 +18,11 @@ decode kernels, so it runs on them:
                 weight (the loops of a decode step's FC2)          then torch's GEMM
 
 Packing: a weight is packed once per (tensor, version) into the canonical ``moe_compile.quant``
-format ([1, N, K]) and kept here (``stats`` / ``clear``); an in-place update repacks it.  A w4-int
-weight on a CPU with AVX-512 VNNI also keeps a second copy of the same bytes, 16 rows interleaved
-(``qdecode.interleave_rows16``), which T = 1 calls read instead: one row's decode there is 10-20%
-faster from memory (lm_head [32000, 2048] 1.6 -> 1.3 ms, 2-core Zen 4), for 0.56 more bytes a
-weight held (``stats()["dense_rows16_bytes"]``).
+format ([1, N, K]) and kept here (``stats`` / ``clear``); an in-place update repacks it.  The first
+prefill call adds qgemm's panels of it (the same bytes, 16 rows interleaved).  A w4-int or
+group-wise a8w4-int weight on a CPU with AVX-512 VNNI gets them at once: its T = 1 calls read them
+(qdecode's rows16 loops), 15-25% faster from memory than the row loops on the pack (lm_head
+[32000, 2048] 1.6 -> 1.3 ms, 2-core Zen 4).  ``stats()["dense_panel_bytes"]``: what the panels hold.
 Results: fp32 and w16 equal ``x @ W^T`` up to the order of fp32 sums; a format equals its
 reference (``quant.matmul`` on the packed weight) as a decode step's FC2 does.
 """
@@ -63,10 +63,14 @@ class _Packed:
         with torch.no_grad():
             self.qweight = quant.pack(fmt, weight.detach().float().unsqueeze(0), group)
         N, K = weight.shape
-        # T = 1 calls read this copy where there is one (w4-int on AVX-512 VNNI), others the pack
-        self.rows16 = qdecode.interleave_rows16(self.qweight)
+        # qgemm's panels of the weight: made by the first prefill call, or now where T = 1 calls
+        # read them (rows16: 4-bit on AVX-512 VNNI); the other decode calls read the pack
+        self.panels, self.rows16 = None, None
+        if qdecode.rows16_runs(self.qweight):
+            self.panels = _float_panels(self.qweight)
+            if self.panels is not False:
+                self.rows16 = (self.panels.data[0], self.panels.scale[0])
         self.fields = qdecode.role_fields(self.qweight, N, K) + qdecode.rows16_fields(self.rows16)
-        self.panels = None  # qgemm's panels of the weight, made by the first prefill call
         if _op_state.get("installed"):  # later decode calls on this weight: from C++ (dense_op.cpp)
             keep = [self.qweight.data, self.qweight.scale, *(self.rows16 or ())]
             torch.ops.moe_compile.dense_register(weight, fmt, group or 0, keep, self.fields)
@@ -139,8 +143,8 @@ def fast_calls() -> int:
 def stats() -> dict:
     live = [p for p in _PACKS.values() if p.ref() is not None]
     nbytes = sum(p.qweight.data.nbytes + p.qweight.scale.nbytes for p in live)
-    rows16 = sum(p.rows16[0].nbytes + p.rows16[1].nbytes for p in live if p.rows16 is not None)
-    return {"dense_packs": len(live), "dense_pack_bytes": nbytes, "dense_rows16_bytes": rows16}
+    panels = sum(p.panels.nbytes for p in live if p.panels is not None and p.panels is not False)
+    return {"dense_packs": len(live), "dense_pack_bytes": nbytes, "dense_panel_bytes": panels}
 
 
 def unavailable_reason(fmt: str) -> str | None:

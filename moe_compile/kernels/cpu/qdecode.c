@@ -733,8 +733,8 @@ A8G_VNNI static void w4_dot16_vnni(const qweight_t *wt, const uint8_t *const *ro
 }
 
 /* Dense linears at T = 1 in w4-int and group-wise a8w4-int on AVX-512 VNNI, on the weight held 16
- * rows interleaved ("rows16", made once beside the canonical pack by qdecode.py's
- * interleave_rows16):
+ * rows interleaved ("rows16": the weight's qgemm panels, qgemm.py's _code_panels, which the dense
+ * host makes at pack time for such weights and the prefill GEMMs read too):
  *   data  [N/16, K/8, 16, 4] bytes: for each block of 16 rows and each 8 elements k0 .. k0 + 7, the
  *         4 packed bytes of those elements of each of the 16 rows (one 64-byte vector);
  *   scale [N/16, K/G, 16] fp16: each group's 16 row scales side by side.

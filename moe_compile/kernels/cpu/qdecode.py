@@ -109,28 +109,25 @@ def role_fields(w, n: int, k: int) -> list[int]:
     return _role_fields(w, "weight", n, k)
 
 
-ROWS16 = 16  # rows a dense weight's rows16 copy interleaves (qdecode.c: rows16_dot_vnni)
+ROWS16 = 16  # rows the rows16 loops' weight interleaves (qdecode.c: rows16_dot_vnni; qgemm's PANEL)
 
 
-def interleave_rows16(w) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A dense w4-int or group-wise a8w4-int weight ([1, N, K]) held 16 rows interleaved, (data
-    [N/16, K/8, 16, 4] uint8, scale [N/16, K/G, 16] fp16), for qdecode.c's T = 1 loops on AVX-512
-    VNNI (the same bytes, another order), or None where those loops would not run it: another
-    format, N not a multiple of 16, the VNNI loops' shape rules (K a multiple of 128, G 32, 64 or a
-    multiple of 128), no VNNI, the AVX2 switch, or for w4-int ``MOE_COMPILE_QDECODE_I16=0``."""
+def rows16_runs(w) -> bool:
+    """Whether qdecode.c's T = 1 rows16 loops (AVX-512 VNNI) would run this dense weight ([1, N, K]),
+    read from its qgemm panels (``qgemm._code_panels``: 16 rows interleaved, 4 bytes a lane): w4-int
+    or group-wise a8w4-int, N a multiple of 16, the VNNI loops' shape rules (K a multiple of 128, G
+    32, 64 or a multiple of 128); not without VNNI, under the AVX2 switch, or for w4-int under
+    ``MOE_COMPILE_QDECODE_I16=0``."""
     four_bit = w.fmt == "w4-int" and os.environ.get(I16_ENV) != "0" or w.fmt == "a8w4-int" and w.grouped_activations
     if not four_bit or w.data.shape[0] != 1 or best_isa() != 512:
-        return None
+        return False
     N, K, G = w.shape[1], w.shape[2], w.group
-    if N % ROWS16 or K % 128 or not (G in (32, 64) or G % 128 == 0) or not _KERNEL.lib().moe_qdecode_vnni():
-        return None
-    data = w.data[0].reshape(N // ROWS16, ROWS16, K // 8, 4).permute(0, 2, 1, 3).contiguous()
-    scale = w.scale[0].reshape(N // ROWS16, ROWS16, K // G).permute(0, 2, 1).contiguous()
-    return data, scale
+    return N % ROWS16 == 0 and K % 128 == 0 and (G in (32, 64) or G % 128 == 0) and bool(_KERNEL.lib().moe_qdecode_vnni())
 
 
 def rows16_fields(rows16) -> list[int]:
-    """The linear plan's [rows16 data, rows16 scale] pointers: 0, 0 without a copy."""
+    """The linear plan's [rows16 data, rows16 scale] pointers (a weight's panels' data [N/16, K/8 x
+    64] and scales [N/16, K/G, 16]): 0, 0 without them."""
     return [0, 0] if rows16 is None else [rows16[0].data_ptr(), rows16[1].data_ptr()]
 
 

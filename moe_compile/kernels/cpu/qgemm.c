@@ -24,8 +24,11 @@
  *             int8 (a8w8)   [K/4][16][4] bytes: byte (k, j) at (k/4)*64 + 4j + k%4
  *             4-bit (a8w4)  [K/8][16][4] bytes: (k, j) in byte (k/8)*64 + 4j + k%4, low nibble
  *                           for k%8 < 4, high nibble else
- *             float formats [K][16] elements ([K/2][16] bytes, 4-bit: low nibble even k), scales
- *                           [K/G][16] in the format's own dtype
+ *             float formats, 8- and 4-bit codes [K'/4][16][4] bytes (K' bytes a row, the
+ *                           canonical packing): lane j of vector c = row j's bytes 4c .. 4c + 3
+ *                           (8-bit: k = 4c + i in byte i; 4-bit: k = 8c + i at bits 4i), the
+ *                           layout qdecode.c's rows16 loops read for dense T = 1 too; w16 [K][16]
+ *                           elements; scales [K/G][16] in the format's own dtype
  *           so one 32-bit lane of a vector holds 4 (or 8) k of one column: what vpdpbusd /
  *           vpmaddubsw reduce.
  * Tiles:    integer: MR rows x two V-column blocks of int32 accumulators over the whole K.
@@ -259,27 +262,34 @@ static inline __m256 nibble8(int fmt, __m256i u) {
     return fmt == FMT_MXFP4 ? e2m1_8(u) : _mm256_cvtepi32_ps(_mm256_sub_epi32(u, _mm256_set1_epi32(8)));
 }
 
+/* Codes of 4- and 8-bit panels ([K'/4][16][4] bytes, qgemm.py's _code_panels): the 4 bytes at
+ * lane j of vector c are row j's bytes 4c .. 4c + 3, so element k of every row sits in the same
+ * bits of each lane: 4-bit k = 8c + i at bits 4i .. 4i + 3, 8-bit k = 4c + i in byte i. */
 __attribute__((noinline)) static void dequant_panel(int fmt, const uint8_t *codes, const void *scales, int64_t K,
                                                    int64_t G, float *out) {
     const __m256i m = _mm256_set1_epi32(0x0F);
     if (fmt == FMT_W4 || fmt == FMT_MXFP4) {
         for (int64_t g = 0; g < K / G; ++g)
-            for (int h = 0; h < 2; ++h) {
+            for (int h = 0; h < 2; ++h) {  /* rows 8h .. 8h + 7: the vector's half h */
                 __m256 s = scales8(fmt, scales, g, h);
-                for (int64_t k = g * G; k < (g + 1) * G; k += 2) {  /* byte (k/2, j): k low, k + 1 high */
-                    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + (k / 2) * 16 + 8 * h)));
-                    _mm256_storeu_ps(out + k * 16 + 8 * h, _mm256_mul_ps(nibble8(fmt, _mm256_and_si256(b, m)), s));
-                    _mm256_storeu_ps(out + (k + 1) * 16 + 8 * h, _mm256_mul_ps(nibble8(fmt, _mm256_srli_epi32(b, 4)), s));
+                for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(codes + (k / 8) * 64 + 32 * h));
+                    for (int i = 0; i < 8; ++i)
+                        _mm256_storeu_ps(out + (k + i) * 16 + 8 * h,
+                                         _mm256_mul_ps(nibble8(fmt, _mm256_and_si256(_mm256_srli_epi32(v, 4 * i), m)), s));
                 }
             }
     } else if (fmt == FMT_W8 || fmt == FMT_MXFP8) {  /* one byte per element: int8, or e4m3 codes */
         for (int64_t g = 0; g < K / G; ++g)
             for (int h = 0; h < 2; ++h) {
                 __m256 s = scales8(fmt, scales, g, h);
-                for (int64_t k = g * G; k < (g + 1) * G; ++k) {
-                    __m128i b = _mm_loadl_epi64((const __m128i *)(codes + k * 16 + 8 * h));
-                    __m256 v = fmt == FMT_W8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)) : e4m3_8(_mm256_cvtepu8_epi32(b));
-                    _mm256_storeu_ps(out + k * 16 + 8 * h, _mm256_mul_ps(v, s));
+                for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(codes + (k / 4) * 64 + 32 * h));
+                    for (int i = 0; i < 4; ++i) {
+                        __m256 f = fmt == FMT_W8 ? _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * i), 24))
+                                                 : e4m3_8(_mm256_and_si256(_mm256_srli_epi32(v, 8 * i), _mm256_set1_epi32(0xFF)));
+                        _mm256_storeu_ps(out + (k + i) * 16 + 8 * h, _mm256_mul_ps(f, s));
+                    }
                 }
             }
     } else {  /* 16-bit weights */
@@ -313,32 +323,39 @@ DQ512 void dequant_panel512(int fmt, const uint8_t *codes, const void *scales, i
         const __m512i m = _mm512_set1_epi32(0x0F);
         for (int64_t g = 0; g < K / G; ++g) {
             __m512 s = scales16(fmt, scales, g);
-            for (int64_t k = g * G; k < (g + 1) * G; k += 2) {
-                __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + (k / 2) * 16)));
-                _mm512_storeu_ps(out + k * 16, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, m), lut), s));
-                _mm512_storeu_ps(out + (k + 1) * 16, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut), s));
+            for (int64_t k = g * G; k < (g + 1) * G; k += 8) {  /* lane j: row j's 8 nibbles k .. k + 7 */
+                __m512i v = _mm512_loadu_si512(codes + (k / 8) * 64);
+                for (int i = 0; i < 8; ++i)
+                    _mm512_storeu_ps(out + (k + i) * 16,
+                                     _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(_mm512_srli_epi32(v, 4 * i), m), lut), s));
             }
         }
     } else if (fmt == FMT_W8) {
         for (int64_t g = 0; g < K / G; ++g) {
             __m512 s = scales16(fmt, scales, g);
-            for (int64_t k = g * G; k < (g + 1) * G; ++k) {
-                __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + k * 16)));
-                _mm512_storeu_ps(out + k * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(q), s));
+            for (int64_t k = g * G; k < (g + 1) * G; k += 4) {  /* lane j: row j's bytes k .. k + 3 */
+                __m512i v = _mm512_loadu_si512(codes + (k / 4) * 64);
+                for (int i = 0; i < 4; ++i) {
+                    __m512i q = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * i), 24);
+                    _mm512_storeu_ps(out + (k + i) * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(q), s));
+                }
             }
         }
     } else if (fmt == FMT_MXFP8) { /* e4m3 as in e4m3_8, 16 lanes */
         const __m512i mag_mask = _mm512_set1_epi32(0x7F);
         for (int64_t g = 0; g < K / G; ++g) {
             __m512 s = scales16(fmt, scales, g);
-            for (int64_t k = g * G; k < (g + 1) * G; ++k) {
-                __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + k * 16)));
-                __m512i mag = _mm512_and_si512(c, mag_mask);
-                __m512i bits = _mm512_or_si512(_mm512_slli_epi32(mag, 20),
-                                               _mm512_and_si512(_mm512_slli_epi32(c, 24), _mm512_set1_epi32((int)0x80000000u)));
-                __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
-                v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(mag, mag_mask), _mm512_set1_ps(__builtin_nanf("")));
-                _mm512_storeu_ps(out + k * 16, _mm512_mul_ps(v, s));
+            for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
+                __m512i v = _mm512_loadu_si512(codes + (k / 4) * 64);
+                for (int i = 0; i < 4; ++i) {
+                    __m512i c = _mm512_and_si512(_mm512_srli_epi32(v, 8 * i), _mm512_set1_epi32(0xFF));
+                    __m512i mag = _mm512_and_si512(c, mag_mask);
+                    __m512i bits = _mm512_or_si512(_mm512_slli_epi32(mag, 20),
+                                                   _mm512_and_si512(_mm512_slli_epi32(c, 24), _mm512_set1_epi32((int)0x80000000u)));
+                    __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
+                    f = _mm512_mask_mov_ps(f, _mm512_cmpeq_epi32_mask(mag, mag_mask), _mm512_set1_ps(__builtin_nanf("")));
+                    _mm512_storeu_ps(out + (k + i) * 16, _mm512_mul_ps(f, s));
+                }
             }
         }
     } else {

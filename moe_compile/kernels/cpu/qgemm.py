@@ -150,9 +150,19 @@ def _int_panels(codes: torch.Tensor, four_bit: bool) -> torch.Tensor:
 
 
 def _float_panels(t: torch.Tensor) -> torch.Tensor:
-    """One expert's [N, K'] tensor -> [N/16, K', 16] (column j of a panel contiguous per k)."""
+    """One expert's [N, K'] tensor (16-bit weights, or group scales) -> [N/16, K', 16] (column j of
+    a panel contiguous per k)."""
     N = t.shape[0]
     return t.reshape(N // PANEL, PANEL, -1).transpose(1, 2).contiguous()
+
+
+def _code_panels(codes: torch.Tensor) -> torch.Tensor:
+    """One expert's 8- or 4-bit codes [N, K'] (K' bytes a row, the canonical packing) -> the float
+    tiles' panels [N/16, K'/4, 16, 4]: each 4 bytes of a row side by side for the panel's 16 rows,
+    one 64-byte vector whose lane j is row j (8 4-bit or 4 8-bit elements a lane).  The same layout
+    qdecode's rows16 loops read, so a dense weight's panels serve its T = 1 decode too."""
+    N = codes.shape[0]
+    return codes.reshape(N // PANEL, PANEL, -1, 4).permute(0, 2, 1, 3).contiguous()
 
 
 def pack(w) -> QGemmPack:
@@ -173,8 +183,8 @@ def pack(w) -> QGemmPack:
             if not four:
                 colsum = w.data.sum(dim=2, dtype=torch.int32).contiguous()
         else:
-            data = torch.stack([_float_panels(d.view(torch.int16) if w.fmt == "w16" else d).view(torch.uint8)
-                                .reshape(N // PANEL, -1) for d in w.data])
+            data = torch.stack([(_float_panels(d.view(torch.int16)) if w.fmt == "w16" else _code_panels(d))
+                                .view(torch.uint8).reshape(N // PANEL, -1) for d in w.data])
             scale = (torch.stack([_float_panels(s) for s in w.scale]) if w.fmt != "w16"
                      else torch.empty(0, dtype=torch.float16))
     code = FORMAT_CODES[GROUPED_PANELS[w.fmt]] if grouped else FORMAT_CODES.get(w.fmt) or (6 if w.data.dtype == torch.bfloat16 else 7)

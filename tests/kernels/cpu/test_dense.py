@@ -166,7 +166,7 @@ def test_one_pack_per_weight_and_format():
 ROWS16_FORMATS = ("w4-int", "a8w4-int")  # a8w4-int: its group-wise form, dense's default
 def _runs_rows16() -> bool:
     """Whether this CPU (and switches) make the rows16 copy: AVX-512 VNNI, no AVX2 switch."""
-    return qdecode.interleave_rows16(quant.pack("w4-int", torch.randn(1, 16, 128))) is not None
+    return qdecode.rows16_runs(quant.pack("w4-int", torch.randn(1, 16, 128)))
 
 
 needs_rows16 = pytest.mark.skipif(not _runs_rows16(), reason="the rows16 loop needs AVX-512 VNNI")
@@ -199,16 +199,19 @@ def _rows16_emulation(x: torch.Tensor, qw) -> torch.Tensor:
     return t
 
 
+@needs_rows16
 @pytest.mark.parametrize("fmt", ROWS16_FORMATS)
-def test_rows16_copy_holds_the_packs_bytes(fmt):
-    """interleave_rows16 reorders, never changes: its inverse permutation is the canonical pack."""
-    qw = quant.pack(fmt, torch.randn(1, 48, 256), 32)
-    rows16 = qdecode.interleave_rows16(qw)
-    if rows16 is None:
-        pytest.skip("no rows16 copy on this CPU")
-    data, scale = rows16
-    assert torch.equal(data.permute(0, 2, 1, 3).reshape(48, -1), qw.data[0])
+def test_rows16_reads_the_panels_the_pack_holds(fmt):
+    """T = 1 reads the weight's qgemm panels, made with the pack: the pack's bytes reordered, never
+    changed (their inverse permutation is the canonical pack), and no other copy."""
+    w = torch.randn(48, 256)
+    pack = dense.packed(w, fmt)
+    qw = pack.qweight
+    data, scale = pack.rows16
+    assert data.data_ptr() == pack.panels.data.data_ptr() and scale.data_ptr() == pack.panels.scale.data_ptr()
+    assert torch.equal(data.reshape(3, 128 // 4, 16, 4).permute(0, 2, 1, 3).reshape(48, 128), qw.data[0])
     assert torch.equal(scale.permute(0, 2, 1).reshape(48, 256 // qw.group), qw.scale[0])
+    assert dense.stats()["dense_panel_bytes"] >= pack.panels.nbytes
 
 
 @needs_rows16
@@ -231,7 +234,7 @@ def test_rows16_matches_its_emulation_and_the_reference(fmt, group):
         assert rel_err(got, x @ quant.dequantize(pack.qweight)[0].t()) < TOL
     dense.install()
     assert torch.equal(torch.ops.moe_compile.dense_linear(x, w, None, fmt, group), got)
-    pack.rows16[0][0].fill_(0x88)  # block 0's rows read as zeros (u = 8) in the copy alone
+    pack.rows16[0][0].fill_(0x88)  # rows 0-15 read as zeros (u = 8) in the panels alone, not the pack
     changed = dense.linear(x, w, None, fmt, group)
     assert changed[0, :16].abs().max() == 0 and torch.equal(changed[0, 16:], got[0, 16:])  # it read the copy
     dense.clear()
@@ -261,20 +264,20 @@ def test_rows16_passes_nan_and_inf_on(fmt):
 
 
 def test_rows16_only_where_its_loop_runs(monkeypatch):
-    """No copy (no memory spent) for other formats, a8w4-int's per-channel form, N not a multiple
-    of 16, the AVX2 switch or (w4-int) MOE_COMPILE_QDECODE_I16=0; such calls run the row loops on
-    the canonical pack."""
+    """No rows16 (and no panels before a prefill needs them) for other formats, a8w4-int's
+    per-channel form, N not a multiple of 16, the AVX2 switch or (w4-int) MOE_COMPILE_QDECODE_I16=0;
+    such calls run the row loops on the canonical pack."""
     from moe_compile.quant import a8w4_int
 
-    assert qdecode.interleave_rows16(quant.pack("w8-int", torch.randn(1, 32, 128))) is None
+    assert not qdecode.rows16_runs(quant.pack("w8-int", torch.randn(1, 32, 128)))
     per_channel = a8w4_int.pack(torch.randn(1, 32, 128), group_size=None)
-    assert qdecode.interleave_rows16(per_channel) is None
-    assert qdecode.interleave_rows16(quant.pack("w4-int", torch.randn(1, 40, 128))) is None
+    assert not qdecode.rows16_runs(per_channel)
+    assert not qdecode.rows16_runs(quant.pack("w4-int", torch.randn(1, 40, 128)))
     monkeypatch.setenv(qdecode.I16_ENV, "0")
-    assert qdecode.interleave_rows16(quant.pack("w4-int", torch.randn(1, 32, 128))) is None
+    assert not qdecode.rows16_runs(quant.pack("w4-int", torch.randn(1, 32, 128)))
     monkeypatch.delenv(qdecode.I16_ENV)
     monkeypatch.setattr(qdecode, "best_isa", lambda: 2)
-    assert qdecode.interleave_rows16(quant.pack("w4-int", torch.randn(1, 32, 128))) is None
+    assert not qdecode.rows16_runs(quant.pack("w4-int", torch.randn(1, 32, 128)))
     w, x = torch.randn(40, K), torch.randn(1, K)
-    assert dense.packed(w, "w4-int").rows16 is None
+    assert dense.packed(w, "w4-int").rows16 is None and dense.packed(w, "w4-int").panels is None
     assert rel_err(dense.linear(x, w, None, "w4-int"), x @ quant.dequantize(dense.packed(w, "w4-int").qweight)[0].t()) < TOL
