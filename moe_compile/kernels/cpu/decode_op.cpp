@@ -160,7 +160,7 @@ at::Tensor fused_moe_infer_cpu(const at::Tensor& x, const at::Tensor& ids, const
 
 // One registered layer: the model tensors its packs were made from (weakly held: the model owns
 // them) with their versions and data pointers then, the packs (held: the kernel reads them), and
-// qdecode's role fields [data, scale, format, group] of FC1 then FC2.
+// qdecode's role fields [data, scale, format, group] of FC1 then FC2, then their rows16 panels.
 struct QuantEntry {
   std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> weights;  // fc1, fc1_up (if any), fc2
   std::vector<int64_t> versions;
@@ -169,7 +169,7 @@ struct QuantEntry {
   std::string gate_up;
   bool transposed = false;
   double accuracy_db = 0;
-  int64_t fields[8] = {};
+  int64_t fields[12] = {};  // qdecode.c's role fields of FC1 and FC2, then their rows16 panels
   int64_t isa = 0, experts = 0, hidden = 0, ffn = 0;
 };
 
@@ -186,8 +186,8 @@ std::string quant_key(c10::string_view tag, c10::string_view quant) {
 void quant_register(c10::string_view tag, c10::string_view quant, double accuracy_db, at::TensorList weights,
                     at::TensorList packs, at::IntArrayRef fields, c10::string_view gate_up, bool transposed,
                     int64_t isa, int64_t experts, int64_t hidden, int64_t ffn) {
-  TORCH_CHECK(fields.size() == 8 && (weights.size() == 2 || weights.size() == 3),
-              "quant_decode_register: 8 role fields and 2 or 3 weights, got ", fields.size(), " and ", weights.size());
+  TORCH_CHECK(fields.size() == 12 && (weights.size() == 2 || weights.size() == 3),
+              "quant_decode_register: 12 fields and 2 or 3 weights, got ", fields.size(), " and ", weights.size());
   QuantEntry e;
   for (const auto& t : weights) {
     e.weights.emplace_back(t.getIntrusivePtr());
@@ -238,7 +238,7 @@ bool quant_plan_of(const at::Tensor& x, const at::Tensor& ids, const at::Tensor&
   if (!same_weight(e, 0, fc1[0]) || (!fc1_up.empty() && !same_weight(e, 1, fc1_up[0])) ||
       !same_weight(e, e.weights.size() - 1, fc2[0]))
     return false;
-  // qdecode.c's P_* fields, then its two roles' fields
+  // qdecode.c's P_* fields, then its two roles' fields and their rows16 panels (P_FIELDS in all)
   const int64_t head[11] = {reinterpret_cast<int64_t>(x.data_ptr()), T, e.hidden, e.ffn,
                             reinterpret_cast<int64_t>(ids.data_ptr()), ids.size(1), e.experts,
                             reinterpret_cast<int64_t>(gates.data_ptr()), 0, weight_on == "between", e.isa};
@@ -267,7 +267,7 @@ at::Tensor fused_moe_quant_cpu(const at::Tensor& x, const at::Tensor& ids, const
                                at::TensorList b1_up, at::TensorList b2, c10::string_view gate_up, bool transposed,
                                c10::string_view activation, double limit, double alpha, c10::string_view weight_on,
                                c10::string_view quant, double accuracy_db, c10::string_view tag) {
-  int64_t plan[19];
+  int64_t plan[23];
   if (quant_kernel == nullptr || needs_grad(x, gates, {fc1, fc1_up, fc2, b1, b1_up, b2}) ||
       !quant_plan_of(x, ids, gates, fc1, fc1_up, fc2, b1, b1_up, b2, gate_up, transposed, activation, limit,
                      weight_on, quant, accuracy_db, tag, plan))

@@ -108,6 +108,9 @@ typedef struct {
                   * (w4-int on AVX-512 VNNI: w4_dot16_vnni's order) */
     int64_t pairing; /* FMT_A8W4G: its int8 input paired per 64 (AVX2 loop) or 128 (AVX-512 VNNI loop) */
     int64_t vnni;    /* grouped a8 formats and per-channel a8w8: the AVX-512 VNNI loop runs it (a8g_setup) */
+    int64_t rows16;  /* an expert role read as 16-row panels at one slot (rows16_attach): 0 no, else
+                      * rows16_loop's kind; r16data / r16scale those panels, all experts' */
+    const uint8_t *r16data, *r16scale;
 } qweight_t;
 
 /* How a weight's input rows (x for FC1, the activations for FC2) are held, see the header:
@@ -768,35 +771,39 @@ static void rows16_prepare(const float *x, int64_t K, int16_t *q, int32_t *xp, f
             xp[4 * c + j] = (int32_t)(uint16_t)q[8 * c + j] | (int32_t)((uint32_t)(uint16_t)q[8 * c + 4 + j] << 16);
 }
 
+/* The 16 rows' dot products of one rows16 block (d: its K / 8 vectors, s: its scales [K/G][16])
+ * with a prepared row (rows16_prepare). */
+A8G_VNNI static inline __m512 rows16_w4_block(const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
+                                              const int32_t *xp, const float *sx, const int32_t *off) {
+    const __m512i low = _mm512_set1_epi16(15);
+    __m512 t = _mm512_setzero_ps();
+    for (int64_t g = 0; g < K / I16_BLOCK; ++g) {
+        const uint8_t *dg = d + g * 4 * 64; /* a block's 32 elements: 4 vectors */
+        const int32_t *xg = xp + 16 * g;
+        __m512i acc[4];
+        for (int c = 0; c < 4; ++c) {
+            _mm_prefetch((const char *)(dg + 64 * c + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
+            const __m512i v = _mm512_loadu_si512(dg + 64 * c);
+            __m512i a = c ? _mm512_setzero_si512() : _mm512_set1_epi32(off[g]);
+            a = _mm512_dpwssd_epi32(a, _mm512_and_si512(v, low), _mm512_set1_epi32(xg[4 * c]));
+            a = _mm512_dpwssd_epi32(a, _mm512_and_si512(_mm512_srli_epi16(v, 4), low), _mm512_set1_epi32(xg[4 * c + 1]));
+            a = _mm512_dpwssd_epi32(a, _mm512_and_si512(_mm512_srli_epi16(v, 8), low), _mm512_set1_epi32(xg[4 * c + 2]));
+            acc[c] = _mm512_dpwssd_epi32(a, _mm512_srli_epi16(v, 12), _mm512_set1_epi32(xg[4 * c + 3]));
+        }
+        const __m512i a = _mm512_add_epi32(_mm512_add_epi32(acc[0], acc[1]), _mm512_add_epi32(acc[2], acc[3]));
+        const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + g * I16_BLOCK / G * ROWS16)));
+        t = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(sx[g])), sw, t);
+    }
+    return t;
+}
+
 /* y[16 b .. 16 b + 15] for row blocks [b0, b1). */
 A8G_VNNI static void rows16_dot_vnni(const uint8_t *data, const uint16_t *scale, int64_t K, int64_t G,
                                      const int32_t *xp, const float *sx, const int32_t *off, int64_t b0, int64_t b1,
                                      float *y) {
-    const __m512i low = _mm512_set1_epi16(15);
-    const int64_t blocks = K / I16_BLOCK;
-    for (int64_t b = b0; b < b1; ++b) {
-        const uint8_t *d = data + b * ROWS16 * (K / 2);
-        const uint16_t *s = scale + b * (K / G) * ROWS16;
-        __m512 t = _mm512_setzero_ps();
-        for (int64_t g = 0; g < blocks; ++g) {
-            const uint8_t *dg = d + g * 4 * 64; /* a block's 32 elements: 4 vectors */
-            const int32_t *xg = xp + 16 * g;
-            __m512i acc[4];
-            for (int c = 0; c < 4; ++c) {
-                _mm_prefetch((const char *)(dg + 64 * c + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
-                const __m512i v = _mm512_loadu_si512(dg + 64 * c);
-                __m512i a = c ? _mm512_setzero_si512() : _mm512_set1_epi32(off[g]);
-                a = _mm512_dpwssd_epi32(a, _mm512_and_si512(v, low), _mm512_set1_epi32(xg[4 * c]));
-                a = _mm512_dpwssd_epi32(a, _mm512_and_si512(_mm512_srli_epi16(v, 4), low), _mm512_set1_epi32(xg[4 * c + 1]));
-                a = _mm512_dpwssd_epi32(a, _mm512_and_si512(_mm512_srli_epi16(v, 8), low), _mm512_set1_epi32(xg[4 * c + 2]));
-                acc[c] = _mm512_dpwssd_epi32(a, _mm512_srli_epi16(v, 12), _mm512_set1_epi32(xg[4 * c + 3]));
-            }
-            const __m512i a = _mm512_add_epi32(_mm512_add_epi32(acc[0], acc[1]), _mm512_add_epi32(acc[2], acc[3]));
-            const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + g * I16_BLOCK / G * ROWS16)));
-            t = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(sx[g])), sw, t);
-        }
-        _mm512_storeu_ps(y + ROWS16 * b, t);
-    }
+    for (int64_t b = b0; b < b1; ++b)
+        _mm512_storeu_ps(y + ROWS16 * b, rows16_w4_block(data + b * ROWS16 * (K / 2), scale + b * (K / G) * ROWS16,
+                                                         K, G, xp, sx, off));
 }
 
 /* x (K floats) for rows16_a8_dot_vnni: the format's int8 blocks (quantize_int8_blocks, in order) as
@@ -814,34 +821,37 @@ static void rows16_a8_prepare(const float *x, int64_t K, int8_t *q, int32_t *xq,
         }
 }
 
-/* As rows16_dot_vnni for group-wise a8w4-int: per vector, the low and the high nibbles (bytes
- * u = q_w + 8) against broadcast int8 quads of x, one vpdpbusd each. */
+/* As rows16_w4_block for group-wise a8w4-int (x: rows16_a8_prepare): per vector, the low and the
+ * high nibbles (bytes u = q_w + 8) against broadcast int8 quads of x, one vpdpbusd each. */
+A8G_VNNI static inline __m512 rows16_a8_block(const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
+                                              const int32_t *xq, const float *sx, const int32_t *off) {
+    const __m512i low = _mm512_set1_epi8(15);
+    __m512 t = _mm512_setzero_ps();
+    for (int64_t g = 0; g < K / A8G_BLOCK; ++g) {
+        const uint8_t *dg = d + g * 4 * 64;
+        const int32_t *xg = xq + 8 * g;
+        __m512i acc[4];
+        for (int c = 0; c < 4; ++c) {
+            _mm_prefetch((const char *)(dg + 64 * c + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
+            const __m512i v = _mm512_loadu_si512(dg + 64 * c);
+            __m512i a = c ? _mm512_setzero_si512() : _mm512_set1_epi32(off[4 * g]);
+            a = _mm512_dpbusd_epi32(a, _mm512_and_si512(v, low), _mm512_set1_epi32(xg[2 * c]));
+            acc[c] = _mm512_dpbusd_epi32(a, _mm512_and_si512(_mm512_srli_epi16(v, 4), low), _mm512_set1_epi32(xg[2 * c + 1]));
+        }
+        const __m512i a = _mm512_add_epi32(_mm512_add_epi32(acc[0], acc[1]), _mm512_add_epi32(acc[2], acc[3]));
+        const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + g * A8G_BLOCK / G * ROWS16)));
+        t = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(sx[4 * g])), sw, t);
+    }
+    return t;
+}
+
+/* As rows16_dot_vnni for group-wise a8w4-int. */
 A8G_VNNI static void rows16_a8_dot_vnni(const uint8_t *data, const uint16_t *scale, int64_t K, int64_t G,
                                         const int32_t *xq, const float *sx, const int32_t *off, int64_t b0,
                                         int64_t b1, float *y) {
-    const __m512i low = _mm512_set1_epi8(15);
-    const int64_t blocks = K / A8G_BLOCK;
-    for (int64_t b = b0; b < b1; ++b) {
-        const uint8_t *d = data + b * ROWS16 * (K / 2);
-        const uint16_t *s = scale + b * (K / G) * ROWS16;
-        __m512 t = _mm512_setzero_ps();
-        for (int64_t g = 0; g < blocks; ++g) {
-            const uint8_t *dg = d + g * 4 * 64;
-            const int32_t *xg = xq + 8 * g;
-            __m512i acc[4];
-            for (int c = 0; c < 4; ++c) {
-                _mm_prefetch((const char *)(dg + 64 * c + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
-                const __m512i v = _mm512_loadu_si512(dg + 64 * c);
-                __m512i a = c ? _mm512_setzero_si512() : _mm512_set1_epi32(off[4 * g]);
-                a = _mm512_dpbusd_epi32(a, _mm512_and_si512(v, low), _mm512_set1_epi32(xg[2 * c]));
-                acc[c] = _mm512_dpbusd_epi32(a, _mm512_and_si512(_mm512_srli_epi16(v, 4), low), _mm512_set1_epi32(xg[2 * c + 1]));
-            }
-            const __m512i a = _mm512_add_epi32(_mm512_add_epi32(acc[0], acc[1]), _mm512_add_epi32(acc[2], acc[3]));
-            const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + g * A8G_BLOCK / G * ROWS16)));
-            t = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(sx[4 * g])), sw, t);
-        }
-        _mm512_storeu_ps(y + ROWS16 * b, t);
-    }
+    for (int64_t b = b0; b < b1; ++b)
+        _mm512_storeu_ps(y + ROWS16 * b, rows16_a8_block(data + b * ROWS16 * (K / 2), scale + b * (K / G) * ROWS16,
+                                                         K, G, xq, sx, off));
 }
 
 static int i16_form(int64_t fmt, int64_t k, int64_t group, int64_t isa);
@@ -882,6 +892,38 @@ static int rows16_linear(int loop, const float *x, int64_t K, int64_t N, const u
     }
     free(q), free(xp), free(off), free(sx);
     return status;
+}
+
+/* One input row (K floats) as the rows16 loop `loop` reads it: xq [K/2] int32 (w4-int's pairs;
+ * a8w4-int's quads fill K/4), sx and off [K/4] (per block; a8w4-int per lane); tmp K int16s. */
+static void rows16_input(int loop, const float *x, int64_t K, void *tmp, int32_t *xq, float *sx, int32_t *off) {
+    if (loop == 1)
+        rows16_prepare(x, K, tmp, xq, sx, off);
+    else
+        rows16_a8_prepare(x, K, tmp, xq, sx, off);
+}
+
+/* An expert role's rows16 panels (qgemm's panels of all E experts: [E, N/16, K/8, 16, 4] bytes and
+ * [E, N/16, K/G, 16] fp16, qdecode.py passes them where rows16_runs holds), read at one slot
+ * where rows16_loop takes the role and `aligned` (FC1: F a multiple of 16, so the up rows start a
+ * panel).  Why: a slot's 4-bit FC1 / FC2 is a T = 1 dense linear per expert, arithmetic-bound on
+ * the row loops as the dense ones were (dense-layers.md, "4-bit at T = 1"). */
+static void rows16_attach(qweight_t *w, int64_t data, int64_t scale, int64_t isa, int aligned) {
+    w->rows16 = data && scale && aligned ? rows16_loop(w, isa) : 0;
+    w->r16data = (const uint8_t *)(intptr_t)data, w->r16scale = (const uint8_t *)(intptr_t)scale;
+}
+
+/* out [16]: rows 16 b .. 16 b + 15 of expert e's role w (rows16_attach) against one row prepared
+ * by rows16_input. */
+static void rows16_expert_block(const qweight_t *w, int64_t e, int64_t b, const int32_t *xq, const float *sx,
+                                const int32_t *off, float *out) {
+    const int64_t K = w->k, G = w->group, row = e * w->n + b * ROWS16;
+    const uint8_t *d = w->r16data + row * (K / 2);
+    const uint16_t *sc = (const uint16_t *)w->r16scale + row * (K / G);
+    if (w->rows16 == 1)
+        rows16_dot_vnni(d, sc, K, G, xq, sx, off, 0, 1, out);
+    else
+        rows16_a8_dot_vnni(d, sc, K, G, xq, sx, off, 0, 1, out);
 }
 
 /* out[w * nr + r] of two rows of a group-wise a8w8 role and n activation rows, AVX2: a block of 32
@@ -1000,6 +1042,8 @@ int64_t moe_qdecode_best_isa(void) {
 /* Plan fields (int64 each; pointers as integers), then W_FIELDS for FC1 and for FC2. */
 enum { P_X, P_T, P_H, P_F, P_IDS, P_K, P_E, P_GATES, P_Y, P_BETWEEN, P_ISA, P_ROLES };
 enum { W_DATA, W_SCALE, W_FMT, W_GROUP, W_FIELDS };
+/* After the roles: FC1's and FC2's rows16 panels, data then scale (0, 0: none; rows16_attach). */
+enum { P_ROWS16 = P_ROLES + 2 * W_FIELDS, P_FIELDS = P_ROWS16 + 4 };
 
 typedef struct {
     int64_t T, H, F, K, E, S, between, v;
@@ -1014,6 +1058,10 @@ typedef struct {
     int32_t *x8o, *a8o;                /* and offsets, same shapes (quantize_int8_blocks) */
     float *xs, *as;                    /* their scales, i16_scale_at: [T, H / I16_LANE], [S, F / I16_LANE] */
     int32_t *xo, *ao;                  /* I16_T4: their lane offsets, same shapes */
+    int32_t *x16, *a16;                /* rows16 roles: x [T, H / 2] and a [S, F / 2] as rows16_input's */
+    float *x16s, *a16s;                /* their scales [T, H / 4], [S, F / 4] */
+    int32_t *x16o, *a16o;              /* and offsets, same shapes */
+    int8_t *a16tmp;                    /* [S, F]: rows16_input's scratch of a8w4-int's FC2 input rows */
     qweight_t w1, w2;
     dot_fn dot;
     dot16_fn dot16;
@@ -1095,6 +1143,17 @@ static void fc1_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t
     float out[32];
     for (int64_t r0 = lo; r0 < hi; r0 += s->rmax) {
         int64_t n = hi - r0 < s->rmax ? hi - r0 : s->rmax;
+        if (n == 1 && s->w1.rows16) { /* one slot: the gate and up rows' 16-row panels */
+            const int64_t t = s->tok[r0], F = s->F;
+            const int32_t *xq = s->x16 + t * (s->H / 2), *xo = s->x16o + t * (s->H / 4);
+            const float *sx = s->x16s + t * (s->H / 4);
+            float *hr = s->h + r0 * 2 * F;
+            for (int64_t b = f0 / ROWS16; b < f1 / ROWS16; ++b) {
+                rows16_expert_block(&s->w1, e, b, xq, sx, xo, hr + ROWS16 * b);
+                rows16_expert_block(&s->w1, e, F / ROWS16 + b, xq, sx, xo, hr + F + ROWS16 * b);
+            }
+            continue;
+        }
         int nr = gather_rows(s->xp, s->H, s->tok, r0, n, s->rmax, rows);
         for (int64_t f = f0; f < f1; ++f) {
             const uint8_t *w[2] = {row_at(&s->w1, e, f), row_at(&s->w1, e, s->F + f)};
@@ -1127,7 +1186,11 @@ static void fc1_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t
             int64_t m = f1 - c < 128 ? f1 - c : 128;
             swiglu_span(blk, hr + c, hr + s->F + c, 0, m, limit, g);
             layout_copy(s->a + r * s->F + c, blk, m, s->v, s->w2.layout);
-            if (s->w2.i16 && single) {
+            if (s->w2.rows16 == 1 && single) { /* w4-int's blocks are whole inside a chunk of 128 */
+                int16_t tmp[128];
+                rows16_input(1, blk, m, tmp, s->a16 + r * (s->F / 2) + c / 2, s->a16s + r * (s->F / 4) + c / I16_BLOCK,
+                             s->a16o + r * (s->F / 4) + c / I16_BLOCK);
+            } else if (s->w2.i16 && single) {
                 int64_t at = i16_scale_at(s->w2.i16, s->F, r, c);
                 quantize_i16_as(s->w2.i16, blk, m, s->aq + r * s->F + c, s->as + at, s->ao + at);
             }
@@ -1141,6 +1204,16 @@ static void fc2_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t
     float out[32];
     for (int64_t r0 = lo; r0 < hi; r0 += s->rmax) {
         int64_t n = hi - r0 < s->rmax ? hi - r0 : s->rmax;
+        if (n == 1 && s->w2.rows16) { /* one slot: 16 output columns a panel */
+            const float g = s->between ? 1.f : s->gates[s->slot[r0]];
+            float *yr = s->y + s->tok[r0] * s->H, o16[ROWS16];
+            for (int64_t b = n0 / ROWS16; b < n1 / ROWS16; ++b) {
+                rows16_expert_block(&s->w2, e, b, s->a16 + r0 * (s->F / 2), s->a16s + r0 * (s->F / 4),
+                                    s->a16o + r0 * (s->F / 4), o16);
+                for (int i = 0; i < ROWS16; ++i) yr[ROWS16 * b + i] += g * o16[i];
+            }
+            continue;
+        }
         int nr = gather_rows(s->a, s->F, NULL, r0, n, s->rmax, rows);
         const int64_t i16_at = i16_scale_at(s->w2.i16, s->F, r0, 0);
         for (int64_t c = n0; c < n1; c += 2) {
@@ -1175,15 +1248,18 @@ static void run_parts(const step_t *s, float limit, int64_t part, int64_t parts)
         int64_t r0, r1;
         split(s->S, 1, part, parts, &r0, &r1);
         for (int64_t r = r0; r < r1; ++r)
-            if (a8g(s->w2.fmt))
+            if (a8g(s->w2.fmt)) {
                 quantize_int8_blocks(&s->w2, s->a + r * s->F, s->a8 + r * s->F, s->a8b + r * (s->F / A8G_ROW_DIV),
                                      s->a8o + r * (s->F / A8G_ROW_DIV));
-            else
+                if (s->w2.rows16) /* the same int8 blocks in order, as quads: every row (a few KB) */
+                    rows16_input(2, s->a + r * s->F, s->F, s->a16tmp + r * s->F, s->a16 + r * (s->F / 2),
+                                 s->a16s + r * (s->F / 4), s->a16o + r * (s->F / 4));
+            } else
                 s->a8s[r] = quantize_int8_row(s->a + r * s->F, s->F, s->w2.fmt == FMT_A8W4 ? a8w4_block(s->F) : 0,
                                               s->a8 + r * s->F, s->a8sum + r);
 #pragma omp barrier
     }
-    split(s->H, 2, part, parts, &n0, &n1);
+    split(s->H, s->w2.rows16 ? ROWS16 : 2, part, parts, &n0, &n1); /* rows16: whole panels */
     for (int64_t e = 0; e < s->E && n0 < n1; ++e)
         if (s->start[e + 1] > s->start[e]) fc2_part(s, e, s->start[e], s->start[e + 1], n0, n1);
 }
@@ -1233,6 +1309,14 @@ int moe_qdecode_run(const int64_t *plan, float limit, int64_t nparts) {
     s.dot16 = isa == ISA_AVX512 ? dot16_512 : dot16_2;
     s.rmax = isa == ISA_AVX512 ? RMAX_512 : RMAX_2;
     s.w1.i16 = i16_form(s.w1.fmt, s.w1.k, s.w1.group, isa), s.w2.i16 = i16_form(s.w2.fmt, s.w2.k, s.w2.group, isa);
+    rows16_attach(&s.w1, plan[P_ROWS16], plan[P_ROWS16 + 1], isa, s.F % ROWS16 == 0);
+    rows16_attach(&s.w2, plan[P_ROWS16 + 2], plan[P_ROWS16 + 3], isa, 1);
+    /* rows16 roles' inputs: int32 [T, H/2] + [S, F/2], scales and offsets [T, H/4] + [S, F/4] each,
+     * the int8 scratch [S, F] */
+    const int64_t r16_ints = s.T * s.H / 2 + s.S * s.F / 2, r16_lanes = s.T * (s.H / 4) + s.S * (s.F / 4);
+    int32_t *r16 = s.w1.rows16 || s.w2.rows16 ? malloc((size_t)(r16_ints + 2 * r16_lanes) * 4 + (size_t)(s.S * s.F) + 64)
+                                               : NULL;
+    int16_t *x16tmp = s.w1.rows16 ? malloc((size_t)s.H * 2 + 64) : NULL;
     int64_t *start = calloc((size_t)s.E + 2, sizeof(int64_t)), *tok = malloc((size_t)(2 * s.S + 1) * sizeof(int64_t));
     /* floats: xp, h, a, the int16 rows' scales and offsets of x and a, the int8 rows' scales;
      * int32: their sums; int16: x and a blocks; int8: x and a rows */
@@ -1243,7 +1327,14 @@ int moe_qdecode_run(const int64_t *plan, float limit, int64_t nparts) {
     int grouped = a8g(s.w1.fmt) || a8g(s.w2.fmt);
     float *blk = grouped ? malloc((size_t)(s.T * s.H + s.S * s.F) / A8G_ROW_DIV * 8 + 64) : NULL;
     int status = -1;
-    if (!start || !tok || !xp || (grouped && !blk)) goto done;
+    if (!start || !tok || !xp || (grouped && !blk) || ((s.w1.rows16 || s.w2.rows16) && !r16) || (s.w1.rows16 && !x16tmp))
+        goto done;
+    if (r16) {
+        s.x16 = r16, s.a16 = s.x16 + s.T * s.H / 2;
+        s.x16s = (float *)(s.a16 + s.S * s.F / 2), s.a16s = s.x16s + s.T * (s.H / 4);
+        s.x16o = (int32_t *)(s.a16s + s.S * (s.F / 4)), s.a16o = s.x16o + s.T * (s.H / 4);
+        s.a16tmp = (int8_t *)(s.a16o + s.S * (s.F / 4));
+    }
     if (grouped) {
         s.x8b = blk, s.a8b = blk + s.T * s.H / A8G_ROW_DIV;
         s.x8o = (int32_t *)(s.a8b + s.S * s.F / A8G_ROW_DIV), s.a8o = s.x8o + s.T * s.H / A8G_ROW_DIV;
@@ -1281,11 +1372,15 @@ int moe_qdecode_run(const int64_t *plan, float limit, int64_t nparts) {
             int64_t at = i16_scale_at(s.w1.i16, s.H, t, 0);
             quantize_i16_as(s.w1.i16, x + t * s.H, s.H, s.xq + t * s.H, s.xs + at, s.xo + at);
         }
+    if (s.w1.rows16)
+        for (int64_t t = 0; t < s.T; ++t)
+            rows16_input((int)s.w1.rows16, x + t * s.H, s.H, x16tmp, s.x16 + t * (s.H / 2), s.x16s + t * (s.H / 4),
+                         s.x16o + t * (s.H / 4));
 #pragma omp parallel num_threads(nparts)
     run_parts(&s, limit, omp_get_thread_num(), omp_get_num_threads());
     status = 0;
 done:
-    free(start), free(tok), free(xp), free(blk);
+    free(start), free(tok), free(xp), free(blk), free(r16), free(x16tmp);
     return status;
 }
 

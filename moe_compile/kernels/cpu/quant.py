@@ -275,10 +275,14 @@ def _register_decode(tag: str, quant: str, accuracy_db: float, mod, p: _LayerPac
     key = (tag, quant, accuracy_db)
     if _REGISTERED.get(key) is p:
         return
+    isa = qdecode.best_isa()
+    panels = [qdecode.expert_rows16(q, p.kernel_cache) if isa == qdecode.ISA_AVX512 else None for q in (p.w1, p.w2)]
     packs = [t for q in (p.w1, p.w2) for t in (q.data, q.scale) if t is not None]
+    packs += [t for r16 in panels if r16 is not None for t in r16]
     fields = qdecode.role_fields(p.w1, 2 * F, H) + qdecode.role_fields(p.w2, H, F)
+    fields += qdecode.rows16_fields(panels[0]) + qdecode.rows16_fields(panels[1])
     if decode_op.register_quant_layer(tag, quant, accuracy_db, _tensors(w), packs, fields, attrs.gate_up,
-                                      w.transposed, qdecode.best_isa(), E, H, F):
+                                      w.transposed, isa, E, H, F):
         _REGISTERED[key] = p
 
 

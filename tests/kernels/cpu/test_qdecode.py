@@ -393,3 +393,68 @@ def test_grouped_a8w4_groups_the_loops_do_not_tile_are_refused():
     x = torch.empty(0, 384)
     with pytest.raises(ValueError, match="32, 64 or a multiple of 128"):
         qdecode.check_call(x, Role("a8w4-int", (2, 192, 384), 96), Role("a8w4-int", (2, 384, 96), 96), FFNAttrs())
+
+
+# ---- a slot alone in its expert reads the role's 16-row panels (rows16, AVX-512 VNNI) ----
+
+ROWS16 = VNNI and qdecode.rows16_runs(quant.pack("w4-int", torch.randn(1, 16, 128)))
+needs_rows16 = pytest.mark.skipif(not ROWS16, reason="the rows16 loops need AVX-512 VNNI (and no AVX2 switch)")
+ROWS16_ATTRS = [FFNAttrs(), FFNAttrs(weight_on="between", limit=1.5)]
+
+
+def _assert_close_a8(got, want, atol):
+    """As _check for the a8 formats: within atol but where one FC2 input code moved by one step
+    (a SwiGLU value an ulp from a rounding boundary of its re-quantization), at most 2% of the
+    elements off by more than 1e-5 of the output's scale."""
+    scale = want.abs().max().item()
+    off = (got - want).abs() > 1e-5 * scale
+    assert off.float().mean() <= 2e-2, f"{int(off.sum())} of {off.numel()} elements off by more than 1e-5"
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=atol * scale)
+
+
+# T = 1 puts every slot alone in its expert (K distinct ids); T = 4 and 16 with 5 experts mix lone
+# slots (rows16) with experts of several (the row loops), in one call.
+@needs_rows16
+@pytest.mark.parametrize("fmt", ["w4-int", "a8w4-int"])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("T", [1, 4, 16])
+@pytest.mark.parametrize("attrs", ROWS16_ATTRS, ids=["output", "between-clamped"])
+def test_rows16_steps_match_the_reference_and_the_row_loops(fmt, group, T, attrs):
+    x, ids, g, w1, w2 = _case(fmt, T, H=256, F=128, E=8 if T == 1 else 5, K=3, seed=T + group, group=group)
+    if T == 1:
+        ids = torch.randperm(8)[:3][None]
+    cache = {}
+    got = qdecode.run(x, ids, g, w1, w2, attrs, cache)
+    assert len(cache) == 2  # both roles' panels, made on first use
+    want = reference_moe(x, ids, g, w1, w2, attrs)
+    rows = qdecode.run(x, ids, g, w1, w2, attrs, None)  # the row loops on the canonical pack alone
+    if fmt == "w4-int":
+        # the int16 activation blocks (tolerance()), and the same blocks as the row loops': the
+        # two differ by the order of fp32 sums alone
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=tolerance(fmt, qdecode.ISA_AVX512) * want.abs().max())
+        torch.testing.assert_close(got, rows, rtol=1e-5, atol=1e-5 * want.abs().max())
+    else:
+        _assert_close_a8(got, want, tolerance(fmt, qdecode.ISA_AVX512))
+        _assert_close_a8(got, rows, tolerance(fmt, qdecode.ISA_AVX512))
+
+
+@needs_rows16
+@pytest.mark.parametrize("fmt", ["w4-int", "a8w4-int"])
+@pytest.mark.parametrize("role", ["fc1", "fc2"])
+def test_rows16_reads_the_panels_for_lone_slots_only(fmt, role):
+    """With one role's panels zeroed (every code u = 8, i.e. 0, in the panels alone), a T = 1 step,
+    all of whose slots are alone, gives exactly 0; a step whose two tokens share their experts
+    (chunks of two: the row loops on the canonical pack) still gives the reference."""
+    from moe_compile.kernels.cpu import qgemm
+
+    x, _, g, w1, w2 = _case(fmt, 2, H=256, F=128, E=8, K=3, seed=11)
+    ids = torch.tensor([[1, 4, 6], [6, 1, 4]])
+    cache = {}
+    qdecode.run(x[:1], ids[:1], g[:1], w1, w2, FFNAttrs(), cache)
+    qgemm.packed(w1 if role == "fc1" else w2, cache).data.fill_(0x88)
+    lone = qdecode.run(x[:1], ids[:1], g[:1], w1, w2, FFNAttrs(), cache)
+    assert torch.equal(lone, torch.zeros_like(lone))
+    shared = qdecode.run(x, ids, g, w1, w2, FFNAttrs(), cache)
+    want = reference_moe(x, ids, g, w1, w2, FFNAttrs())
+    assert shared.abs().max() > 0.1 * want.abs().max()
+    _assert_close_a8(shared, want, tolerance(fmt, qdecode.ISA_AVX512))
