@@ -20,8 +20,8 @@ decode kernels, so it runs on them:
 Packing: a weight is packed once per (tensor, version) into the canonical ``moe_compile.quant``
 format ([1, N, K]) and kept here (``stats`` / ``clear``); an in-place update repacks it.  The first
 prefill call adds qgemm's panels of it (the same bytes, 16 rows interleaved).  A w4-int or
-group-wise a8w4-int weight on a CPU with AVX-512 VNNI gets them at once: its T = 1 calls read them
-(qdecode's rows16 loops), 15-25% faster from memory than the row loops on the pack (lm_head
+group-wise a8w4-int weight gets them at once: its T = 1 calls read them (qdecode's rows16 loops,
+AVX-512 VNNI or AVX2), 15-25% faster from memory than the row loops on the pack with VNNI (lm_head
 [32000, 2048] 1.6 -> 1.3 ms, 2-core Zen 4).  ``stats()["dense_panel_bytes"]``: what the panels hold.
 Results: fp32 and w16 equal ``x @ W^T`` up to the order of fp32 sums; a format equals its
 reference (``quant.matmul`` on the packed weight) as a decode step's FC2 does.
@@ -64,7 +64,7 @@ class _Packed:
             self.qweight = quant.pack(fmt, weight.detach().float().unsqueeze(0), group)
         N, K = weight.shape
         # qgemm's panels of the weight: made by the first prefill call, or now where T = 1 calls
-        # read them (rows16: 4-bit on AVX-512 VNNI); the other decode calls read the pack
+        # read them (rows16: the 4-bit formats, qdecode.rows16_runs); the other decode calls read the pack
         self.panels, self.rows16 = None, None
         if qdecode.rows16_runs(self.qweight):
             self.panels = _float_panels(self.qweight)

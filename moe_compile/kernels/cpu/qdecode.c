@@ -110,6 +110,7 @@ typedef struct {
     int64_t vnni;    /* grouped a8 formats and per-channel a8w8: the AVX-512 VNNI loop runs it (a8g_setup) */
     int64_t rows16;  /* an expert role read as 16-row panels at one slot (rows16_attach): 0 no, else
                       * rows16_loop's kind; r16data / r16scale those panels, all experts' */
+    int64_t r16vnni; /* those panels read by the AVX-512 VNNI loops (else the AVX2 ones) */
     const uint8_t *r16data, *r16scale;
 } qweight_t;
 
@@ -854,21 +855,113 @@ A8G_VNNI static void rows16_a8_dot_vnni(const uint8_t *data, const uint16_t *sca
                                                          K, G, xq, sx, off));
 }
 
+/* The rows16 loops on AVX2 (no VNNI): the same panels, the 16 rows as two halves of 8 (each
+ * 64-byte vector's first and last 32 bytes), the same exact int32 block sums, converted, scaled
+ * and summed in the same order, so the results are the VNNI loops' bit for bit.  Why: on AVX2 the
+ * row loops spend ~11 vector operations a row per 64 weights (a8w4-int; more for w4-int), with a
+ * scale expansion and a horizontal sum per row; here 8 rows share each broadcast of x and each
+ * block's convert, multiply and FMA.  a8w4-int: vpmaddubsw (u8 codes x s8 x, pairs into int16)
+ * summed in int16 over the block's 8 products a lane (|sum| <= 8 x 2 x 15 x 127 = 30480 < 2^15:
+ * exact), then one vpmaddwd by ones into the row's int32 lane.  w4-int: vpmaddwd of each nibble's
+ * words against the broadcast int16 pairs, as vpdpwssd without the fused add. */
+static inline void rows16_a8_block_avx2(const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
+                                        const int32_t *xq, const float *sx, const int32_t *off, float *out) {
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 t0 = _mm256_setzero_ps(), t1 = t0;
+    for (int64_t g = 0; g < K / A8G_BLOCK; ++g) {
+        const uint8_t *dg = d + g * 4 * 64;
+        const int32_t *xg = xq + 8 * g;
+        __m256i p0 = _mm256_setzero_si256(), p1 = p0; /* int16 pair sums, rows 0-7 and 8-15 */
+        for (int c = 0; c < 4; ++c) {
+            _mm_prefetch((const char *)(dg + 64 * c + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(dg + 64 * c));
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(dg + 64 * c + 32));
+            const __m256i xe = _mm256_set1_epi32(xg[2 * c]), xo = _mm256_set1_epi32(xg[2 * c + 1]);
+            p0 = _mm256_add_epi16(p0, _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v0, low), xe),
+                                                       _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low), xo)));
+            p1 = _mm256_add_epi16(p1, _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v1, low), xe),
+                                                       _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low), xo)));
+        }
+        const __m256i o = _mm256_set1_epi32(off[4 * g]);
+        const __m256i a0 = _mm256_add_epi32(o, _mm256_madd_epi16(p0, ones)), a1 = _mm256_add_epi32(o, _mm256_madd_epi16(p1, ones));
+        const uint16_t *sg = s + g * A8G_BLOCK / G * ROWS16;
+        const __m256 sxg = _mm256_set1_ps(sx[4 * g]);
+        t0 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a0), sxg), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg)), t0);
+        t1 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a1), sxg), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + 8))), t1);
+    }
+    _mm256_storeu_ps(out, t0), _mm256_storeu_ps(out + 8, t1);
+}
+
+/* One nibble's words of a half-panel vector against a broadcast int16 pair, into acc. */
+static inline __m256i rows16_w4_nibble(__m256i acc, __m256i words, int32_t pair) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(words, _mm256_set1_epi32(pair)));
+}
+
+static inline void rows16_w4_block_avx2(const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
+                                        const int32_t *xp, const float *sx, const int32_t *off, float *out) {
+    const __m256i low = _mm256_set1_epi16(15);
+    __m256 t0 = _mm256_setzero_ps(), t1 = t0;
+    for (int64_t g = 0; g < K / I16_BLOCK; ++g) {
+        const uint8_t *dg = d + g * 4 * 64;
+        const int32_t *xg = xp + 16 * g;
+        __m256i a0 = _mm256_set1_epi32(off[g]), a1 = a0;
+        for (int c = 0; c < 4; ++c) {
+            _mm_prefetch((const char *)(dg + 64 * c + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(dg + 64 * c));
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(dg + 64 * c + 32));
+            const int32_t *x4 = xg + 4 * c;
+            a0 = rows16_w4_nibble(a0, _mm256_and_si256(v0, low), x4[0]);
+            a1 = rows16_w4_nibble(a1, _mm256_and_si256(v1, low), x4[0]);
+            a0 = rows16_w4_nibble(a0, _mm256_and_si256(_mm256_srli_epi16(v0, 4), low), x4[1]);
+            a1 = rows16_w4_nibble(a1, _mm256_and_si256(_mm256_srli_epi16(v1, 4), low), x4[1]);
+            a0 = rows16_w4_nibble(a0, _mm256_and_si256(_mm256_srli_epi16(v0, 8), low), x4[2]);
+            a1 = rows16_w4_nibble(a1, _mm256_and_si256(_mm256_srli_epi16(v1, 8), low), x4[2]);
+            a0 = rows16_w4_nibble(a0, _mm256_srli_epi16(v0, 12), x4[3]);
+            a1 = rows16_w4_nibble(a1, _mm256_srli_epi16(v1, 12), x4[3]);
+        }
+        const uint16_t *sg = s + g * I16_BLOCK / G * ROWS16;
+        const __m256 sxg = _mm256_set1_ps(sx[g]);
+        t0 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a0), sxg), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg)), t0);
+        t1 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a1), sxg), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + 8))), t1);
+    }
+    _mm256_storeu_ps(out, t0), _mm256_storeu_ps(out + 8, t1);
+}
+
+/* y[16 b .. 16 b + 15] for row blocks [b0, b1) of a rows16 weight (data, scale: its panels),
+ * loop 1 (w4-int, x prepared by rows16_prepare) or 2 (a8w4-int, rows16_a8_prepare), on the VNNI
+ * loops or the AVX2 ones. */
+static void rows16_dot(int loop, int vnni, const uint8_t *data, const uint16_t *scale, int64_t K, int64_t G,
+                       const int32_t *xq, const float *sx, const int32_t *off, int64_t b0, int64_t b1, float *y) {
+    if (vnni) {
+        (loop == 1 ? rows16_dot_vnni : rows16_a8_dot_vnni)(data, scale, K, G, xq, sx, off, b0, b1, y);
+        return;
+    }
+    for (int64_t b = b0; b < b1; ++b)
+        (loop == 1 ? rows16_w4_block_avx2 : rows16_a8_block_avx2)(data + b * ROWS16 * (K / 2), scale + b * (K / G) * ROWS16,
+                                                                    K, G, xq, sx, off, y + ROWS16 * b);
+}
+
 static int i16_form(int64_t fmt, int64_t k, int64_t group, int64_t isa);
 
+/* Whether the rows16 loops run on the AVX-512 VNNI forms at this ISA (else the AVX2 forms). */
+static int rows16_vnni(int64_t isa) { return isa == ISA_AVX512 && a8g_vnni(); }
+
 /* Which rows16 loop runs a dense weight at T = 1 on this ISA: 1 w4-int's, 2 a8w4-int's, 0 none
- * (the row loops on the canonical pack).  The same conditions as those loops' VNNI forms, so a
- * copy changes the speed, not the arithmetic's regime. */
+ * (the row loops on the canonical pack).  The VNNI loops' shape rules (K a multiple of 128, G 32,
+ * 64 or a multiple of 128) on every ISA, so which weights have panels does not depend on the CPU;
+ * w4-int only where its activations go as int16 blocks at all (not under
+ * MOE_COMPILE_QDECODE_I16=0, the exact fp32 loops). */
 static int rows16_loop(const qweight_t *w, int64_t isa) {
-    if (isa != ISA_AVX512 || w->n % ROWS16) return 0;
-    if (w->fmt == FMT_W4) return i16_form(w->fmt, w->k, w->group, isa) == I16_T4;
-    return w->fmt == FMT_A8W4G && w->vnni ? 2 : 0;
+    const int64_t G = w->group;
+    if (w->n % ROWS16 || w->k % 128 || !(G == 32 || G == 64 || (G > 0 && G % 128 == 0))) return 0;
+    if (w->fmt == FMT_W4) return rows16_vnni(isa) ? i16_form(w->fmt, w->k, G, isa) == I16_T4 : i16_form(w->fmt, w->k, G, ISA_AVX2) != 0;
+    return w->fmt == FMT_A8W4G ? 2 : 0;
 }
 
 /* y [N] = x [K] . W^T on a rows16 weight (loop: rows16_loop's), the blocks split over nparts
  * threads.  Returns 0, -1 without memory. */
-static int rows16_linear(int loop, const float *x, int64_t K, int64_t N, const uint8_t *data, const uint8_t *scale,
-                         int64_t G, float *y, int64_t nparts) {
+static int rows16_linear(int loop, int vnni, const float *x, int64_t K, int64_t N, const uint8_t *data,
+                         const uint8_t *scale, int64_t G, float *y, int64_t nparts) {
     /* int16 (w4) or int8 (a8w4) x, its pairs or quads, per-block (a8: per-lane) scales and offsets */
     void *q = aligned_alloc(64, (size_t)(K * 2 + 63) / 64 * 64);
     int32_t *xp = aligned_alloc(64, (size_t)(K * 2 + 63) / 64 * 64), *off = malloc((size_t)(K / A8G_ROW_DIV + 8) * 4);
@@ -882,11 +975,7 @@ static int rows16_linear(int loop, const float *x, int64_t K, int64_t N, const u
 #pragma omp parallel num_threads(nparts)
         {
             const int64_t blocks = N / ROWS16, p = omp_get_thread_num(), P = omp_get_num_threads();
-            const int64_t b0 = blocks * p / P, b1 = blocks * (p + 1) / P;
-            if (loop == 1)
-                rows16_dot_vnni(data, (const uint16_t *)scale, K, G, xp, sx, off, b0, b1, y);
-            else
-                rows16_a8_dot_vnni(data, (const uint16_t *)scale, K, G, xp, sx, off, b0, b1, y);
+            rows16_dot(loop, vnni, data, (const uint16_t *)scale, K, G, xp, sx, off, blocks * p / P, blocks * (p + 1) / P, y);
         }
         status = 0;
     }
@@ -910,6 +999,7 @@ static void rows16_input(int loop, const float *x, int64_t K, void *tmp, int32_t
  * the row loops as the dense ones were (dense-layers.md, "4-bit at T = 1"). */
 static void rows16_attach(qweight_t *w, int64_t data, int64_t scale, int64_t isa, int aligned) {
     w->rows16 = data && scale && aligned ? rows16_loop(w, isa) : 0;
+    w->r16vnni = rows16_vnni(isa);
     w->r16data = (const uint8_t *)(intptr_t)data, w->r16scale = (const uint8_t *)(intptr_t)scale;
 }
 
@@ -920,10 +1010,7 @@ static void rows16_expert_block(const qweight_t *w, int64_t e, int64_t b, const 
     const int64_t K = w->k, G = w->group, row = e * w->n + b * ROWS16;
     const uint8_t *d = w->r16data + row * (K / 2);
     const uint16_t *sc = (const uint16_t *)w->r16scale + row * (K / G);
-    if (w->rows16 == 1)
-        rows16_dot_vnni(d, sc, K, G, xq, sx, off, 0, 1, out);
-    else
-        rows16_a8_dot_vnni(d, sc, K, G, xq, sx, off, 0, 1, out);
+    rows16_dot((int)w->rows16, (int)w->r16vnni, d, sc, K, G, xq, sx, off, 0, 1, out);
 }
 
 /* out[w * nr + r] of two rows of a group-wise a8w8 role and n activation rows, AVX2: a block of 32
@@ -1406,7 +1493,7 @@ int moe_qdecode_linear(const int64_t *plan, int64_t nparts) {
     a8g_setup(&w, isa);
     const int loop = T == 1 && plan[L_ROWS16] ? rows16_loop(&w, isa) : 0;
     if (loop)
-        return rows16_linear(loop, (const float *)(intptr_t)plan[L_X], K, N, (const uint8_t *)(intptr_t)plan[L_ROWS16],
+        return rows16_linear(loop, rows16_vnni(isa), (const float *)(intptr_t)plan[L_X], K, N, (const uint8_t *)(intptr_t)plan[L_ROWS16],
                              (const uint8_t *)(intptr_t)plan[L_ROWS16_SCALE], w.group, (float *)(intptr_t)plan[L_Y], nparts);
     step_t s = {.T = T, .H = N, .F = K, .K = 1, .E = 1, .S = T, .between = 0, .y = (float *)(intptr_t)plan[L_Y]};
     s.v = isa == ISA_AVX512 ? 16 : 8;

@@ -27,11 +27,11 @@ dotted with fp32 activations, so y equals the format's reference (dequantize, th
 up to the order of the fp32 sums.  One exception, for speed: on AVX2 the 4- and 8-bit integer
 loops (on AVX-512 w8-int's, and w4-int's with VNNI) take an expert's single row as int16 blocks of 32 (qdecode.c:
 quantize_i16; up to ~5e-5 of the output's scale from the reference; ``MOE_COMPILE_QDECODE_I16=0``
-turns it off).  The kernel reads the canonical tensors as they are, with one exception: on AVX-512
-VNNI a w4-int or group-wise a8w4-int role's slot that is alone in its expert (every slot at T = 1,
-most at T <= 16) reads the role's qgemm panels instead (``expert_rows16``: the prefill tiles'
-16-row panels from ``pack_cache``, made there once), one int32 lane per row (qdecode.c:
-rows16_attach).
+turns it off).  The kernel reads the canonical tensors as they are, with one exception: a w4-int
+or group-wise a8w4-int role's slot that is alone in its expert (every slot at T = 1, most at
+T <= 16) reads the role's qgemm panels instead (``expert_rows16``: the prefill tiles' 16-row
+panels from ``pack_cache``, made there once), one int32 lane per row (qdecode.c: rows16_attach;
+AVX-512 VNNI loops, or AVX2 ones with the same sums).
 
 ``a8w8-int`` / ``a8w4-int`` quantize the activations per row as their reference does (x per token,
 FC2's input per slot, ``quantize_per_token_int8``) and sum int8 x int8 / int4 exactly in int32
@@ -116,16 +116,17 @@ ROWS16 = 16  # rows the rows16 loops' weight interleaves (qdecode.c: rows16_dot_
 
 
 def rows16_runs(w) -> bool:
-    """Whether qdecode.c's rows16 loops (AVX-512 VNNI) would run this weight ([E, N, K]: a dense
-    weight at T = 1, an expert role at a slot of its own), read from its qgemm panels
-    (``qgemm._code_panels``: 16 rows interleaved, 4 bytes a lane): w4-int or group-wise a8w4-int, N
-    a multiple of 16, the VNNI loops' shape rules (K a multiple of 128, G 32, 64 or a multiple of
-    128); not without VNNI, under the AVX2 switch, or for w4-int under ``MOE_COMPILE_QDECODE_I16=0``."""
+    """Whether qdecode.c's rows16 loops would run this weight ([E, N, K]: a dense weight at T = 1, an
+    expert role at a slot of its own), read from its qgemm panels (``qgemm._code_panels``: 16 rows
+    interleaved, 4 bytes a lane): w4-int or group-wise a8w4-int, N a multiple of 16, the VNNI loops'
+    shape rules (K a multiple of 128, G 32, 64 or a multiple of 128) on every ISA (AVX-512 VNNI
+    loops where the CPU has them, AVX2 ones otherwise and under the AVX2 switch: the same sums,
+    bit for bit); not for w4-int under ``MOE_COMPILE_QDECODE_I16=0``."""
     four_bit = w.fmt == "w4-int" and os.environ.get(I16_ENV) != "0" or w.fmt == "a8w4-int" and w.grouped_activations
-    if not four_bit or best_isa() != 512:
+    if not four_bit or best_isa() not in (ISA_AVX2, ISA_AVX512):
         return False
     N, K, G = w.shape[1], w.shape[2], w.group
-    return N % ROWS16 == 0 and K % 128 == 0 and (G in (32, 64) or G % 128 == 0) and bool(_KERNEL.lib().moe_qdecode_vnni())
+    return N % ROWS16 == 0 and K % 128 == 0 and (G in (32, 64) or G % 128 == 0)
 
 
 def expert_rows16(w, pack_cache) -> tuple | None:
@@ -246,10 +247,7 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, attrs
                          f"got {ids.dtype} {tuple(ids.shape)}")
     fields = _role_fields(w1, "w1 (FC1)", 2 * F, H) + _role_fields(w2, "w2 (FC2)", H, F)
     isa = isa or best_isa()
-    if isa == ISA_AVX512:
-        fields += rows16_fields(expert_rows16(w1, pack_cache)) + rows16_fields(expert_rows16(w2, pack_cache))
-    else:
-        fields += [0, 0, 0, 0]
+    fields += rows16_fields(expert_rows16(w1, pack_cache)) + rows16_fields(expert_rows16(w2, pack_cache))
     y = torch.zeros(T, H, dtype=torch.float32)
     plan = [x.data_ptr(), T, H, F, ids.data_ptr(), ids.shape[1], E, weights.data_ptr(), y.data_ptr(),
             int(attrs.weight_on == "between"), isa, *fields]

@@ -276,7 +276,7 @@ def _register_decode(tag: str, quant: str, accuracy_db: float, mod, p: _LayerPac
     if _REGISTERED.get(key) is p:
         return
     isa = qdecode.best_isa()
-    panels = [qdecode.expert_rows16(q, p.kernel_cache) if isa == qdecode.ISA_AVX512 else None for q in (p.w1, p.w2)]
+    panels = [qdecode.expert_rows16(q, p.kernel_cache) for q in (p.w1, p.w2)]
     packs = [t for q in (p.w1, p.w2) for t in (q.data, q.scale) if t is not None]
     packs += [t for r16 in panels if r16 is not None for t in r16]
     fields = qdecode.role_fields(p.w1, 2 * F, H) + qdecode.role_fields(p.w2, H, F)

@@ -162,14 +162,14 @@ def test_one_pack_per_weight_and_format():
     assert dense.packed(w, "w8-int") is first
 
 
-# ------------------------------------------- the 4-bit formats' rows16 copy (T = 1, AVX-512 VNNI)
+# ------------------------------------------- the 4-bit formats' rows16 panels (T = 1, AVX-512 VNNI or AVX2)
 ROWS16_FORMATS = ("w4-int", "a8w4-int")  # a8w4-int: its group-wise form, dense's default
 def _runs_rows16() -> bool:
-    """Whether this CPU (and switches) make the rows16 copy: AVX-512 VNNI, no AVX2 switch."""
+    """Whether this CPU (and switches) read the rows16 panels: AVX2 or AVX-512, int16 blocks not off."""
     return qdecode.rows16_runs(quant.pack("w4-int", torch.randn(1, 16, 128)))
 
 
-needs_rows16 = pytest.mark.skipif(not _runs_rows16(), reason="the rows16 loop needs AVX-512 VNNI")
+needs_rows16 = pytest.mark.skipif(not _runs_rows16(), reason="the rows16 loops need AVX2 (and MOE_COMPILE_QDECODE_I16 not 0)")
 
 
 def _rows16_emulation(x: torch.Tensor, qw) -> torch.Tensor:
@@ -265,8 +265,9 @@ def test_rows16_passes_nan_and_inf_on(fmt):
 
 def test_rows16_only_where_its_loop_runs(monkeypatch):
     """No rows16 (and no panels before a prefill needs them) for other formats, a8w4-int's
-    per-channel form, N not a multiple of 16, the AVX2 switch or (w4-int) MOE_COMPILE_QDECODE_I16=0;
-    such calls run the row loops on the canonical pack."""
+    per-channel form, N not a multiple of 16, a CPU without the loops' ISA or (w4-int)
+    MOE_COMPILE_QDECODE_I16=0; such calls run the row loops on the canonical pack.  The AVX2
+    switch keeps them (the AVX2 loops, the same sums)."""
     from moe_compile.quant import a8w4_int
 
     assert not qdecode.rows16_runs(quant.pack("w8-int", torch.randn(1, 32, 128)))
@@ -276,8 +277,11 @@ def test_rows16_only_where_its_loop_runs(monkeypatch):
     monkeypatch.setenv(qdecode.I16_ENV, "0")
     assert not qdecode.rows16_runs(quant.pack("w4-int", torch.randn(1, 32, 128)))
     monkeypatch.delenv(qdecode.I16_ENV)
-    monkeypatch.setattr(qdecode, "best_isa", lambda: 2)
+    monkeypatch.setattr(qdecode, "best_isa", lambda: qdecode.ISA_AVX2)
+    assert qdecode.rows16_runs(quant.pack("w4-int", torch.randn(1, 32, 128)))
+    monkeypatch.setattr(qdecode, "best_isa", lambda: 0)  # no F16C / FMA: no kernel at all
     assert not qdecode.rows16_runs(quant.pack("w4-int", torch.randn(1, 32, 128)))
+    monkeypatch.undo()
     w, x = torch.randn(40, K), torch.randn(1, K)
     assert dense.packed(w, "w4-int").rows16 is None and dense.packed(w, "w4-int").panels is None
     assert rel_err(dense.linear(x, w, None, "w4-int"), x @ quant.dequantize(dense.packed(w, "w4-int").qweight)[0].t()) < TOL
