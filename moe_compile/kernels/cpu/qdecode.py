@@ -31,7 +31,8 @@ turns it off).  The kernel reads the canonical tensors as they are, with one exc
 or group-wise a8w4-int role's slot that is alone in its expert (every slot at T = 1, most at
 T <= 16) reads the role's qgemm panels instead (``expert_rows16``: the prefill tiles' 16-row
 panels from ``pack_cache``, made there once), one int32 lane per row (qdecode.c: rows16_attach;
-AVX-512 VNNI loops, or AVX2 ones with the same sums).
+AVX-512 VNNI loops, or AVX2 ones with the same sums, which take chunks of up to 4 slots of one
+expert too: rows16_chunk).
 
 ``a8w8-int`` / ``a8w4-int`` quantize the activations per row as their reference does (x per token,
 FC2's input per slot, ``quantize_per_token_int8``) and sum int8 x int8 / int4 exactly in int32
