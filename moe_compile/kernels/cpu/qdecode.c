@@ -736,8 +736,8 @@ A8G_VNNI static void w4_dot16_vnni(const qweight_t *wt, const uint8_t *const *ro
     out[0] = _mm512_reduce_add_ps(t0), out[1] = _mm512_reduce_add_ps(t1);
 }
 
-/* Dense linears at T = 1 in w4-int and group-wise a8w4-int on AVX-512 VNNI, on the weight held 16
- * rows interleaved ("rows16": the weight's qgemm panels, qgemm.py's _code_panels, which the dense
+/* Dense linears at T = 1 in w4-int and group-wise a8w4-int on AVX-512 VNNI (AVX2 forms below), on
+ * the weight held 16 rows interleaved ("rows16": the weight's qgemm panels, qgemm.py's _code_panels, which the dense
  * host makes at pack time for such weights and the prefill GEMMs read too):
  *   data  [N/16, K/8, 16, 4] bytes: for each block of 16 rows and each 8 elements k0 .. k0 + 7, the
  *         4 packed bytes of those elements of each of the 16 rows (one 64-byte vector);
@@ -1241,7 +1241,7 @@ static void a8g_rows(const qweight_t *wt, const uint8_t *const *rows, const uint
 #pragma GCC pop_options
 #undef QDECODE_ISA
 
-/* Whether this CPU has AVX-512 VNNI (the rows16 copy of a dense weight is made only where it does). */
+/* Whether this CPU has AVX-512 VNNI (the rows16 loops' and the a8 loops' VNNI forms run only where it does). */
 int64_t moe_qdecode_vnni(void) { return a8g_vnni(); }
 
 /* The widest ISA this CPU runs the loops in: ISA_AVX512, ISA_AVX2, or 0 (no F16C / FMA). */
