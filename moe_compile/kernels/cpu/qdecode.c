@@ -867,74 +867,119 @@ A8G_VNNI static void rows16_a8_dot_vnni(const uint8_t *data, const uint16_t *sca
  * block's convert, multiply and FMA.  a8w4-int: vpmaddubsw (u8 codes x s8 x, pairs into int16)
  * summed in int16 over the block's 8 products a lane (|sum| <= 8 x 2 x 15 x 127 = 30480 < 2^15:
  * exact), then one vpmaddwd by ones into the row's int32 lane.  w4-int: vpmaddwd of each nibble's
- * words against the broadcast int16 pairs, as vpdpwssd without the fused add. */
-static inline void rows16_a8_block_avx2(const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
-                                        const int32_t *xq, const float *sx, const int32_t *off, float *out) {
-    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    __m256 t0 = _mm256_setzero_ps(), t1 = t0;
-    const uint16_t *sg = s; /* as in rows16_w4_block */
-    for (int64_t g = 0, left = G / A8G_BLOCK; g < K / A8G_BLOCK; ++g) {
-        const uint8_t *dg = d + g * 4 * 64;
-        const int32_t *xg = xq + 8 * g;
-        __m256i p0 = _mm256_setzero_si256(), p1 = p0; /* int16 pair sums, rows 0-7 and 8-15 */
-        for (int c = 0; c < 4; ++c) {
-            _mm_prefetch((const char *)(dg + 64 * c + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
-            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(dg + 64 * c));
-            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(dg + 64 * c + 32));
-            const __m256i xe = _mm256_set1_epi32(xg[2 * c]), xo = _mm256_set1_epi32(xg[2 * c + 1]);
-            p0 = _mm256_add_epi16(p0, _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v0, low), xe),
-                                                       _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low), xo)));
-            p1 = _mm256_add_epi16(p1, _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v1, low), xe),
-                                                       _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low), xo)));
-        }
-        const __m256i o = _mm256_set1_epi32(off[4 * g]);
-        const __m256i a0 = _mm256_add_epi32(o, _mm256_madd_epi16(p0, ones)), a1 = _mm256_add_epi32(o, _mm256_madd_epi16(p1, ones));
-        const __m256 sxg = _mm256_set1_ps(sx[4 * g]);
-        t0 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a0), sxg), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg)), t0);
-        t1 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a1), sxg), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + 8))), t1);
-        if (--left == 0) sg += ROWS16, left = G / A8G_BLOCK;
-    }
-    _mm256_storeu_ps(out, t0), _mm256_storeu_ps(out + 8, t1);
-}
+ * words against the broadcast int16 pairs, as vpdpwssd without the fused add.
+ * The loops take 1 .. ROWS16_MULTI rows at once (a lone slot, a dense row, or several slots of one
+ * expert: the AVX2 chunk RMAX_2), each panel vector unpacked once for all of them; each row's sums
+ * and fp32 order are the same whatever n.  Why several: the row loops that took such chunks
+ * dequantize every 4-bit weight to fp32 (w4-int) or sum one row pair at a time (a8w4-int), and on
+ * AVX2 that cost more than n rows' integer products.  One-process A/B, 2 threads, 64 MiB read
+ * before each call, 2-core Zen 3, a MoE layer at T = 2 / 4 (random routing), of the time before:
+ * w4-int 0.62-0.89 / 0.52-0.74, a8w4-int 0.91-0.97 / 0.71-0.89 (Mixtral-like, fine-grained, Qwen3
+ * shapes). */
+enum { ROWS16_MULTI = 4 };
+
+/* The inputs of n rows (each as rows16_input prepares it) and their 16-float outputs. */
+typedef struct {
+    const int32_t *xq[ROWS16_MULTI];
+    const float *sx[ROWS16_MULTI];
+    const int32_t *off[ROWS16_MULTI];
+    float *out[ROWS16_MULTI];
+} rows16_set_t;
 
 /* One nibble's words of a half-panel vector against a broadcast int16 pair, into acc. */
 static inline __m256i rows16_w4_nibble(__m256i acc, __m256i words, int32_t pair) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(words, _mm256_set1_epi32(pair)));
 }
 
-static inline void rows16_w4_block_avx2(const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
-                                        const int32_t *xp, const float *sx, const int32_t *off, float *out) {
+ALWAYS_INLINE void rows16_a8_rows_avx2(const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
+                                       const rows16_set_t *in, const int n) {
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 t[ROWS16_MULTI][2];
+    for (int r = 0; r < n; ++r) t[r][0] = t[r][1] = _mm256_setzero_ps();
+    const uint16_t *sg = s; /* as in rows16_w4_block */
+    for (int64_t g = 0, left = G / A8G_BLOCK; g < K / A8G_BLOCK; ++g) {
+        const uint8_t *dg = d + g * 4 * 64;
+        __m256i p[ROWS16_MULTI][2];
+        for (int r = 0; r < n; ++r) p[r][0] = p[r][1] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; ++c) {
+            _mm_prefetch((const char *)(dg + 64 * c + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(dg + 64 * c));
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(dg + 64 * c + 32));
+            const __m256i l0 = _mm256_and_si256(v0, low), h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+            const __m256i l1 = _mm256_and_si256(v1, low), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+            for (int r = 0; r < n; ++r) {
+                const int32_t *xg = in->xq[r] + 8 * g;
+                const __m256i xe = _mm256_set1_epi32(xg[2 * c]), xo = _mm256_set1_epi32(xg[2 * c + 1]);
+                p[r][0] = _mm256_add_epi16(p[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(l0, xe), _mm256_maddubs_epi16(h0, xo)));
+                p[r][1] = _mm256_add_epi16(p[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(l1, xe), _mm256_maddubs_epi16(h1, xo)));
+            }
+        }
+        const __m256 sw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg));
+        const __m256 sw1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + 8)));
+        for (int r = 0; r < n; ++r) {
+            const __m256i o = _mm256_set1_epi32(in->off[r][4 * g]);
+            const __m256 sxg = _mm256_set1_ps(in->sx[r][4 * g]);
+            const __m256i a0 = _mm256_add_epi32(o, _mm256_madd_epi16(p[r][0], ones));
+            const __m256i a1 = _mm256_add_epi32(o, _mm256_madd_epi16(p[r][1], ones));
+            t[r][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a0), sxg), sw0, t[r][0]);
+            t[r][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a1), sxg), sw1, t[r][1]);
+        }
+        if (--left == 0) sg += ROWS16, left = G / A8G_BLOCK;
+    }
+    for (int r = 0; r < n; ++r) _mm256_storeu_ps(in->out[r], t[r][0]), _mm256_storeu_ps(in->out[r] + 8, t[r][1]);
+}
+
+ALWAYS_INLINE void rows16_w4_rows_avx2(const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
+                                       const rows16_set_t *in, const int n) {
     const __m256i low = _mm256_set1_epi16(15);
-    __m256 t0 = _mm256_setzero_ps(), t1 = t0;
+    __m256 t[ROWS16_MULTI][2];
+    for (int r = 0; r < n; ++r) t[r][0] = t[r][1] = _mm256_setzero_ps();
     const uint16_t *sg = s; /* as in rows16_w4_block */
     for (int64_t g = 0, left = G / I16_BLOCK; g < K / I16_BLOCK; ++g) {
         const uint8_t *dg = d + g * 4 * 64;
-        const int32_t *xg = xp + 16 * g;
-        __m256i a0 = _mm256_set1_epi32(off[g]), a1 = a0;
-        /* not unrolled: unrolled, gcc computed the 4 vectors' 32 products first and spilled them
-         * (in cache, one thread, 2-core Zen 3: 0.83-0.86 of the unrolled loop's time; a8w4-int's
-         * loop above has half the products and is 10% slower so) */
+        __m256i a[ROWS16_MULTI][2];
+        for (int r = 0; r < n; ++r) a[r][0] = a[r][1] = _mm256_set1_epi32(in->off[r][g]);
+        /* not unrolled: unrolled, gcc computed the 4 vectors' products first and spilled them
+         * (in cache, one thread, 2-core Zen 3: 0.83-0.86 of the unrolled loop's time at one row;
+         * a8w4-int's loop above has half the products and was 10% slower so) */
 #pragma GCC unroll 1
         for (int c = 0; c < 4; ++c) {
             _mm_prefetch((const char *)(dg + 64 * c + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
             const __m256i v0 = _mm256_loadu_si256((const __m256i *)(dg + 64 * c));
             const __m256i v1 = _mm256_loadu_si256((const __m256i *)(dg + 64 * c + 32));
-            const int32_t *x4 = xg + 4 * c;
-            a0 = rows16_w4_nibble(a0, _mm256_and_si256(v0, low), x4[0]);
-            a1 = rows16_w4_nibble(a1, _mm256_and_si256(v1, low), x4[0]);
-            a0 = rows16_w4_nibble(a0, _mm256_and_si256(_mm256_srli_epi16(v0, 4), low), x4[1]);
-            a1 = rows16_w4_nibble(a1, _mm256_and_si256(_mm256_srli_epi16(v1, 4), low), x4[1]);
-            a0 = rows16_w4_nibble(a0, _mm256_and_si256(_mm256_srli_epi16(v0, 8), low), x4[2]);
-            a1 = rows16_w4_nibble(a1, _mm256_and_si256(_mm256_srli_epi16(v1, 8), low), x4[2]);
-            a0 = rows16_w4_nibble(a0, _mm256_srli_epi16(v0, 12), x4[3]);
-            a1 = rows16_w4_nibble(a1, _mm256_srli_epi16(v1, 12), x4[3]);
+            for (int j = 0; j < 4; ++j) {
+                const __m256i w0 = j == 3 ? _mm256_srli_epi16(v0, 12) : _mm256_and_si256(_mm256_srli_epi16(v0, 4 * j), low);
+                const __m256i w1 = j == 3 ? _mm256_srli_epi16(v1, 12) : _mm256_and_si256(_mm256_srli_epi16(v1, 4 * j), low);
+                for (int r = 0; r < n; ++r) {
+                    const int32_t pair = in->xq[r][16 * g + 4 * c + j];
+                    a[r][0] = rows16_w4_nibble(a[r][0], w0, pair), a[r][1] = rows16_w4_nibble(a[r][1], w1, pair);
+                }
+            }
         }
-        const __m256 sxg = _mm256_set1_ps(sx[g]);
-        t0 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a0), sxg), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg)), t0);
-        t1 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a1), sxg), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + 8))), t1);
+        const __m256 sw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg));
+        const __m256 sw1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + 8)));
+        for (int r = 0; r < n; ++r) {
+            const __m256 sxg = _mm256_set1_ps(in->sx[r][g]);
+            t[r][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a[r][0]), sxg), sw0, t[r][0]);
+            t[r][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a[r][1]), sxg), sw1, t[r][1]);
+        }
         if (--left == 0) sg += ROWS16, left = G / I16_BLOCK;
     }
-    _mm256_storeu_ps(out, t0), _mm256_storeu_ps(out + 8, t1);
+    for (int r = 0; r < n; ++r) _mm256_storeu_ps(in->out[r], t[r][0]), _mm256_storeu_ps(in->out[r] + 8, t[r][1]);
+}
+
+/* Rows 16 b .. 16 b + 15 of one panel block (d, s) against the n rows of `in`, the AVX2 loops. */
+static void rows16_rows_avx2(int loop, const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
+                             const rows16_set_t *in, int n) {
+#define ROWS16_N(N)                                                                                                  \
+    case N:                                                                                                          \
+        if (loop == 1)                                                                                               \
+            rows16_w4_rows_avx2(d, s, K, G, in, N); /* called, not through a pointer: inlined for each N */       \
+        else                                                                                                         \
+            rows16_a8_rows_avx2(d, s, K, G, in, N);                                                                 \
+        break;
+    switch (n) { ROWS16_N(1) ROWS16_N(2) ROWS16_N(3) ROWS16_N(4) }
+#undef ROWS16_N
 }
 
 /* y[16 b .. 16 b + 15] for row blocks [b0, b1) of a rows16 weight (data, scale: its panels),
@@ -946,9 +991,11 @@ static void rows16_dot(int loop, int vnni, const uint8_t *data, const uint16_t *
         (loop == 1 ? rows16_dot_vnni : rows16_a8_dot_vnni)(data, scale, K, G, xq, sx, off, b0, b1, y);
         return;
     }
-    for (int64_t b = b0; b < b1; ++b)
-        (loop == 1 ? rows16_w4_block_avx2 : rows16_a8_block_avx2)(data + b * ROWS16 * (K / 2), scale + b * (K / G) * ROWS16,
-                                                                    K, G, xq, sx, off, y + ROWS16 * b);
+    rows16_set_t one = {.xq = {xq}, .sx = {sx}, .off = {off}};
+    for (int64_t b = b0; b < b1; ++b) {
+        one.out[0] = y + ROWS16 * b;
+        rows16_rows_avx2(loop, data + b * ROWS16 * (K / 2), scale + b * (K / G) * ROWS16, K, G, &one, 1);
+    }
 }
 
 static int i16_form(int64_t fmt, int64_t k, int64_t group, int64_t isa);
@@ -1023,97 +1070,6 @@ static void rows16_expert_block(const qweight_t *w, int64_t e, int64_t b, const 
     rows16_dot((int)w->rows16, (int)w->r16vnni, d, sc, K, G, xq, sx, off, 0, 1, out);
 }
 
-/* Several slots of one expert on AVX2 (ROWS16_MULTI at most, the AVX2 chunk RMAX_2): each panel
- * vector unpacked once for all of them, each row's sums and fp32 order those of the one-row loops
- * above (so the VNNI loops' bits too).  Why: the row loops that took such chunks dequantize every
- * 4-bit weight to fp32 (w4-int) or sum one row pair at a time (a8w4-int), and on AVX2 that cost
- * more than n rows' integer products.  One-process A/B, 2 threads, 64 MiB read before each call,
- * 2-core Zen 3, a MoE layer at T = 2 / 4 (random routing), of the time before: w4-int 0.62-0.89 /
- * 0.52-0.74, a8w4-int 0.91-0.97 / 0.71-0.89 (Mixtral-like, fine-grained, Qwen3 shapes). */
-enum { ROWS16_MULTI = 4 };
-
-/* The inputs of n rows (each as rows16_input prepares it) and their 16-float outputs. */
-typedef struct {
-    const int32_t *xq[ROWS16_MULTI];
-    const float *sx[ROWS16_MULTI];
-    const int32_t *off[ROWS16_MULTI];
-    float *out[ROWS16_MULTI];
-} rows16_set_t;
-
-ALWAYS_INLINE void rows16_a8_rows_avx2(const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
-                                       const rows16_set_t *in, const int n) {
-    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    __m256 t[ROWS16_MULTI][2];
-    for (int r = 0; r < n; ++r) t[r][0] = t[r][1] = _mm256_setzero_ps();
-    const uint16_t *sg = s; /* as in rows16_w4_block */
-    for (int64_t g = 0, left = G / A8G_BLOCK; g < K / A8G_BLOCK; ++g) {
-        const uint8_t *dg = d + g * 4 * 64;
-        __m256i p[ROWS16_MULTI][2];
-        for (int r = 0; r < n; ++r) p[r][0] = p[r][1] = _mm256_setzero_si256();
-        for (int c = 0; c < 4; ++c) {
-            _mm_prefetch((const char *)(dg + 64 * c + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
-            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(dg + 64 * c));
-            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(dg + 64 * c + 32));
-            const __m256i l0 = _mm256_and_si256(v0, low), h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
-            const __m256i l1 = _mm256_and_si256(v1, low), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
-            for (int r = 0; r < n; ++r) {
-                const int32_t *xg = in->xq[r] + 8 * g;
-                const __m256i xe = _mm256_set1_epi32(xg[2 * c]), xo = _mm256_set1_epi32(xg[2 * c + 1]);
-                p[r][0] = _mm256_add_epi16(p[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(l0, xe), _mm256_maddubs_epi16(h0, xo)));
-                p[r][1] = _mm256_add_epi16(p[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(l1, xe), _mm256_maddubs_epi16(h1, xo)));
-            }
-        }
-        const __m256 sw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg));
-        const __m256 sw1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + 8)));
-        for (int r = 0; r < n; ++r) {
-            const __m256i o = _mm256_set1_epi32(in->off[r][4 * g]);
-            const __m256 sxg = _mm256_set1_ps(in->sx[r][4 * g]);
-            const __m256i a0 = _mm256_add_epi32(o, _mm256_madd_epi16(p[r][0], ones));
-            const __m256i a1 = _mm256_add_epi32(o, _mm256_madd_epi16(p[r][1], ones));
-            t[r][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a0), sxg), sw0, t[r][0]);
-            t[r][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a1), sxg), sw1, t[r][1]);
-        }
-        if (--left == 0) sg += ROWS16, left = G / A8G_BLOCK;
-    }
-    for (int r = 0; r < n; ++r) _mm256_storeu_ps(in->out[r], t[r][0]), _mm256_storeu_ps(in->out[r] + 8, t[r][1]);
-}
-
-ALWAYS_INLINE void rows16_w4_rows_avx2(const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
-                                       const rows16_set_t *in, const int n) {
-    const __m256i low = _mm256_set1_epi16(15);
-    __m256 t[ROWS16_MULTI][2];
-    for (int r = 0; r < n; ++r) t[r][0] = t[r][1] = _mm256_setzero_ps();
-    const uint16_t *sg = s; /* as in rows16_w4_block */
-    for (int64_t g = 0, left = G / I16_BLOCK; g < K / I16_BLOCK; ++g) {
-        const uint8_t *dg = d + g * 4 * 64;
-        __m256i a[ROWS16_MULTI][2];
-        for (int r = 0; r < n; ++r) a[r][0] = a[r][1] = _mm256_set1_epi32(in->off[r][g]);
-#pragma GCC unroll 1 /* as in rows16_w4_block_avx2 */
-        for (int c = 0; c < 4; ++c) {
-            _mm_prefetch((const char *)(dg + 64 * c + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
-            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(dg + 64 * c));
-            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(dg + 64 * c + 32));
-            for (int j = 0; j < 4; ++j) {
-                const __m256i w0 = j == 3 ? _mm256_srli_epi16(v0, 12) : _mm256_and_si256(_mm256_srli_epi16(v0, 4 * j), low);
-                const __m256i w1 = j == 3 ? _mm256_srli_epi16(v1, 12) : _mm256_and_si256(_mm256_srli_epi16(v1, 4 * j), low);
-                for (int r = 0; r < n; ++r) {
-                    const int32_t pair = in->xq[r][16 * g + 4 * c + j];
-                    a[r][0] = rows16_w4_nibble(a[r][0], w0, pair), a[r][1] = rows16_w4_nibble(a[r][1], w1, pair);
-                }
-            }
-        }
-        const __m256 sw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg));
-        const __m256 sw1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + 8)));
-        for (int r = 0; r < n; ++r) {
-            const __m256 sxg = _mm256_set1_ps(in->sx[r][g]);
-            t[r][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a[r][0]), sxg), sw0, t[r][0]);
-            t[r][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a[r][1]), sxg), sw1, t[r][1]);
-        }
-        if (--left == 0) sg += ROWS16, left = G / I16_BLOCK;
-    }
-    for (int r = 0; r < n; ++r) _mm256_storeu_ps(in->out[r], t[r][0]), _mm256_storeu_ps(in->out[r] + 8, t[r][1]);
-}
-
 /* Whether a chunk of n slots of one expert reads role w's panels: a lone slot wherever the role
  * has them; 2 .. ROWS16_MULTI on the AVX2 loops (the VNNI ones take one row: their row loops are
  * integer too). */
@@ -1123,22 +1079,12 @@ static int rows16_chunk(const qweight_t *w, int64_t n) {
 
 /* Rows 16 b .. 16 b + 15 of expert e's role w against the n rows of `in` (rows16_chunk). */
 static void rows16_expert_rows(const qweight_t *w, int64_t e, int64_t b, const rows16_set_t *in, int n) {
-    if (n == 1) {
+    if (w->r16vnni) { /* one row (rows16_chunk) */
         rows16_expert_block(w, e, b, in->xq[0], in->sx[0], in->off[0], in->out[0]);
         return;
     }
     const int64_t K = w->k, G = w->group, row = e * w->n + b * ROWS16;
-    const uint8_t *d = w->r16data + row * (K / 2);
-    const uint16_t *sc = (const uint16_t *)w->r16scale + row * (K / G);
-#define ROWS16_N(N)                                                                                                  \
-    case N:                                                                                                          \
-        if (w->rows16 == 1)                                                                                          \
-            rows16_w4_rows_avx2(d, sc, K, G, in, N); /* called, not through a pointer: inlined for each N */      \
-        else                                                                                                         \
-            rows16_a8_rows_avx2(d, sc, K, G, in, N);                                                                \
-        break;
-    switch (n) { ROWS16_N(2) ROWS16_N(3) ROWS16_N(4) }
-#undef ROWS16_N
+    rows16_rows_avx2((int)w->rows16, w->r16data + row * (K / 2), (const uint16_t *)w->r16scale + row * (K / G), K, G, in, n);
 }
 
 /* out[w * nr + r] of two rows of a group-wise a8w8 role and n activation rows, AVX2: a block of 32
@@ -1240,9 +1186,6 @@ static void a8g_rows(const qweight_t *wt, const uint8_t *const *rows, const uint
 #include "qdecode.c"
 #pragma GCC pop_options
 #undef QDECODE_ISA
-
-/* Whether this CPU has AVX-512 VNNI (the rows16 loops' and the a8 loops' VNNI forms run only where it does). */
-int64_t moe_qdecode_vnni(void) { return a8g_vnni(); }
 
 /* The widest ISA this CPU runs the loops in: ISA_AVX512, ISA_AVX2, or 0 (no F16C / FMA). */
 int64_t moe_qdecode_best_isa(void) {

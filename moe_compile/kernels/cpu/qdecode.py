@@ -75,7 +75,6 @@ _NO_KERNEL = ("a8w8-fp8",)
 _KERNEL = cpu_cc.Kernel("qdecode", ENV,
                         {"moe_qdecode_run": ([ctypes.c_void_p, ctypes.c_float, ctypes.c_int64], ctypes.c_int),
                          "moe_qdecode_best_isa": ([], ctypes.c_int64),
-                         "moe_qdecode_vnni": ([], ctypes.c_int64),
                          "moe_qdecode_a8g_matmul": ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                                      ctypes.c_int64, ctypes.c_void_p], ctypes.c_int)},

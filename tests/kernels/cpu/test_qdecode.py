@@ -398,6 +398,8 @@ def test_grouped_a8w4_groups_the_loops_do_not_tile_are_refused():
 # ---- a slot alone in its expert reads the role's 16-row panels (rows16: AVX-512 VNNI or AVX2) ----
 
 ROWS16 = qdecode.rows16_runs(quant.pack("w4-int", torch.randn(1, 16, 128)))
+# the VNNI rows16 loops run (lone slots only); else the AVX2 ones (chunks of up to 4 slots too)
+ROWS16_VNNI = VNNI and qdecode.best_isa() == qdecode.ISA_AVX512
 needs_rows16 = pytest.mark.skipif(not ROWS16, reason="the rows16 loops need AVX2 (and MOE_COMPILE_QDECODE_I16 not 0)")
 ROWS16_ATTRS = [FFNAttrs(), FFNAttrs(weight_on="between", limit=1.5)]
 
@@ -434,7 +436,7 @@ def test_rows16_steps_match_the_reference_and_the_row_loops(fmt, group, T, attrs
         torch.testing.assert_close(got, want, rtol=1e-5, atol=tolerance(fmt, qdecode.best_isa()) * want.abs().max())
         # (with the AVX2 loops, chunks of 2-4 slots take int16 blocks too, where the row loops
         # keep fp32 activations: the blocks' error, not just the order of sums)
-        multi = T > 1 and not (VNNI and qdecode.best_isa() == qdecode.ISA_AVX512)
+        multi = T > 1 and not ROWS16_VNNI
         rows_tol = tolerance(fmt, qdecode.best_isa()) if multi else 1e-5
         torch.testing.assert_close(got, rows, rtol=1e-5, atol=rows_tol * want.abs().max())
     else:
@@ -460,7 +462,7 @@ def test_rows16_reads_the_panels_for_lone_slots_only(fmt, role):
     lone = qdecode.run(x[:1], ids[:1], g[:1], w1, w2, FFNAttrs(), cache)
     assert torch.equal(lone, torch.zeros_like(lone))
     shared = qdecode.run(x, ids, g, w1, w2, FFNAttrs(), cache)
-    if not (VNNI and qdecode.best_isa() == qdecode.ISA_AVX512):  # the AVX2 loops run
+    if not ROWS16_VNNI:  # the AVX2 loops run
         assert torch.equal(shared, torch.zeros_like(shared))
         return
     want = reference_moe(x, ids, g, w1, w2, FFNAttrs())
@@ -469,7 +471,7 @@ def test_rows16_reads_the_panels_for_lone_slots_only(fmt, role):
 
 
 @needs_rows16
-@pytest.mark.skipif(VNNI and qdecode.best_isa() == qdecode.ISA_AVX512, reason="the VNNI loops take lone slots only")
+@pytest.mark.skipif(ROWS16_VNNI, reason="the VNNI loops take lone slots only")
 @pytest.mark.parametrize("fmt", ["w4-int", "a8w4-int"])
 @pytest.mark.parametrize("T", [2, 3, 4])
 def test_rows16_chunks_equal_their_slots_alone(fmt, T):
