@@ -756,7 +756,7 @@ A8G_VNNI static void w4_dot16_vnni(const qweight_t *wt, const uint8_t *const *ro
  * from memory they run at the memory's speed there (a w8-int rows16 loop was level, 2-core Zen 4). */
 enum { ROWS16 = 16 };
 
-/* x (K floats, K a multiple of 32) for rows16_dot_vnni: quantize_i16's blocks, as int32 pairs
+/* x (K floats, K a multiple of 32) for rows16_w4_rows_vnni: quantize_i16's blocks, as int32 pairs
  * xp[4 c + j] = (q[8 c + j], q[8 c + 4 + j]) (the two elements a 16-bit word's nibble j holds in an
  * int32 lane of 8 elements), each block's scale sx and offset off = -8 sum(q) (the codes are
  * u = q_w + 8, so the offset starts the block's sum). */
@@ -772,44 +772,7 @@ static void rows16_prepare(const float *x, int64_t K, int16_t *q, int32_t *xp, f
             xp[4 * c + j] = (int32_t)(uint16_t)q[8 * c + j] | (int32_t)((uint32_t)(uint16_t)q[8 * c + 4 + j] << 16);
 }
 
-/* The 16 rows' dot products of one rows16 block (d: its K / 8 vectors, s: its scales [K/G][16])
- * with a prepared row (rows16_prepare). */
-A8G_VNNI static inline __m512 rows16_w4_block(const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
-                                              const int32_t *xp, const float *sx, const int32_t *off) {
-    const __m512i low = _mm512_set1_epi16(15);
-    __m512 t = _mm512_setzero_ps();
-    const uint16_t *sg = s; /* the block's 16 group scales, stepped every G / 32 blocks: no division a block */
-    for (int64_t g = 0, left = G / I16_BLOCK; g < K / I16_BLOCK; ++g) {
-        const uint8_t *dg = d + g * 4 * 64; /* a block's 32 elements: 4 vectors */
-        const int32_t *xg = xp + 16 * g;
-        __m512i acc[4];
-        for (int c = 0; c < 4; ++c) {
-            _mm_prefetch((const char *)(dg + 64 * c + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
-            const __m512i v = _mm512_loadu_si512(dg + 64 * c);
-            __m512i a = c ? _mm512_setzero_si512() : _mm512_set1_epi32(off[g]);
-            a = _mm512_dpwssd_epi32(a, _mm512_and_si512(v, low), _mm512_set1_epi32(xg[4 * c]));
-            a = _mm512_dpwssd_epi32(a, _mm512_and_si512(_mm512_srli_epi16(v, 4), low), _mm512_set1_epi32(xg[4 * c + 1]));
-            a = _mm512_dpwssd_epi32(a, _mm512_and_si512(_mm512_srli_epi16(v, 8), low), _mm512_set1_epi32(xg[4 * c + 2]));
-            acc[c] = _mm512_dpwssd_epi32(a, _mm512_srli_epi16(v, 12), _mm512_set1_epi32(xg[4 * c + 3]));
-        }
-        const __m512i a = _mm512_add_epi32(_mm512_add_epi32(acc[0], acc[1]), _mm512_add_epi32(acc[2], acc[3]));
-        const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sg));
-        t = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(sx[g])), sw, t);
-        if (--left == 0) sg += ROWS16, left = G / I16_BLOCK;
-    }
-    return t;
-}
-
-/* y[16 b .. 16 b + 15] for row blocks [b0, b1). */
-A8G_VNNI static void rows16_dot_vnni(const uint8_t *data, const uint16_t *scale, int64_t K, int64_t G,
-                                     const int32_t *xp, const float *sx, const int32_t *off, int64_t b0, int64_t b1,
-                                     float *y) {
-    for (int64_t b = b0; b < b1; ++b)
-        _mm512_storeu_ps(y + ROWS16 * b, rows16_w4_block(data + b * ROWS16 * (K / 2), scale + b * (K / G) * ROWS16,
-                                                         K, G, xp, sx, off));
-}
-
-/* x (K floats) for rows16_a8_dot_vnni: the format's int8 blocks (quantize_int8_blocks, in order) as
+/* x (K floats) for rows16_a8_rows_vnni: the format's int8 blocks (quantize_int8_blocks, in order) as
  * int32 quads, xq[2 c] = q[8 c + 0, 2, 4, 6] and xq[2 c + 1] = q[8 c + 1, 3, 5, 7] (the elements
  * the low and the high nibbles of an int32 lane's 4 bytes hold), each block's scale sx[4 b] and
  * offset off[4 b] (quantize_int8_blocks' lane 0 of the block). */
@@ -824,41 +787,6 @@ static void rows16_a8_prepare(const float *x, int64_t K, int8_t *q, int32_t *xq,
         }
 }
 
-/* As rows16_w4_block for group-wise a8w4-int (x: rows16_a8_prepare): per vector, the low and the
- * high nibbles (bytes u = q_w + 8) against broadcast int8 quads of x, one vpdpbusd each. */
-A8G_VNNI static inline __m512 rows16_a8_block(const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
-                                              const int32_t *xq, const float *sx, const int32_t *off) {
-    const __m512i low = _mm512_set1_epi8(15);
-    __m512 t = _mm512_setzero_ps();
-    const uint16_t *sg = s; /* as in rows16_w4_block */
-    for (int64_t g = 0, left = G / A8G_BLOCK; g < K / A8G_BLOCK; ++g) {
-        const uint8_t *dg = d + g * 4 * 64;
-        const int32_t *xg = xq + 8 * g;
-        __m512i acc[4];
-        for (int c = 0; c < 4; ++c) {
-            _mm_prefetch((const char *)(dg + 64 * c + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
-            const __m512i v = _mm512_loadu_si512(dg + 64 * c);
-            __m512i a = c ? _mm512_setzero_si512() : _mm512_set1_epi32(off[4 * g]);
-            a = _mm512_dpbusd_epi32(a, _mm512_and_si512(v, low), _mm512_set1_epi32(xg[2 * c]));
-            acc[c] = _mm512_dpbusd_epi32(a, _mm512_and_si512(_mm512_srli_epi16(v, 4), low), _mm512_set1_epi32(xg[2 * c + 1]));
-        }
-        const __m512i a = _mm512_add_epi32(_mm512_add_epi32(acc[0], acc[1]), _mm512_add_epi32(acc[2], acc[3]));
-        const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sg));
-        t = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(sx[4 * g])), sw, t);
-        if (--left == 0) sg += ROWS16, left = G / A8G_BLOCK;
-    }
-    return t;
-}
-
-/* As rows16_dot_vnni for group-wise a8w4-int. */
-A8G_VNNI static void rows16_a8_dot_vnni(const uint8_t *data, const uint16_t *scale, int64_t K, int64_t G,
-                                        const int32_t *xq, const float *sx, const int32_t *off, int64_t b0,
-                                        int64_t b1, float *y) {
-    for (int64_t b = b0; b < b1; ++b)
-        _mm512_storeu_ps(y + ROWS16 * b, rows16_a8_block(data + b * ROWS16 * (K / 2), scale + b * (K / G) * ROWS16,
-                                                         K, G, xq, sx, off));
-}
-
 /* The rows16 loops on AVX2 (no VNNI): the same panels, the 16 rows as two halves of 8 (each
  * 64-byte vector's first and last 32 bytes), the same exact int32 block sums, converted, scaled
  * and summed in the same order, so the results are the VNNI loops' bit for bit.  Why: on AVX2 the
@@ -869,13 +797,16 @@ A8G_VNNI static void rows16_a8_dot_vnni(const uint8_t *data, const uint16_t *sca
  * exact), then one vpmaddwd by ones into the row's int32 lane.  w4-int: vpmaddwd of each nibble's
  * words against the broadcast int16 pairs, as vpdpwssd without the fused add.
  * The loops take 1 .. ROWS16_MULTI rows at once (a lone slot, a dense row, or several slots of one
- * expert: the AVX2 chunk RMAX_2), each panel vector unpacked once for all of them; each row's sums
+ * expert: the AVX2 chunk RMAX_2, the first 4 of an AVX-512 one), each panel vector unpacked once for all of them; each row's sums
  * and fp32 order are the same whatever n.  Why several: the row loops that took such chunks
  * dequantize every 4-bit weight to fp32 (w4-int) or sum one row pair at a time (a8w4-int), and on
  * AVX2 that cost more than n rows' integer products.  One-process A/B, 2 threads, 64 MiB read
  * before each call, 2-core Zen 3, a MoE layer at T = 2 / 4 (random routing), of the time before:
  * w4-int 0.62-0.89 / 0.52-0.74, a8w4-int 0.91-0.97 / 0.71-0.89 (Mixtral-like, fine-grained, Qwen3
- * shapes). */
+ * shapes).  The VNNI loops below take the same chunks: there a8w4-int's row loops were integer
+ * too, yet the panels' one convert / multiply / FMA per 16 rows won at T = 4 as well (same A/B, 2-core
+ * Zen 4, Mixtral-like / fine-grained / Qwen3: w4-int 0.77-0.85 of the time, a8w4-int 0.93-0.95;
+ * T = 2 0.86-0.99 / 0.97-1.04). */
 enum { ROWS16_MULTI = 4 };
 
 /* The inputs of n rows (each as rows16_input prepares it) and their 16-float outputs. */
@@ -896,7 +827,7 @@ ALWAYS_INLINE void rows16_a8_rows_avx2(const uint8_t *d, const uint16_t *s, int6
     const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     __m256 t[ROWS16_MULTI][2];
     for (int r = 0; r < n; ++r) t[r][0] = t[r][1] = _mm256_setzero_ps();
-    const uint16_t *sg = s; /* as in rows16_w4_block */
+    const uint16_t *sg = s; /* as in rows16_w4_rows_vnni */
     for (int64_t g = 0, left = G / A8G_BLOCK; g < K / A8G_BLOCK; ++g) {
         const uint8_t *dg = d + g * 4 * 64;
         __m256i p[ROWS16_MULTI][2];
@@ -934,7 +865,7 @@ ALWAYS_INLINE void rows16_w4_rows_avx2(const uint8_t *d, const uint16_t *s, int6
     const __m256i low = _mm256_set1_epi16(15);
     __m256 t[ROWS16_MULTI][2];
     for (int r = 0; r < n; ++r) t[r][0] = t[r][1] = _mm256_setzero_ps();
-    const uint16_t *sg = s; /* as in rows16_w4_block */
+    const uint16_t *sg = s; /* as in rows16_w4_rows_vnni */
     for (int64_t g = 0, left = G / I16_BLOCK; g < K / I16_BLOCK; ++g) {
         const uint8_t *dg = d + g * 4 * 64;
         __m256i a[ROWS16_MULTI][2];
@@ -982,19 +913,104 @@ static void rows16_rows_avx2(int loop, const uint8_t *d, const uint16_t *s, int6
 #undef ROWS16_N
 }
 
-/* y[16 b .. 16 b + 15] for row blocks [b0, b1) of a rows16 weight (data, scale: its panels),
- * loop 1 (w4-int, x prepared by rows16_prepare) or 2 (a8w4-int, rows16_a8_prepare), on the VNNI
- * loops or the AVX2 ones. */
+/* The rows16 loops on AVX-512 VNNI: a 64-byte vector is one element group of the block's 16 rows,
+ * lane r row r.  w4-int: each of a vector's 4 nibbles of every word (as int16, 0..15) against the
+ * row's broadcast int16 pair, vpdpwssd; a8w4-int: the low and the high nibbles of every byte against
+ * broadcast int8 quads of x, vpdpbusd.  Four chains a row (one per vector of the block) keep the
+ * dot-product latency hidden at one row.  As on AVX2 the loops take 1 .. ROWS16_MULTI rows, each
+ * vector unpacked once for all of them, each row's sums and fp32 order whatever n. */
+A8G_VNNI ALWAYS_INLINE void rows16_w4_rows_vnni(const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
+                                                const rows16_set_t *in, const int n) {
+    const __m512i low = _mm512_set1_epi16(15);
+    __m512 t[ROWS16_MULTI];
+    for (int r = 0; r < n; ++r) t[r] = _mm512_setzero_ps();
+    const uint16_t *sg = s; /* the block's 16 group scales, stepped every G / 32 blocks: no division a block */
+    for (int64_t g = 0, left = G / I16_BLOCK; g < K / I16_BLOCK; ++g) {
+        const uint8_t *dg = d + g * 4 * 64; /* a block's 32 elements: 4 vectors */
+        __m512i acc[ROWS16_MULTI][4];
+        for (int c = 0; c < 4; ++c) {
+            _mm_prefetch((const char *)(dg + 64 * c + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
+            const __m512i v = _mm512_loadu_si512(dg + 64 * c);
+            const __m512i w0 = _mm512_and_si512(v, low), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            const __m512i w2 = _mm512_and_si512(_mm512_srli_epi16(v, 8), low), w3 = _mm512_srli_epi16(v, 12);
+            for (int r = 0; r < n; ++r) {
+                const int32_t *xg = in->xq[r] + 16 * g + 4 * c;
+                __m512i a = c ? _mm512_setzero_si512() : _mm512_set1_epi32(in->off[r][g]);
+                a = _mm512_dpwssd_epi32(a, w0, _mm512_set1_epi32(xg[0]));
+                a = _mm512_dpwssd_epi32(a, w1, _mm512_set1_epi32(xg[1]));
+                a = _mm512_dpwssd_epi32(a, w2, _mm512_set1_epi32(xg[2]));
+                acc[r][c] = _mm512_dpwssd_epi32(a, w3, _mm512_set1_epi32(xg[3]));
+            }
+        }
+        const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sg));
+        for (int r = 0; r < n; ++r) {
+            const __m512i a = _mm512_add_epi32(_mm512_add_epi32(acc[r][0], acc[r][1]), _mm512_add_epi32(acc[r][2], acc[r][3]));
+            t[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(in->sx[r][g])), sw, t[r]);
+        }
+        if (--left == 0) sg += ROWS16, left = G / I16_BLOCK;
+    }
+    for (int r = 0; r < n; ++r) _mm512_storeu_ps(in->out[r], t[r]);
+}
+
+A8G_VNNI ALWAYS_INLINE void rows16_a8_rows_vnni(const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
+                                                const rows16_set_t *in, const int n) {
+    const __m512i low = _mm512_set1_epi8(15);
+    __m512 t[ROWS16_MULTI];
+    for (int r = 0; r < n; ++r) t[r] = _mm512_setzero_ps();
+    const uint16_t *sg = s; /* as in rows16_w4_rows_vnni */
+    for (int64_t g = 0, left = G / A8G_BLOCK; g < K / A8G_BLOCK; ++g) {
+        const uint8_t *dg = d + g * 4 * 64;
+        __m512i acc[ROWS16_MULTI][4];
+        for (int c = 0; c < 4; ++c) {
+            _mm_prefetch((const char *)(dg + 64 * c + PREFETCH_4BIT_BYTES), PREFETCH_HINT);
+            const __m512i v = _mm512_loadu_si512(dg + 64 * c);
+            const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            for (int r = 0; r < n; ++r) {
+                const int32_t *xg = in->xq[r] + 8 * g + 2 * c;
+                __m512i a = c ? _mm512_setzero_si512() : _mm512_set1_epi32(in->off[r][4 * g]);
+                a = _mm512_dpbusd_epi32(a, lo, _mm512_set1_epi32(xg[0]));
+                acc[r][c] = _mm512_dpbusd_epi32(a, hi, _mm512_set1_epi32(xg[1]));
+            }
+        }
+        const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sg));
+        for (int r = 0; r < n; ++r) {
+            const __m512i a = _mm512_add_epi32(_mm512_add_epi32(acc[r][0], acc[r][1]), _mm512_add_epi32(acc[r][2], acc[r][3]));
+            t[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(in->sx[r][4 * g])), sw, t[r]);
+        }
+        if (--left == 0) sg += ROWS16, left = G / A8G_BLOCK;
+    }
+    for (int r = 0; r < n; ++r) _mm512_storeu_ps(in->out[r], t[r]);
+}
+
+/* As rows16_rows_avx2, on the VNNI loops. */
+A8G_VNNI static void rows16_rows_vnni(int loop, const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
+                                      const rows16_set_t *in, int n) {
+#define ROWS16_N(N)                                                                                                  \
+    case N:                                                                                                          \
+        if (loop == 1)                                                                                               \
+            rows16_w4_rows_vnni(d, s, K, G, in, N);                                                                 \
+        else                                                                                                         \
+            rows16_a8_rows_vnni(d, s, K, G, in, N);                                                                 \
+        break;
+    switch (n) { ROWS16_N(1) ROWS16_N(2) ROWS16_N(3) ROWS16_N(4) }
+#undef ROWS16_N
+}
+
+/* Rows 16 b .. 16 b + 15 of one panel block (d, s) against the n rows of `in`, on the VNNI loops or
+ * the AVX2 ones (loop 1: w4-int, rows prepared by rows16_prepare; 2: a8w4-int, rows16_a8_prepare). */
+static void rows16_rows(int loop, int vnni, const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
+                        const rows16_set_t *in, int n) {
+    (vnni ? rows16_rows_vnni : rows16_rows_avx2)(loop, d, s, K, G, in, n);
+}
+
+/* y[16 b .. 16 b + 15] for row blocks [b0, b1) of a rows16 weight (data, scale: its panels) and one
+ * prepared row. */
 static void rows16_dot(int loop, int vnni, const uint8_t *data, const uint16_t *scale, int64_t K, int64_t G,
                        const int32_t *xq, const float *sx, const int32_t *off, int64_t b0, int64_t b1, float *y) {
-    if (vnni) {
-        (loop == 1 ? rows16_dot_vnni : rows16_a8_dot_vnni)(data, scale, K, G, xq, sx, off, b0, b1, y);
-        return;
-    }
     rows16_set_t one = {.xq = {xq}, .sx = {sx}, .off = {off}};
     for (int64_t b = b0; b < b1; ++b) {
         one.out[0] = y + ROWS16 * b;
-        rows16_rows_avx2(loop, data + b * ROWS16 * (K / 2), scale + b * (K / G) * ROWS16, K, G, &one, 1);
+        rows16_rows(loop, vnni, data + b * ROWS16 * (K / 2), scale + b * (K / G) * ROWS16, K, G, &one, 1);
     }
 }
 
@@ -1060,31 +1076,15 @@ static void rows16_attach(qweight_t *w, int64_t data, int64_t scale, int64_t isa
     w->r16data = (const uint8_t *)(intptr_t)data, w->r16scale = (const uint8_t *)(intptr_t)scale;
 }
 
-/* out [16]: rows 16 b .. 16 b + 15 of expert e's role w (rows16_attach) against one row prepared
- * by rows16_input. */
-static void rows16_expert_block(const qweight_t *w, int64_t e, int64_t b, const int32_t *xq, const float *sx,
-                                const int32_t *off, float *out) {
-    const int64_t K = w->k, G = w->group, row = e * w->n + b * ROWS16;
-    const uint8_t *d = w->r16data + row * (K / 2);
-    const uint16_t *sc = (const uint16_t *)w->r16scale + row * (K / G);
-    rows16_dot((int)w->rows16, (int)w->r16vnni, d, sc, K, G, xq, sx, off, 0, 1, out);
-}
-
-/* Whether a chunk of n slots of one expert reads role w's panels: a lone slot wherever the role
- * has them; 2 .. ROWS16_MULTI on the AVX2 loops (the VNNI ones take one row: their row loops are
- * integer too). */
-static int rows16_chunk(const qweight_t *w, int64_t n) {
-    return w->rows16 && (n == 1 || (!w->r16vnni && n <= ROWS16_MULTI));
-}
+/* Whether a chunk of n slots of one expert reads role w's panels: 1 .. ROWS16_MULTI slots, where
+ * the role has them. */
+static int rows16_chunk(const qweight_t *w, int64_t n) { return w->rows16 && n <= ROWS16_MULTI; }
 
 /* Rows 16 b .. 16 b + 15 of expert e's role w against the n rows of `in` (rows16_chunk). */
 static void rows16_expert_rows(const qweight_t *w, int64_t e, int64_t b, const rows16_set_t *in, int n) {
-    if (w->r16vnni) { /* one row (rows16_chunk) */
-        rows16_expert_block(w, e, b, in->xq[0], in->sx[0], in->off[0], in->out[0]);
-        return;
-    }
     const int64_t K = w->k, G = w->group, row = e * w->n + b * ROWS16;
-    rows16_rows_avx2((int)w->rows16, w->r16data + row * (K / 2), (const uint16_t *)w->r16scale + row * (K / G), K, G, in, n);
+    rows16_rows((int)w->rows16, (int)w->r16vnni, w->r16data + row * (K / 2), (const uint16_t *)w->r16scale + row * (K / G),
+                K, G, in, n);
 }
 
 /* out[w * nr + r] of two rows of a group-wise a8w8 role and n activation rows, AVX2: a block of 32
@@ -1350,7 +1350,7 @@ static void fc1_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t
             int64_t m = f1 - c < 128 ? f1 - c : 128;
             swiglu_span(blk, hr + c, hr + s->F + c, 0, m, limit, g);
             layout_copy(s->a + r * s->F + c, blk, m, s->v, s->w2.layout);
-            if (s->w2.rows16 == 1 && (single || !s->w2.r16vnni)) { /* rows16_chunk's rows; w4-int's blocks are whole inside a chunk of 128 */
+            if (s->w2.rows16 == 1) { /* every row: chunks of up to ROWS16_MULTI read them; w4-int's blocks are whole inside a chunk of 128 */
                 int16_t tmp[128];
                 rows16_input(1, blk, m, tmp, s->a16 + r * (s->F / 2) + c / 2, s->a16s + r * (s->F / 4) + c / I16_BLOCK,
                              s->a16o + r * (s->F / 4) + c / I16_BLOCK);

@@ -398,8 +398,6 @@ def test_grouped_a8w4_groups_the_loops_do_not_tile_are_refused():
 # ---- a slot alone in its expert reads the role's 16-row panels (rows16: AVX-512 VNNI or AVX2) ----
 
 ROWS16 = qdecode.rows16_runs(quant.pack("w4-int", torch.randn(1, 16, 128)))
-# the VNNI rows16 loops run (lone slots only); else the AVX2 ones (chunks of up to 4 slots too)
-ROWS16_VNNI = VNNI and qdecode.best_isa() == qdecode.ISA_AVX512
 needs_rows16 = pytest.mark.skipif(not ROWS16, reason="the rows16 loops need AVX2 (and MOE_COMPILE_QDECODE_I16 not 0)")
 ROWS16_ATTRS = [FFNAttrs(), FFNAttrs(weight_on="between", limit=1.5)]
 
@@ -434,10 +432,9 @@ def test_rows16_steps_match_the_reference_and_the_row_loops(fmt, group, T, attrs
         # the int16 activation blocks (tolerance()), and the same blocks as the row loops': the
         # two differ by the order of fp32 sums alone
         torch.testing.assert_close(got, want, rtol=1e-5, atol=tolerance(fmt, qdecode.best_isa()) * want.abs().max())
-        # (with the AVX2 loops, chunks of 2-4 slots take int16 blocks too, where the row loops
-        # keep fp32 activations: the blocks' error, not just the order of sums)
-        multi = T > 1 and not ROWS16_VNNI
-        rows_tol = tolerance(fmt, qdecode.best_isa()) if multi else 1e-5
+        # (chunks of 2-4 slots take int16 blocks too, where the row loops keep fp32 activations:
+        # the blocks' error, not just the order of sums)
+        rows_tol = tolerance(fmt, qdecode.best_isa()) if T > 1 else 1e-5
         torch.testing.assert_close(got, rows, rtol=1e-5, atol=rows_tol * want.abs().max())
     else:
         _assert_close_a8(got, want, tolerance(fmt, qdecode.best_isa()))
@@ -447,35 +444,35 @@ def test_rows16_steps_match_the_reference_and_the_row_loops(fmt, group, T, attrs
 @needs_rows16
 @pytest.mark.parametrize("fmt", ["w4-int", "a8w4-int"])
 @pytest.mark.parametrize("role", ["fc1", "fc2"])
-def test_rows16_reads_the_panels_for_lone_slots_only(fmt, role):
+def test_rows16_reads_the_panels_for_chunks_of_up_to_four(fmt, role):
     """With one role's panels zeroed (every code u = 8, i.e. 0, in the panels alone), a T = 1 step,
-    all of whose slots are alone, gives exactly 0; a step whose two tokens share their experts
-    (chunks of two) gives 0 too on the AVX2 loops (they take chunks of up to 4) and the reference
-    with VNNI (the row loops on the canonical pack)."""
+    all of whose slots are alone, gives exactly 0, and so does a step whose two tokens share their
+    experts (chunks of two); a step of five tokens on the same experts (chunks of five) runs the
+    row loops on the canonical pack and gives the reference."""
     from moe_compile.kernels.cpu import qgemm
 
-    x, _, g, w1, w2 = _case(fmt, 2, H=256, F=128, E=8, K=3, seed=11)
-    ids = torch.tensor([[1, 4, 6], [6, 1, 4]])
+    x, _, g, w1, w2 = _case(fmt, 5, H=256, F=128, E=8, K=3, seed=11)
+    ids = torch.tensor([[1, 4, 6], [6, 1, 4]] + [[4, 6, 1]] * 3)
     cache = {}
     qdecode.run(x[:1], ids[:1], g[:1], w1, w2, FFNAttrs(), cache)
     qgemm.packed(w1 if role == "fc1" else w2, cache).data.fill_(0x88)
-    lone = qdecode.run(x[:1], ids[:1], g[:1], w1, w2, FFNAttrs(), cache)
-    assert torch.equal(lone, torch.zeros_like(lone))
-    shared = qdecode.run(x, ids, g, w1, w2, FFNAttrs(), cache)
-    if not ROWS16_VNNI:  # the AVX2 loops run
-        assert torch.equal(shared, torch.zeros_like(shared))
-        return
+    for T in (1, 2):
+        step = qdecode.run(x[:T], ids[:T], g[:T], w1, w2, FFNAttrs(), cache)
+        assert torch.equal(step, torch.zeros_like(step)), f"T = {T}"
+    five = qdecode.run(x, ids, g, w1, w2, FFNAttrs(), cache)
     want = reference_moe(x, ids, g, w1, w2, FFNAttrs())
-    assert shared.abs().max() > 0.1 * want.abs().max()
-    _assert_close_a8(shared, want, tolerance(fmt, qdecode.best_isa()))
+    if qdecode.best_isa() != qdecode.ISA_AVX512:  # the AVX2 chunk is 4 slots: 4 + 1, both on the panels
+        assert torch.equal(five, torch.zeros_like(five))
+        return
+    assert five.abs().max() > 0.1 * want.abs().max()
+    _assert_close_a8(five, want, tolerance(fmt, qdecode.best_isa()))
 
 
 @needs_rows16
-@pytest.mark.skipif(ROWS16_VNNI, reason="the VNNI loops take lone slots only")
 @pytest.mark.parametrize("fmt", ["w4-int", "a8w4-int"])
 @pytest.mark.parametrize("T", [2, 3, 4])
 def test_rows16_chunks_equal_their_slots_alone(fmt, T):
-    """On the AVX2 loops T tokens routed to the same experts (chunks of T slots, one panel pass for
+    """T tokens routed to the same experts (chunks of T slots, one panel pass for
     all of them) give each token exactly what it gets alone (a T = 1 step, every slot lone): the
     same integer sums and fp32 order per row, bit for bit; a row mixed up with another, or a
     wrong offset or scale for the chunk's later rows, would differ by far more than one ulp."""
