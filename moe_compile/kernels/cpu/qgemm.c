@@ -9,13 +9,13 @@
  *             a8w8-int  int8 weights, fp32 scale per output channel
  *             a8w4-int  4-bit weights u = q + 8, fp32 scale per output channel
  *           y = acc * s_x * s_w; FC2's input (the SwiGLU output, fp32) re-quantized per row.
- *           Group-wise a8w4-int / a8w8-int (activations int8 per token and block of 32, fp16 group
- *           scales: quant/a8w4_int.py, quant/a8w8_int.py) runs as w4-int's / w8-int's float panels
- *           (its bytes are theirs) on
- *           activations quantized per block and dequantized (x by the host, FC2's input here:
- *           fake_quantize_blocks), so y equals its reference up to fp32 rounding: sum_k (q_x s_x)
- *           (q_w s_w) instead of sum_b (acc_b s_x) s_w.  (Integer tiles with per-block scaling: not
- *           built yet.)
+ *           Group-wise a8w4-int (activations int8 per token and block of 32, fp16 group scales:
+ *           quant/a8w4_int.py) runs its own integer semantics on w4-int's panels (its bytes are
+ *           theirs): the block tiles of blocktiles.h, exact int32 sums a block, y = sum_b (acc_b
+ *           s_x) s_w (ACT_INT).  Group-wise a8w8-int (and a8w4-int on request) runs as w8-int's /
+ *           w4-int's float panels on activations quantized per block and dequantized (x by the
+ *           host, FC2's input here: fake_quantize_blocks), so y equals its reference up to fp32
+ *           rounding: sum_k (q_x s_x) (q_w s_w) instead (ACT_FLOAT).
  *           Float GEMM on fp32 activations, one weight panel dequantized at a time into a
  *           [K][16] fp32 buffer of the thread (never a dequantized copy of a whole weight):
  *             w4-int (nibble - 8) * fp16 group scale, mxfp4 e2m1 * 2^(e8m0 - 127),
@@ -67,6 +67,7 @@
 #define V_MAX 16
 
 #include "tiles.h" /* after PANEL: the tiles step PANEL floats per k */
+#include "blocktiles.h"
 
 enum { ISA_AVX2 = 2, ISA_AVX512 = 512 };
 enum { FMT_A8W8 = 1, FMT_A8W4 = 2, FMT_W8 = 3, FMT_W4 = 4, FMT_MXFP4 = 5, FMT_BF16 = 6, FMT_F16 = 7, FMT_MXFP8 = 8 };
@@ -522,10 +523,17 @@ typedef struct {
     int8_t *qa;            /* FC2's input quantized [chunk, F], its scales and row sums */
     float *sa;
     int32_t *suma;
-    int act_blocks;        /* grouped a8w4-int / a8w8-int: FC2's input quantized per block of 32 (fake_quantize_blocks) */
+    int act_blocks;        /* grouped a8w4-int / a8w8-int: ACT_FLOAT, FC2's input quantized per block of 32 and
+                            * dequantized (fake_quantize_blocks) for the float panels; ACT_INT (a8w4-int), the
+                            * integer block tiles (blocktiles.h) on x and FC2's input quantized per block */
     int bf16;              /* float formats on AVX-512 BF16: the bf16 tiles, on xb / ab */
     uint16_t *xb, *ab;     /* bf16 tiles: x [T, H] and FC2's input [chunk + MR_MAX, F] as bf16 */
+    int vnni;              /* ACT_INT: the AVX-512 VNNI block tile (else the AVX2 one) */
+    int32_t *xq, *xo, *aq, *ao; /* ACT_INT: x [T] and FC2's input [chunk + MR_MAX] rows as BlockRow's */
+    float *xs, *as;             /* quads (K/4 each), offsets and scales (K/32 each) */
 } Call;
+
+enum { ACT_NONE = 0, ACT_FLOAT = 1, ACT_INT = 2 };
 
 /* One expert's packed weights: codes, scales (fp32 per channel for integer formats, the format's
  * own group scales in panel order else) and int32 column sums (a8w8) of FC1 and FC2. */
@@ -762,6 +770,83 @@ static void ffc2(const Call *cl, Shape s, int64_t lo, int64_t n, const Expert *e
     }
 }
 
+/* ---- group-wise a8w4-int on the integer block tiles (ACT_INT, blocktiles.h) ---- */
+
+/* Row r of a [n, K] quantized set (x: K = H, FC2's input: K = F) as the block tiles read it. */
+static BlockRow block_row(const int32_t *q, const float *sc, const int32_t *off, int64_t r, int64_t K) {
+    BlockRow row = {q + r * (K / 4), sc + r * (K / BLOCK), off + r * (K / BLOCK)};
+    return row;
+}
+
+/* This thread's share of the rows of src [n, K] (ld apart) quantized per block into q / sc / off. */
+static void block_quantize_rows(const float *src, int64_t ld, int64_t n, int64_t K, int32_t *q, float *sc,
+                                int32_t *off) {
+    int64_t r0, r1;
+    my_units(n, &r0, &r1);
+    for (int64_t r = r0; r < r1; ++r)
+        block_quantize_row(src + r * ld, K, q + r * (K / 4), sc + r * (K / BLOCK), off + r * (K / BLOCK));
+}
+
+/* Panel p of a w4 weight with K inputs and group G: its codes and fp16 scales. */
+static const uint8_t *w4_panel(const uint8_t *w, int64_t p, int64_t K) { return w + p * panel_bytes(FMT_W4, K); }
+static const uint16_t *w4_scales(const void *s, int64_t p, int64_t K, int64_t G) {
+    return (const uint16_t *)panel_scales(FMT_W4, s, p, K, G);
+}
+
+/* Block-tile FC1 + SwiGLU: this thread's 16-feature units (gate panel u, up panel F/16 + u) over
+ * the rows of slots [lo, lo + n); a [n, F] row-major. */
+static void bfc1(const Call *cl, int mr_max, int64_t lo, int64_t n, const Expert *ex, float *a) {
+    float c[MR_MAX * 32];
+    BlockRow rows[MR_MAX];
+    int64_t u0, u1, H = cl->H, F = cl->F, G = cl->G1;
+    my_units(F / 16, &u0, &u1);
+    for (int64_t u = u0; u < u1; ++u)
+        for (int64_t r0 = 0; r0 < n; r0 += mr_max) {
+            int mr = n - r0 < mr_max ? (int)(n - r0) : mr_max;
+            for (int i = 0; i < mr; ++i) rows[i] = block_row(cl->xq, cl->xs, cl->xo, cl->tok[lo + r0 + i], H);
+            block_panel(cl->vnni, w4_panel(ex->w1, u, H), w4_scales(ex->s1, u, H, G), H, G, rows, mr, c, 32);
+            block_panel(cl->vnni, w4_panel(ex->w1, F / 16 + u, H), w4_scales(ex->s1, F / 16 + u, H, G), H, G, rows,
+                        mr, c + 16, 32);
+            for (int i = 0; i < mr; ++i) {
+                float k = cl->between ? route(cl, lo + r0 + i) : 1.f;
+                swiglu_span(a + (r0 + i) * F + u * 16, c + i * 32, c + i * 32 + 16, 0, 16, cl->limit, k);
+            }
+        }
+}
+
+/* Block-tile FC2 + weighted combine: this thread's 32-column units of y over FC2's input rows,
+ * quantized into cl->aq / as / ao. */
+static void bfc2(const Call *cl, int mr_max, int64_t lo, int64_t n, const Expert *ex) {
+    float c[MR_MAX * 32];
+    BlockRow rows[MR_MAX];
+    int64_t u0, u1, F = cl->F, G = cl->G2;
+    my_units(cl->H / 32, &u0, &u1);
+    for (int64_t u = u0; u < u1; ++u)
+        for (int64_t r0 = 0; r0 < n; r0 += mr_max) {
+            int mr = n - r0 < mr_max ? (int)(n - r0) : mr_max;
+            for (int i = 0; i < mr; ++i) rows[i] = block_row(cl->aq, cl->as, cl->ao, r0 + i, F);
+            for (int h = 0; h < 2; ++h)
+                block_panel(cl->vnni, w4_panel(ex->w2, 2 * u + h, F), w4_scales(ex->s2, 2 * u + h, F, G), F, G, rows,
+                            mr, c + 16 * h, 32);
+            for (int i = 0; i < mr; ++i) {
+                int64_t slot = lo + r0 + i;
+                float k = cl->between ? 1.f : route(cl, slot), *dst = cl->y + cl->tok[slot] * cl->ldy + u * 32;
+                for (int j = 0; j < 32; ++j) dst[j] += k * c[i * 32 + j];
+            }
+        }
+}
+
+/* One chunk of an expert's rows on the block tiles: FC1, FC2's input quantized, FC2 (the team's
+ * barriers between). */
+static void block_chunk(const Call *cl, int64_t lo, int64_t n, const Expert *ex, float *a) {
+    int mr_max = cl->vnni ? BLOCK_MR_512 : BLOCK_MR_256;
+    bfc1(cl, mr_max, lo, n, ex, a);
+#pragma omp barrier
+    block_quantize_rows(a, cl->F, n, cl->F, cl->aq, cl->as, cl->ao);
+#pragma omp barrier
+    bfc2(cl, mr_max, lo, n, ex);
+}
+
 /* Grouped a8w4-int / a8w8-int on float panels: this thread's share of FC2's input rows a [n, F] (in the shape's
  * layout) quantized per block of 32 and dequantized in place, q * s, as quant/common.py's
  * quantize_per_block_int8: s = max|a| / 127 (1 where that is 0; non-finite stays so), q = round
@@ -817,8 +902,10 @@ static int isa_ok(int isa, int fmt) {
 
 /* Call fields, int64 each (pointers as integers):
  *   x, ldx, y, ldy, tok, scale, H, F, G1, G2, chunk, scratch, isa, fmt, between, qx, sx, sumx, qa, sa, suma,
- *   act_blocks (grouped a8w4-int / a8w8-int on FMT_W4 / FMT_W8 panels: x already quantized per block by
- *   the host, F % 32 == 0), bf16 (1: the float formats' bf16 tiles, AVX-512 BF16 only; not w16)
+ *   act_blocks (grouped a8w4-int / a8w8-int on FMT_W4 / FMT_W8 panels, F % 32 == 0: ACT_FLOAT, x already
+ *   quantized per block and dequantized by the host, the float tiles; ACT_INT, a8w4-int only (FMT_W4,
+ *   groups multiples of 32, no bf16), x as it is, quantized here for the integer block tiles),
+ *   bf16 (1: the float formats' bf16 tiles, AVX-512 BF16 only; not w16)
  * experts: E rows of (w1, w2, s1, s2, cs1, cs2) pointers; bounds: E + 1 slot offsets.  scratch:
  * FC1's output of two chunks, 2 * (chunk + MR_MAX) * F floats; qx [T, H] bytes, sx / sumx [T];
  * qa [chunk + MR_MAX, F] bytes, sa / suma [chunk + MR_MAX] (integer formats; sumx / suma used by
@@ -870,6 +957,9 @@ static int64_t run_call(const int64_t *f, const int64_t *experts, const int64_t 
     if (!isa_ok(s.isa, fmt) || f[C_F] % PANEL || f[C_H] % 32 || f[C_CHUNK] < 1) return -1;
     if (!is_int(fmt) && (f[C_G1] < 1 || f[C_G2] < 1 || f[C_H] % f[C_G1] || f[C_F] % f[C_G2])) return -1;
     if (f[C_ACT_BLOCKS] && ((fmt != FMT_W4 && fmt != FMT_W8) || f[C_F] % 32)) return -1;
+    if (f[C_ACT_BLOCKS] < ACT_NONE || f[C_ACT_BLOCKS] > ACT_INT) return -1;
+    int block_int = f[C_ACT_BLOCKS] == ACT_INT; /* a8w4-int's block tiles: w4 panels, whole blocks a group */
+    if (block_int && (fmt != FMT_W4 || f[C_G1] % BLOCK || f[C_G2] % BLOCK || f[C_BF16])) return -1;
     Call cl = {PTR(const float, f, C_X), f[C_LDX], PTR(float, f, C_Y), f[C_LDY], PTR(const int64_t, f, C_TOK),
                PTR(const float, f, C_SCALE), f[C_H], f[C_F], f[C_G1], f[C_G2], limit, (int)f[C_BETWEEN],
                PTR(int8_t, f, C_QX), PTR(float, f, C_SX), PTR(int32_t, f, C_SUMX), PTR(int8_t, f, C_QA),
@@ -884,18 +974,33 @@ static int64_t run_call(const int64_t *f, const int64_t *experts, const int64_t 
     float *scratch[2] = {PTR(float, f, C_SCRATCH), PTR(float, f, C_SCRATCH) + (chunk + MR_MAX) * cl.F};
     /* per thread: two panels [kmax][16] fp32 (the bf16 tiles: their k-pairs), and the bf16 tiles' fp32 panel */
     const int64_t per_thread = (cl.bf16 ? 3 : 2) * kmax * 16;
-    float *bufs = is_int(fmt) ? NULL : malloc(sizeof(float) * nthreads * per_thread);
-    float *xp = s.packed ? malloc(sizeof(float) * (chunk + MR_MAX) * cl.H) : NULL;
+    int panels = !is_int(fmt) && !block_int, packed = s.packed && !block_int; /* the float tiles' buffers */
+    float *bufs = panels ? malloc(sizeof(float) * nthreads * per_thread) : NULL;
+    float *xp = packed ? malloc(sizeof(float) * (chunk + MR_MAX) * cl.H) : NULL;
     uint16_t *bf = cl.bf16 ? malloc(sizeof(uint16_t) * (num_tokens * cl.H + (chunk + MR_MAX) * cl.F)) : NULL;
-    if ((!is_int(fmt) && bufs == NULL) || (s.packed && xp == NULL) || (cl.bf16 && bf == NULL))
-        return free(bufs), free(xp), free(bf), -2;
+    /* the block tiles' rows: x [T, H] and FC2's input [chunk + MR_MAX, F], a quad, a scale and an
+     * offset per 4 / 32 / 32 elements: 4 + 4 / 32 * 8 bytes a 4 elements */
+    const int64_t xn = num_tokens * cl.H, an = (chunk + MR_MAX) * cl.F;
+    int32_t *blk = block_int ? malloc((size_t)(xn + an) / 4 * 4 + (size_t)(xn + an) / BLOCK * 8 + 64) : NULL;
+    if ((panels && bufs == NULL) || (packed && xp == NULL) || (cl.bf16 && bf == NULL) || (block_int && blk == NULL))
+        return free(bufs), free(xp), free(bf), free(blk), -2;
     cl.xb = bf, cl.ab = bf ? bf + num_tokens * cl.H : NULL;
+    if (block_int) {
+        cl.vnni = s.isa == ISA_AVX512 && (moe_qgemm_cpu_features() & 2);
+        cl.xq = blk, cl.aq = cl.xq + xn / 4;
+        cl.xo = cl.aq + an / 4, cl.ao = cl.xo + xn / BLOCK;
+        cl.xs = (float *)(cl.ao + an / BLOCK), cl.as = cl.xs + xn / BLOCK;
+    }
 #pragma omp parallel num_threads(nthreads)
     {
         int64_t step = 0;
         float *buf = bufs ? bufs + omp_get_thread_num() * per_thread : NULL, *tmp = buf ? buf + 2 * kmax * 16 : NULL;
         if (cl.bf16) {
             rows_to_bf16(cl.x, cl.ldx, num_tokens, cl.H, cl.xb);
+#pragma omp barrier
+        }
+        if (block_int) {
+            block_quantize_rows(cl.x, cl.ldx, num_tokens, cl.H, cl.xq, cl.xs, cl.xo);
 #pragma omp barrier
         }
         if (is_int(fmt)) {
@@ -912,7 +1017,9 @@ static int64_t run_call(const int64_t *f, const int64_t *experts, const int64_t 
             for (int64_t lo = bounds[e]; lo < bounds[e + 1]; lo += chunk) {
                 int64_t n = bounds[e + 1] - lo < chunk ? bounds[e + 1] - lo : chunk;
                 float *a = scratch[step++ & 1];
-                if (is_int(fmt)) {
+                if (block_int) {
+                    block_chunk(&cl, lo, n, &ex, a);
+                } else if (is_int(fmt)) {
                     ifc1(&cl, s, lo, n, &ex, a);
 #pragma omp barrier
                     quantize_rows(a, n, cl.F, cl.qa, cl.sa, cl.suma, offset);
@@ -938,7 +1045,7 @@ static int64_t run_call(const int64_t *f, const int64_t *experts, const int64_t 
             }
         }
     }
-    free(bufs), free(xp), free(bf);
+    free(bufs), free(xp), free(bf), free(blk);
     return 0;
 }
 
@@ -986,6 +1093,13 @@ int64_t moe_qgemm_dequant_panel(int64_t isa, int64_t fmt, const uint8_t *w, cons
 void moe_qgemm_quantize(const float *x, int64_t n, int64_t K, int8_t *q, float *s, int32_t *sum) {
 #pragma omp parallel num_threads(1)
     quantize_rows(x, n, K, q, s, sum, 0);
+}
+
+/* Rows of x [n, K] (K a multiple of 32) as the block tiles read them (block_quantize_row): quads
+ * xq [n, K/4], scales sx and offsets off [n, K/32]. */
+void moe_qgemm_block_quantize(const float *x, int64_t n, int64_t K, int32_t *xq, float *sx, int32_t *off) {
+    for (int64_t r = 0; r < n; ++r)
+        block_quantize_row(x + r * K, K, xq + r * (K / 4), sx + r * (K / BLOCK), off + r * (K / BLOCK));
 }
 
 /* A float-format weight [N, K] (panel layout, N a multiple of 16) dequantized into rows: out [N][K],

@@ -17,12 +17,14 @@ Formats:
                        BF16, every float format but w16 runs bf16 tiles instead (``bf16_tiles``:
                        the panel and the activations rounded to bf16, fp32 sums; the dense
                        prefill's ``prefill_dtype`` policy and switch).
-  a8w4-int / a8w8-int group-wise
-                       w4-int's / w8-int's float panels (the same bytes) on activations quantized
-                       per token and block of 32 and dequantized (x here, FC2's input in the
-                       kernel), so the result is the reference's up to fp32 rounding; integer
-                       tiles with per-block scaling are not built (prefill is compute-bound: the
-                       fp32 tile runs at the w4-int / w8-int prefill's speed).
+  a8w4-int group-wise  its own integer semantics on w4-int's panels (the same bytes): x and FC2's
+                       input quantized per token and block of 32 in the kernel, each block's int32
+                       sum exact and scaled once, y = sum_b (acc_b s_x) s_w (``block_tiles``: the
+                       integer block tiles, AVX-512 VNNI ``vpdpbusd`` or AVX2 ``vpmaddubsw``;
+                       ``MOE_COMPILE_QGEMM_BLOCK_TILES=0`` runs the float panels below instead).
+  a8w8-int group-wise  w8-int's float panels (the same bytes) on activations quantized per token and
+                       block of 32 and dequantized (x here, FC2's input in the kernel), so the
+                       result is the reference's up to fp32 rounding.
 
 Each canonical weight is repacked once (``pack``) into the tiles' panels (``QGemmPack``: the same
 bytes as the canonical tensors plus int32 column sums for a8w8) and kept in the caller's
@@ -33,6 +35,7 @@ on a CPU with AVX-512, to measure what a CPU without it gets.
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +55,7 @@ _KERNEL = cpu_cc.Kernel(
      "moe_qgemm_dequant_panel": ([_I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR], _I64),
      "moe_qgemm_dequant_rows": ([_I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64], _I64),
      "moe_qgemm_quantize": [_PTR, _I64, _I64, _PTR, _PTR, _PTR],
+     "moe_qgemm_block_quantize": [_PTR, _I64, _I64, _PTR, _PTR, _PTR],
      "moe_qgemm_cpu_features": ([], _I64)},
     "quantized prefill is unavailable")
 PANEL = 16  # output rows per packed panel (the C file's PANEL)
@@ -88,6 +92,21 @@ def best_isa(fmt: str) -> int:
     need = 2 if fmt in INTEGER else 1  # "grouped": the float tiles
     native = ISA_AVX512 if _features() & need == need else ISA_AVX2
     return cpu_isa.choose(native, f"{'AVX-512 VNNI' if fmt in INTEGER else 'AVX-512'} for {fmt}")
+
+
+BLOCK_TILES_ENV = "MOE_COMPILE_QGEMM_BLOCK_TILES"
+ACT_FLOAT, ACT_INT = 1, 2  # the C call's act_blocks: float panels on dequantized blocks / the block tiles
+
+
+def block_tiles(p: "QGemmPack") -> bool:
+    """Whether a call on ``p``'s panels runs the integer block tiles (``blocktiles.h``): group-wise
+    a8w4-int with groups of whole 32-element blocks, unless ``MOE_COMPILE_QGEMM_BLOCK_TILES=0``.
+    Why the default: they multiply the stored codes (4 products a lane and instruction) where the
+    float panels dequantize every weight first: one MoE layer's 512-token prefill 0.5-0.6 of the
+    float panels' time on 2-core Xeon (AVX-512 VNNI, BENCHMARKS.md, session 32)."""
+    if p.fmt != "a8w4-int" or not _grouped(p) or p.group % 32:
+        return False
+    return os.environ.get(BLOCK_TILES_ENV, "1") != "0"
 
 
 def bf16_tiles(p: "QGemmPack", isa: int) -> bool:
@@ -250,11 +269,13 @@ def _scratch(fmt: str, T: int, H: int, F: int, chunk: int):
 
 
 def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, attrs: FFNAttrs, pack_cache,
-        isa: int | None = None, threads: int | None = None, bf16: bool | None = None) -> torch.Tensor:
+        isa: int | None = None, threads: int | None = None, bf16: bool | None = None,
+        block: bool | None = None) -> torch.Tensor:
     """y [T, H] fp32 of the quantized MoE (``quant.reference_moe``'s meaning).  ``x`` [T, H] fp32,
     ``ids`` [T, K] int64 (ids outside [0, E) contribute nothing), ``weights`` [T, K].  ``isa`` /
-    ``threads`` / ``bf16``: force a tile / a team size / the bf16 tiles on or off (tests); default
-    the best, torch's threads and ``bf16_tiles``."""
+    ``threads`` / ``bf16`` / ``block``: force a tile / a team size / the bf16 tiles / the integer
+    block tiles on or off (tests); default the best, torch's threads, ``bf16_tiles`` and
+    ``block_tiles``."""
     from moe_compile.kernels.cpu.forward import sort_by_expert
 
     check_call(x, w1, w2, attrs)
@@ -268,7 +289,11 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, attrs
     threads = threads or torch.get_num_threads()
     p1, p2 = packed(w1, pack_cache), packed(w2, pack_cache)
     x = x.contiguous()
-    if grouped:  # x quantized per block of 32 and dequantized: what the float panels multiply
+    block = block_tiles(p1) if block is None else block
+    if block and not (p1.fmt == "a8w4-int" and grouped and p1.group % 32 == 0 and p2.group % 32 == 0):
+        raise ValueError(f"qgemm: the block tiles run group-wise a8w4-int with groups of 32, 64, ..., not "
+                         f"{w1.fmt} (group {w1.group})")
+    if grouped and not block:  # x quantized per block of 32 and dequantized: what the float panels multiply
         x = dequantized_blocks(x)
     order, bounds = sort_by_expert(ids, E)
     valid = order[bounds[0]: bounds[-1]]  # [S'] slots with an id in [0, E)
@@ -278,10 +303,11 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, attrs
     chunk = max(1, min(CHUNK_ROWS, max((b - a for a, b in zip(rel, rel[1:])), default=0)))
     a, q = _scratch(GROUPED_PANELS[w1.fmt] if grouped else w1.fmt, T, H, F, chunk)
     qptr = [t.data_ptr() for t in q] if q is not None else [0] * 6
-    bf16 = bf16_tiles(p1, isa) if bf16 is None else bf16
+    bf16 = False if block else bf16_tiles(p1, isa) if bf16 is None else bf16
+    act = ACT_INT if block else ACT_FLOAT if grouped else 0
     fields = (ctypes.c_int64 * 23)(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), tokens.data_ptr(),
                                    scale.data_ptr(), H, F, w1.group, w2.group, chunk, a.data_ptr(), isa, p1.code,
-                                   int(attrs.weight_on == "between"), *qptr, int(grouped), int(bf16))
+                                   int(attrs.weight_on == "between"), *qptr, act, int(bf16))
     status = _KERNEL.lib().moe_qgemm_run(fields, _expert_table(p1, p2), (ctypes.c_int64 * len(rel))(*rel),
                                          E, T, attrs.limit, threads)
     if status == -2:
@@ -389,3 +415,15 @@ def quantize_rows(x: torch.Tensor):
     q, s, total = torch.empty(n, K, dtype=torch.int8), torch.empty(n), torch.empty(n, dtype=torch.int32)
     _KERNEL.lib().moe_qgemm_quantize(x.data_ptr(), n, K, q.data_ptr(), s.data_ptr(), total.data_ptr())
     return q, s, total
+
+
+def block_quantized_rows(x: torch.Tensor):
+    """(q int8 [n, K], s fp32 [n, K/32], off int32 [n, K/32]) by the block tiles' quantizer, q read
+    back from its quads (elements 8c + 0, 2, 4, 6 then 8c + 1, 3, 5, 7); tests only."""
+    x = x.float().contiguous()
+    n, K = x.shape
+    quads, s, off = torch.empty(n, K // 4, dtype=torch.int32), torch.empty(n, K // 32), torch.empty(n, K // 32, dtype=torch.int32)
+    _KERNEL.lib().moe_qgemm_block_quantize(x.data_ptr(), n, K, quads.data_ptr(), s.data_ptr(), off.data_ptr())
+    paired = quads.view(torch.int8).reshape(n, K // 8, 2, 4)  # [c][low / high nibbles' elements][i]
+    q = paired.transpose(2, 3).reshape(n, K)  # element 8c + 2i + h at [c][i][h]
+    return q, s, off

@@ -20,15 +20,23 @@ pytestmark = pytest.mark.skipif(not qgemm.available(), reason=f"{qgemm.unavailab
 
 
 def _isas(fmt):
-    name = {"a8w4-int-pc": "a8w4-int", "a8w4-int": "a8w4-int-grouped"}.get(fmt, fmt.split("-fp16")[0])
+    name = {"a8w4-int-pc": "a8w4-int", "a8w4-int": "a8w4-int-grouped",
+            "a8w4-int-float": "a8w4-int-grouped"}.get(fmt, fmt.split("-fp16")[0])
     best = qgemm.best_isa(name) if qgemm.available() else qgemm.ISA_AVX2
     return [qgemm.ISA_AVX2] + ([qgemm.ISA_AVX512] if best == qgemm.ISA_AVX512 else [])
 
 
 INT_FORMATS = ["a8w8-int", "a8w4-int-pc"]  # a8w4-int-pc: a8w4-int's per-channel (MSD) form
 FLOAT_FORMATS = ["w4-int", "mxfp4", "w8-int", "mxfp8", "w16"]
-# a8w4-int (group-wise, the default form): w4-int's float panels on block-quantized activations
-CASES = [(f, isa) for f in INT_FORMATS + ["a8w4-int"] + FLOAT_FORMATS for isa in _isas(f)]
+# a8w4-int (group-wise, the default form): the integer block tiles; "a8w4-int-float": the same
+# weights on w4-int's float panels with block-quantized activations (block=False, as a8w8-int
+# group-wise runs)
+CASES = [(f, isa) for f in INT_FORMATS + ["a8w4-int", "a8w4-int-float"] + FLOAT_FORMATS for isa in _isas(f)]
+
+
+def form(fmt):
+    """qgemm.run's keywords for a test format: the float panels for "a8w4-int-float"."""
+    return {"block": False} if fmt == "a8w4-int-float" else {}
 
 
 # ---- weights in each format (moe_compile.quant: the contract's canonical tensors) ----
@@ -39,7 +47,7 @@ def make_weight(fmt, E, N, K, gen):
     w = torch.randn(E, N, K, generator=gen) * 0.05
     if fmt == "a8w4-int-pc":
         return a8w4_int.pack(w, group_size=None)
-    return quant.pack(fmt, w)
+    return quant.pack(fmt.removesuffix("-float"), w)
 
 
 def integers(w):
@@ -126,16 +134,18 @@ def assert_matches(fmt, y, ref):
     and the fp32 epilogues match to ~1e-7, but where a SwiGLU value sits within an ulp of a
     rounding boundary of FC2's per-row re-quantization its code can move by 1: rare (none in these
     cases when written), and such an element moves by about one step of one FC2 product.
-    Group-wise a8w4-int runs fp32 tiles on dequantized codes (q_x s_x)(q_w s_w): FC1's output is
-    the reference's to ~1e-7 only, not bit for bit, so its per-block re-quantization moves a code
-    more often (a token's whole output row each time): up to 1% of the elements, each by at most
-    about one step of one FC2 product."""
+    Group-wise a8w4-int on the block tiles sums each block exactly and scales it as the reference
+    does, only the blocks' fp32 sum runs in another order (~1e-7): as the integer formats.  On the
+    float panels ("a8w4-int-float") it multiplies dequantized codes (q_x s_x)(q_w s_w): FC1's
+    output is the reference's to ~1e-7 only, so its per-block re-quantization moves a code more
+    often (a token's whole output row each time): up to 1% of the elements, each by at most about
+    one step of one FC2 product."""
     scale = float(ref.abs().max())
     if not fmt.startswith("a8"):
         torch.testing.assert_close(y, ref, rtol=2e-5, atol=2e-5 * scale)
         return
     off = (y - ref).abs() > 1e-5 * scale
-    share = 1e-2 if fmt == "a8w4-int" else 1e-3
+    share = 1e-2 if fmt == "a8w4-int-float" else 1e-3
     assert off.float().mean() <= share, f"{int(off.sum())} of {off.numel()} elements off by more than 1e-5"
     torch.testing.assert_close(y, ref, rtol=0, atol=1e-3 * scale)
 
@@ -146,7 +156,8 @@ def assert_matches(fmt, y, ref):
 # T = 513 for every format in the default run would double its time: the integer formats and
 # w4-int there, the other float formats (the same tile behind another panel decoder) marked slow.
 WIDE_T = [(T, fmt, isa) for T in (17, 64, 513) for fmt, isa in CASES]
-WIDE_T = [pytest.param(*c, marks=pytest.mark.slow) if c[0] == 513 and c[1] in ("mxfp4", "w8-int", "mxfp8", "w16") else c
+WIDE_T = [pytest.param(*c, marks=pytest.mark.slow)
+          if c[0] == 513 and c[1] in ("mxfp4", "w8-int", "mxfp8", "w16", "a8w4-int-float") else c
           for c in WIDE_T]
 
 
@@ -156,7 +167,7 @@ def test_matches_reference(fmt, isa, T):
     x, ids, g, w1, w2 = make_case(T, E, K, fmt, seed=T)
     attrs = FFNAttrs()
     ref = quant.reference_moe(x, ids, g, w1, w2, attrs)
-    y = qgemm.run(x, ids, g, w1, w2, attrs, {}, isa=isa, threads=2, bf16=False)
+    y = qgemm.run(x, ids, g, w1, w2, attrs, {}, isa=isa, threads=2, bf16=False, **form(fmt))
     assert_matches(fmt, y, ref)
 
 
@@ -173,7 +184,7 @@ def test_odd_routes_between_and_clamp(fmt, isa, threads):
     ids[1, 0], ids[2, 2] = E, 4
     attrs = FFNAttrs(limit=0.7, weight_on="between")
     ref = quant.reference_moe(x, ids, g, w1, w2, attrs)
-    y = qgemm.run(x, ids, g, w1, w2, attrs, {}, isa=isa, threads=threads, bf16=False)
+    y = qgemm.run(x, ids, g, w1, w2, attrs, {}, isa=isa, threads=threads, bf16=False, **form(fmt))
     assert_matches(fmt, y, ref)
 
 
@@ -283,7 +294,7 @@ def test_bf16_tiles_match_a_bf16_reference(fmt, T, weight_on):
     attrs = FFNAttrs(weight_on=weight_on, limit=0.0 if T != 64 else 0.7)
     p1 = qgemm.pack(w1)
     assert qgemm.bf16_tiles(p1, qgemm.ISA_AVX512)
-    y = qgemm.run(x, ids, g, w1, w2, attrs, {}, isa=qgemm.ISA_AVX512, threads=2, bf16=True)
+    y = qgemm.run(x, ids, g, w1, w2, attrs, {}, isa=qgemm.ISA_AVX512, threads=2, bf16=True, block=False)
     want = bf16_reference(x, ids, g, w1, w2, attrs, fmt == "a8w4-int")
     scale = float(want.abs().max())
     if fmt == "a8w4-int":

@@ -1,0 +1,170 @@
+/* Integer tiles with per-block scaling: group-wise a8w4-int's prefill (qgemm.c) on its own integer
+ * semantics, y = sum_b (acc_b * s_x,b) * s_w,g(b), acc_b the exact int32 dot product of one
+ * 32-element block of int8 activations with the block's 4-bit weights.
+ *
+ * Shapes:   one weight panel = 16 output rows (qgemm.py's _code_panels, w4-int's bytes):
+ *             codes [K/8][16][4] bytes, lane j of vector c = row j's elements 8c .. 8c + 7 as
+ *             nibbles u = q_w + 8 (element 8c + i at bits 4i), so the low nibbles of a lane's 4
+ *             bytes are elements 8c + 0, 2, 4, 6 and the high ones 8c + 1, 3, 5, 7;
+ *             scales [K/G][16] fp16 (G a multiple of 32: one scale per G / 32 blocks).
+ *           mr activation rows (BlockRow, quantized by block_quantize_row): quads xq [K/4] int32,
+ *             xq[2c] = q[8c + 0, 2, 4, 6] and xq[2c + 1] = q[8c + 1, 3, 5, 7] (what a lane's low
+ *             and high nibbles multiply), sx [K/32] the blocks' scales, off [K/32] = -8 sum(q)
+ *             (the codes are q_w + 8, so a block's sum starts at the offset and is exact).
+ *           out c [mr][ldc] fp32, 16 columns a panel.
+ *
+ * Why: with the float panels (w4-int's tiles on q_x s_x) every weight is dequantized to fp32 or
+ * bf16 and multiplied there (16 vdpbf16ps a row per block of 32 x 16 columns); here the codes are
+ * multiplied as they are stored, 4 products a lane and instruction (8 vpdpbusd a row per block),
+ * and each block's int32 sum is converted, scaled and summed once.  The same sums and fp32 order as
+ * qdecode.c's rows16 loops (its T = 1 path on the same panels): both ISAs give the same bits.
+ *
+ *   AVX-512 VNNI: 16 columns a vector, up to BLOCK_MR_512 rows, the low and the high nibbles each
+ *     in their own int32 accumulator (two chains a row: vpdpbusd's latency hidden at few rows).
+ *   AVX2: 8 columns (half a panel vector) a call, up to BLOCK_MR_256 rows: vpmaddubsw (u8 codes x
+ *     s8 activations, pairs into int16) summed in int16 over the block (|sum| <= 8 x 2 x 15 x 127 =
+ *     30480 < 2^15: exact), widened once by vpmaddwd against ones.
+ *
+ * Included by qgemm.c after simd.h (PREFETCH-free: a panel is re-read from L1 / L2 by every row
+ * tile of a chunk, only its first pass comes from memory).
+ */
+#ifndef MOE_BLOCKTILES_H
+#define MOE_BLOCKTILES_H
+
+#include <immintrin.h>
+#include <stdint.h>
+
+enum { BLOCK = 32, BLOCK_MR_512 = 8, BLOCK_MR_256 = 4 };
+
+typedef struct {
+    const int32_t *xq;  /* [K/4] quads */
+    const float *sx;    /* [K/32] */
+    const int32_t *off; /* [K/32] */
+} BlockRow;
+
+/* One row x [K] (K a multiple of 32) quantized per block of 32 as quant/common.py's
+ * quantize_per_block_int8 does: s = max|x| / 127 (1 where that is 0; a NaN or inf makes it
+ * non-finite), q = round half to even(x / s) in [-127, 127], 0 where x / s is NaN; stored as
+ * BlockRow's quads, scales and offsets. */
+static inline void block_quantize_row(const float *x, int64_t K, int32_t *xq, float *sx, int32_t *off) {
+    for (int64_t b = 0; b < K / BLOCK; ++b) {
+        const float *xb = x + b * BLOCK;
+        float big = 0.f;
+        for (int j = 0; j < BLOCK; ++j) {
+            float m = xb[j] < 0 ? -xb[j] : xb[j];
+            big = m > big || m != m ? m : big; /* a NaN wins and stays */
+        }
+        float s = big / 127.f;
+        s = s == 0.f ? 1.f : s;
+        int8_t q[BLOCK];
+        int32_t sum = 0;
+        for (int j = 0; j < BLOCK; ++j) {
+            int v = _mm_cvtss_si32(_mm_set_ss(xb[j] / s)); /* MXCSR's round half to even; NaN -> INT_MIN */
+            v = v == (int)0x80000000 ? 0 : v > 127 ? 127 : v < -127 ? -127 : v;
+            q[j] = (int8_t)v, sum += v;
+        }
+        for (int c = 0; c < BLOCK / 8; ++c)
+            for (int h = 0; h < 2; ++h) {
+                uint32_t quad = 0;
+                for (int i = 0; i < 4; ++i) quad |= (uint32_t)(uint8_t)q[8 * c + 2 * i + h] << (8 * i);
+                xq[b * 8 + 2 * c + h] = (int32_t)quad;
+            }
+        sx[b] = s, off[b] = -8 * sum;
+    }
+}
+
+#define BLOCK_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c")))
+#define BLOCK_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+/* c[r][0..15] = the panel (d, s) against rows[r], r < n (n a compile-time constant at each call). */
+BLOCK_VNNI __attribute__((always_inline)) static inline void block_rows_vnni(const uint8_t *d, const uint16_t *s,
+                                                                             int64_t K, int64_t G,
+                                                                             const BlockRow *rows, const int n,
+                                                                             float *c, int64_t ldc) {
+    const __m512i low = _mm512_set1_epi8(15);
+    __m512 t[BLOCK_MR_512];
+    for (int r = 0; r < n; ++r) t[r] = _mm512_setzero_ps();
+    const uint16_t *sg = s; /* the blocks' 16 group scales, stepped every G / 32 blocks */
+    for (int64_t b = 0, left = G / BLOCK; b < K / BLOCK; ++b) {
+        const uint8_t *db = d + b * 4 * 64; /* a block's 32 elements of 16 rows: 4 vectors */
+        __m512i lo_acc[BLOCK_MR_512], hi_acc[BLOCK_MR_512];
+        for (int r = 0; r < n; ++r) lo_acc[r] = _mm512_set1_epi32(rows[r].off[b]), hi_acc[r] = _mm512_setzero_si512();
+        for (int q = 0; q < 4; ++q) {
+            const __m512i v = _mm512_loadu_si512(db + 64 * q);
+            const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            for (int r = 0; r < n; ++r) {
+                const int32_t *xb = rows[r].xq + 8 * b + 2 * q;
+                lo_acc[r] = _mm512_dpbusd_epi32(lo_acc[r], lo, _mm512_set1_epi32(xb[0]));
+                hi_acc[r] = _mm512_dpbusd_epi32(hi_acc[r], hi, _mm512_set1_epi32(xb[1]));
+            }
+        }
+        const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sg));
+        for (int r = 0; r < n; ++r) {
+            const __m512 acc = _mm512_cvtepi32_ps(_mm512_add_epi32(lo_acc[r], hi_acc[r]));
+            t[r] = _mm512_fmadd_ps(_mm512_mul_ps(acc, _mm512_set1_ps(rows[r].sx[b])), sw, t[r]);
+        }
+        if (--left == 0) sg += 16, left = G / BLOCK;
+    }
+    for (int r = 0; r < n; ++r) _mm512_storeu_ps(c + r * ldc, t[r]);
+}
+
+/* c[r][0..7] = half h (columns 8h .. 8h + 7) of the panel (d, s) against rows[r], r < n. */
+BLOCK_AVX2 __attribute__((always_inline)) static inline void block_rows_avx2(const uint8_t *d, const uint16_t *s,
+                                                                             int64_t K, int64_t G, int h,
+                                                                             const BlockRow *rows, const int n,
+                                                                             float *c, int64_t ldc) {
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 t[BLOCK_MR_256];
+    for (int r = 0; r < n; ++r) t[r] = _mm256_setzero_ps();
+    const uint16_t *sg = s + 8 * h;
+    for (int64_t b = 0, left = G / BLOCK; b < K / BLOCK; ++b) {
+        const uint8_t *db = d + b * 4 * 64 + 32 * h;
+        __m256i p[BLOCK_MR_256];
+        for (int r = 0; r < n; ++r) p[r] = _mm256_setzero_si256();
+        for (int q = 0; q < 4; ++q) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(db + 64 * q));
+            const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            for (int r = 0; r < n; ++r) {
+                const int32_t *xb = rows[r].xq + 8 * b + 2 * q;
+                const __m256i even = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xb[0]));
+                p[r] = _mm256_add_epi16(p[r], _mm256_add_epi16(even, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xb[1]))));
+            }
+        }
+        const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg));
+        for (int r = 0; r < n; ++r) {
+            const __m256i acc = _mm256_add_epi32(_mm256_set1_epi32(rows[r].off[b]), _mm256_madd_epi16(p[r], ones));
+            t[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(rows[r].sx[b])), sw, t[r]);
+        }
+        if (--left == 0) sg += 16, left = G / BLOCK;
+    }
+    for (int r = 0; r < n; ++r) _mm256_storeu_ps(c + r * ldc, t[r]);
+}
+
+/* The panel against mr rows (1 .. BLOCK_MR_512), the row count dispatched to a constant. */
+BLOCK_VNNI static void block_panel_vnni(const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
+                                        const BlockRow *rows, int mr, float *c, int64_t ldc) {
+#define BLOCK_N(N) \
+    case N: block_rows_vnni(d, s, K, G, rows, N, c, ldc); break;
+    switch (mr) { BLOCK_N(1) BLOCK_N(2) BLOCK_N(3) BLOCK_N(4) BLOCK_N(5) BLOCK_N(6) BLOCK_N(7) BLOCK_N(8) }
+#undef BLOCK_N
+}
+
+/* The panel's two halves against mr rows (1 .. BLOCK_MR_256). */
+BLOCK_AVX2 static void block_panel_avx2(const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
+                                        const BlockRow *rows, int mr, float *c, int64_t ldc) {
+#define BLOCK_N(N)                                                             \
+    case N:                                                                    \
+        block_rows_avx2(d, s, K, G, 0, rows, N, c, ldc);                       \
+        block_rows_avx2(d, s, K, G, 1, rows, N, c + 8, ldc);                   \
+        break;
+    switch (mr) { BLOCK_N(1) BLOCK_N(2) BLOCK_N(3) BLOCK_N(4) }
+#undef BLOCK_N
+}
+
+/* c [mr][ldc] columns 0..15 = panel (d, s) . rows, on the VNNI tile (vnni) or the AVX2 one. */
+static void block_panel(int vnni, const uint8_t *d, const uint16_t *s, int64_t K, int64_t G, const BlockRow *rows,
+                        int mr, float *c, int64_t ldc) {
+    (vnni ? block_panel_vnni : block_panel_avx2)(d, s, K, G, rows, mr, c, ldc);
+}
+
+#endif
