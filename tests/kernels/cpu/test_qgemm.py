@@ -256,6 +256,12 @@ needs_bf16 = pytest.mark.skipif(not qgemm.available() or not qgemm._features() &
                                 reason="no AVX-512 BF16 on this CPU")
 
 
+def dense_bf16():
+    from moe_compile.kernels.cpu import dense
+
+    return dense.prefill_dtype("w4-int") == torch.bfloat16
+
+
 def bf16_reference(x, ids, g, w1, w2, attrs, grouped):
     """quant.reference_moe with each GEMM on bf16-rounded operands (the activations and the dequantized
     weight, each rounded to nearest even once), summed in fp32: what the bf16 tiles compute.  Group-wise
@@ -292,8 +298,8 @@ def test_bf16_tiles_match_a_bf16_reference(fmt, T, weight_on):
     E, K = 6, 3
     x, ids, g, w1, w2 = make_case(T, E, K, fmt, seed=T + 1)
     attrs = FFNAttrs(weight_on=weight_on, limit=0.0 if T != 64 else 0.7)
-    p1 = qgemm.pack(w1)
-    assert qgemm.bf16_tiles(p1, qgemm.ISA_AVX512)
+    p1 = qgemm.pack(w1)  # the tiles are what the default runs where their dot product pays (not with AMX)
+    assert qgemm.bf16_tiles(p1, qgemm.ISA_AVX512) == (qgemm._bf16_dot_pays() and dense_bf16())
     y = qgemm.run(x, ids, g, w1, w2, attrs, {}, isa=qgemm.ISA_AVX512, threads=2, bf16=True, block=False)
     want = bf16_reference(x, ids, g, w1, w2, attrs, fmt == "a8w4-int")
     scale = float(want.abs().max())
@@ -315,7 +321,8 @@ def test_bf16_tiles_policy(monkeypatch):
 
     gen = torch.Generator().manual_seed(0)
     packs = {f: qgemm.pack(make_weight(f, 1, 32, 64, gen)) for f in ("w4-int", "w16", "a8w8-int", "a8w4-int-pc")}
-    native = bool(qgemm.available() and qgemm._features() & 4) and dense.prefill_dtype("w4-int") == torch.bfloat16
+    native = bool(qgemm.available() and qgemm._features() & 4) and dense.prefill_dtype("w4-int") == torch.bfloat16 \
+        and qgemm._bf16_dot_pays()
     assert qgemm.bf16_tiles(packs["w4-int"], qgemm.ISA_AVX512) == native
     assert not qgemm.bf16_tiles(packs["w4-int"], qgemm.ISA_AVX2)
     assert not any(qgemm.bf16_tiles(packs[f], qgemm.ISA_AVX512) for f in ("w16", "a8w8-int", "a8w4-int-pc"))
@@ -324,3 +331,18 @@ def test_bf16_tiles_policy(monkeypatch):
     x, ids, g, w1, w2 = make_case(20, 4, 2, "w16")
     with pytest.raises(RuntimeError, match="refused"):
         qgemm.run(x, ids, g, w1, w2, FFNAttrs(), {}, isa=qgemm.ISA_AVX512 if native else qgemm.ISA_AVX2, bf16=True)
+
+
+def test_bf16_tiles_not_where_the_cpu_has_amx(monkeypatch):
+    # An AMX CPU (Intel Sapphire Rapids and later) issues vdpbf16ps on one port, at the fp32 FMA's
+    # product rate: the bf16 tiles would only add rounding (measured 1.2-1.4x slower there), so the
+    # float formats keep fp32 tiles; AVX-512 BF16 without AMX (Zen 4) takes them.
+    from moe_compile import devices
+
+    monkeypatch.setattr(devices, "cpu_flags", lambda: {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+    assert not qgemm._bf16_dot_pays.__wrapped__()
+    monkeypatch.setattr(devices, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    assert qgemm._bf16_dot_pays.__wrapped__()
+    monkeypatch.setattr(qgemm, "_bf16_dot_pays", lambda: False)
+    assert not qgemm.bf16_tiles(qgemm.pack(make_weight("w4-int", 1, 32, 64, torch.Generator().manual_seed(0))),
+                                qgemm.ISA_AVX512)
