@@ -8,7 +8,8 @@ Side by side in one process, timed round-robin (``harness.time_interleaved``), p
             experts kernel on its panels; packed on its 2nd call, before timing)
   <fmt>     ``kernels/cpu/qgemm.run`` on the same weights quantized by ``moe_compile.quant.pack`` to
             a8w8-int, a8w4-int, w4-int, mxfp4, w8-int, w16 (bf16) (the kernel's pack made before
-            timing, as the op keeps it)
+            timing, as the op keeps it); a8w4-int-float: a8w4-int on w4-int's float panels
+            (``block=False``), the form it ran on before its integer block tiles
   llama_*   llama.cpp's MoE expert path (ggml MUL_MAT_ID: FC1 -> swiglu -> FC2 -> weighted sum)
             through the llama.cpp peer tool's ``libmoe_peer.so`` (``--peer-lib``, or
             ``$MOE_COMPILE_LLAMACPP_PEER`` as bench_cpu_llamacpp.py reads it; build it AVX2-only to
@@ -44,7 +45,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
 SHAPES = {"mixtral-like": (1024, 2048, 8, 2), "fine-grained": (1024, 512, 64, 8)}  # (H, F, E, K)
-FORMATS = ("a8w8-int", "a8w4-int", "w4-int", "mxfp4", "w8-int", "mxfp8", "w16")
+FORMATS = ("a8w8-int", "a8w4-int", "a8w4-int-float", "w4-int", "mxfp4", "w8-int", "mxfp8", "w16")
+# a8w4-int-float: group-wise a8w4-int on w4-int's float panels (qgemm.run(block=False)), the form it
+# ran on before its integer block tiles: their A/B in one process
 PEER_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 8, "q4_K": 12}  # ggml type ids
 PEER_REPACKABLE = ("q4_0", "q4_K")
 
@@ -128,10 +131,11 @@ def cell(shape: str, T: int, repeats: int, lib, formats, clock) -> list[dict]:
     outputs = {"fp32": fns["fp32"]}
     attrs, packed_bytes = FFNAttrs(), {}
     for fmt in formats:
-        w1, w2, cache = quant.pack(fmt, W1), quant.pack(fmt, W2), {}  # default groups (32 for w-int and MX)
+        base, kw = fmt.removesuffix("-float"), ({"block": False} if fmt.endswith("-float") else {})
+        w1, w2, cache = quant.pack(base, W1), quant.pack(base, W2), {}  # default groups (32 for w-int and MX)
         qgemm.packed(w1, cache), qgemm.packed(w2, cache)
         packed_bytes[fmt] = sum(p.nbytes for p in cache.values())
-        fns[fmt] = outputs[fmt] = (lambda w1=w1, w2=w2, cache=cache: qgemm.run(x, ids, g, w1, w2, attrs, cache))
+        fns[fmt] = outputs[fmt] = (lambda w1=w1, w2=w2, cache=cache, kw=kw: qgemm.run(x, ids, g, w1, w2, attrs, cache, **kw))
     handles = []
     if lib is not None:
         calls, handles = peer_calls(lib, W1, W2, x, ids, g, K)
