@@ -25,6 +25,9 @@
  *     s8 activations, pairs into int16) summed in int16 over the block (|sum| <= 8 x 2 x 15 x 127 =
  *     30480 < 2^15: exact), widened once by vpmaddwd against ones.
  *
+ *   8-bit weights (group-wise a8w8-int, w8-int's panels), AVX-512 VNNI only: vpdpbusd of x + 128
+ *     (unsigned, broadcast) and the int8 codes, the block's 128 x column sums taken off.
+ *
  * Included by qgemm.c after simd.h (PREFETCH-free: a panel is re-read from L1 / L2 by every row
  * tile of a chunk, only its first pass comes from memory).
  */
@@ -45,8 +48,10 @@ typedef struct {
 /* One row x [K] (K a multiple of 32) quantized per block of 32 as quant/common.py's
  * quantize_per_block_int8 does: s = max|x| / 127 (1 where that is 0; a NaN or inf makes it
  * non-finite), q = round half to even(x / s) in [-127, 127], 0 where x / s is NaN; stored as
- * BlockRow's quads, scales and offsets. */
-static inline void block_quantize_row(const float *x, int64_t K, int32_t *xq, float *sx, int32_t *off) {
+ * BlockRow's quads, scales and offsets: for 4-bit weights (bits8 = 0) as above, for 8-bit ones
+ * (bits8 = 1) the quads in order, xq[c] = q[4c .. 4c + 3] + 128 (vpdpbusd's unsigned operand),
+ * and no offset (the +128 is taken off per column, block_rows8_vnni). */
+static inline void block_quantize_row(const float *x, int64_t K, int bits8, int32_t *xq, float *sx, int32_t *off) {
     for (int64_t b = 0; b < K / BLOCK; ++b) {
         const float *xb = x + b * BLOCK;
         float big = 0.f;
@@ -63,13 +68,14 @@ static inline void block_quantize_row(const float *x, int64_t K, int32_t *xq, fl
             v = v == (int)0x80000000 ? 0 : v > 127 ? 127 : v < -127 ? -127 : v;
             q[j] = (int8_t)v, sum += v;
         }
-        for (int c = 0; c < BLOCK / 8; ++c)
-            for (int h = 0; h < 2; ++h) {
-                uint32_t quad = 0;
-                for (int i = 0; i < 4; ++i) quad |= (uint32_t)(uint8_t)q[8 * c + 2 * i + h] << (8 * i);
-                xq[b * 8 + 2 * c + h] = (int32_t)quad;
-            }
-        sx[b] = s, off[b] = -8 * sum;
+        for (int c = 0; c < BLOCK / 4; ++c) { /* 8 quads a block either way */
+            uint32_t quad = 0;
+            for (int i = 0; i < 4; ++i) /* 4-bit: quad c = 2 c' + h holds q[8 c' + 2 i + h] */
+                quad |= bits8 ? (uint32_t)(uint8_t)(q[4 * c + i] + 128) << (8 * i)
+                              : (uint32_t)(uint8_t)q[8 * (c / 2) + 2 * i + c % 2] << (8 * i);
+            xq[b * 8 + c] = (int32_t)quad;
+        }
+        sx[b] = s, off[b] = bits8 ? 0 : -8 * sum;
     }
 }
 
@@ -101,6 +107,42 @@ BLOCK_VNNI __attribute__((always_inline)) static inline void block_rows_vnni(con
         const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sg));
         for (int r = 0; r < n; ++r) {
             const __m512 acc = _mm512_cvtepi32_ps(_mm512_add_epi32(lo_acc[r], hi_acc[r]));
+            t[r] = _mm512_fmadd_ps(_mm512_mul_ps(acc, _mm512_set1_ps(rows[r].sx[b])), sw, t[r]);
+        }
+        if (--left == 0) sg += 16, left = G / BLOCK;
+    }
+    for (int r = 0; r < n; ++r) _mm512_storeu_ps(c + r * ldc, t[r]);
+}
+
+/* The same for 8-bit weight panels (w8-int's bytes, group-wise a8w8-int): codes [K/4][16][4]
+ * int8, lane j of vector c = row j's elements 4c .. 4c + 3; rows' quads in order, offset by 128.
+ * vpdpbusd (x + 128 unsigned, broadcast) x (q_w signed) sums q_x q_w + 128 sum q_w, so each block's
+ * column sums of q_w (vpdpbusd of ones, once a panel block for all rows) times 128 come off: exact. */
+BLOCK_VNNI __attribute__((always_inline)) static inline void block_rows8_vnni(const uint8_t *d, const uint16_t *s,
+                                                                              int64_t K, int64_t G,
+                                                                              const BlockRow *rows, const int n,
+                                                                              float *c, int64_t ldc) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    __m512 t[BLOCK_MR_512];
+    for (int r = 0; r < n; ++r) t[r] = _mm512_setzero_ps();
+    const uint16_t *sg = s;
+    for (int64_t b = 0, left = G / BLOCK; b < K / BLOCK; ++b) {
+        const uint8_t *db = d + b * 8 * 64; /* a block's 32 elements of 16 rows: 8 vectors */
+        __m512i even[BLOCK_MR_512], odd[BLOCK_MR_512], colsum = _mm512_setzero_si512();
+        for (int r = 0; r < n; ++r) even[r] = odd[r] = _mm512_setzero_si512();
+        for (int q = 0; q < 8; q += 2) {
+            const __m512i v0 = _mm512_loadu_si512(db + 64 * q), v1 = _mm512_loadu_si512(db + 64 * q + 64);
+            colsum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(colsum, ones, v0), ones, v1);
+            for (int r = 0; r < n; ++r) {
+                const int32_t *xb = rows[r].xq + 8 * b + q;
+                even[r] = _mm512_dpbusd_epi32(even[r], _mm512_set1_epi32(xb[0]), v0);
+                odd[r] = _mm512_dpbusd_epi32(odd[r], _mm512_set1_epi32(xb[1]), v1);
+            }
+        }
+        const __m512i bias = _mm512_slli_epi32(colsum, 7);
+        const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sg));
+        for (int r = 0; r < n; ++r) {
+            const __m512 acc = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(even[r], odd[r]), bias));
             t[r] = _mm512_fmadd_ps(_mm512_mul_ps(acc, _mm512_set1_ps(rows[r].sx[b])), sw, t[r]);
         }
         if (--left == 0) sg += 16, left = G / BLOCK;
@@ -149,6 +191,15 @@ BLOCK_VNNI static void block_panel_vnni(const uint8_t *d, const uint16_t *s, int
 #undef BLOCK_N
 }
 
+/* The 8-bit panel against mr rows (1 .. BLOCK_MR_512). */
+BLOCK_VNNI static void block_panel8_vnni(const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
+                                         const BlockRow *rows, int mr, float *c, int64_t ldc) {
+#define BLOCK_N(N) \
+    case N: block_rows8_vnni(d, s, K, G, rows, N, c, ldc); break;
+    switch (mr) { BLOCK_N(1) BLOCK_N(2) BLOCK_N(3) BLOCK_N(4) BLOCK_N(5) BLOCK_N(6) BLOCK_N(7) BLOCK_N(8) }
+#undef BLOCK_N
+}
+
 /* The panel's two halves against mr rows (1 .. BLOCK_MR_256). */
 BLOCK_AVX2 static void block_panel_avx2(const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
                                         const BlockRow *rows, int mr, float *c, int64_t ldc) {
@@ -161,10 +212,12 @@ BLOCK_AVX2 static void block_panel_avx2(const uint8_t *d, const uint16_t *s, int
 #undef BLOCK_N
 }
 
-/* c [mr][ldc] columns 0..15 = panel (d, s) . rows, on the VNNI tile (vnni) or the AVX2 one. */
-static void block_panel(int vnni, const uint8_t *d, const uint16_t *s, int64_t K, int64_t G, const BlockRow *rows,
-                        int mr, float *c, int64_t ldc) {
-    (vnni ? block_panel_vnni : block_panel_avx2)(d, s, K, G, rows, mr, c, ldc);
+/* c [mr][ldc] columns 0..15 = panel (d, s) . rows: 4-bit panels on the VNNI tile (vnni) or the
+ * AVX2 one, 8-bit panels (bits8) on the VNNI tile only (on AVX2 vpmaddubsw's int16 pairs of 8-bit
+ * products need the sign trick and a widening a step: no faster than the fp32 tile there). */
+static void block_panel(int vnni, int bits8, const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
+                        const BlockRow *rows, int mr, float *c, int64_t ldc) {
+    (bits8 ? block_panel8_vnni : vnni ? block_panel_vnni : block_panel_avx2)(d, s, K, G, rows, mr, c, ldc);
 }
 
 #endif

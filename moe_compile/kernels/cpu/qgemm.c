@@ -9,13 +9,14 @@
  *             a8w8-int  int8 weights, fp32 scale per output channel
  *             a8w4-int  4-bit weights u = q + 8, fp32 scale per output channel
  *           y = acc * s_x * s_w; FC2's input (the SwiGLU output, fp32) re-quantized per row.
- *           Group-wise a8w4-int (activations int8 per token and block of 32, fp16 group scales:
- *           quant/a8w4_int.py) runs its own integer semantics on w4-int's panels (its bytes are
- *           theirs): the block tiles of blocktiles.h, exact int32 sums a block, y = sum_b (acc_b
- *           s_x) s_w (ACT_INT).  Group-wise a8w8-int (and a8w4-int on request) runs as w8-int's /
- *           w4-int's float panels on activations quantized per block and dequantized (x by the
- *           host, FC2's input here: fake_quantize_blocks), so y equals its reference up to fp32
- *           rounding: sum_k (q_x s_x) (q_w s_w) instead (ACT_FLOAT).
+ *           Group-wise a8w4-int / a8w8-int (activations int8 per token and block of 32, fp16 group
+ *           scales: quant/a8w4_int.py, quant/a8w8_int.py) run their own integer semantics on
+ *           w4-int's / w8-int's panels (their bytes are theirs): the block tiles of blocktiles.h,
+ *           exact int32 sums a block, y = sum_b (acc_b s_x) s_w (ACT_INT; a8w8-int with AVX-512
+ *           VNNI only).  Elsewhere, and on request, they run as those formats' float panels on
+ *           activations quantized per block and dequantized (x by the host, FC2's input here:
+ *           fake_quantize_blocks), so y equals its reference up to fp32 rounding: sum_k (q_x s_x)
+ *           (q_w s_w) instead (ACT_FLOAT).
  *           Float GEMM on fp32 activations, one weight panel dequantized at a time into a
  *           [K][16] fp32 buffer of the thread (never a dequantized copy of a whole weight):
  *             w4-int (nibble - 8) * fp16 group scale, mxfp4 e2m1 * 2^(e8m0 - 127),
@@ -529,6 +530,7 @@ typedef struct {
     int bf16;              /* float formats on AVX-512 BF16: the bf16 tiles, on xb / ab */
     uint16_t *xb, *ab;     /* bf16 tiles: x [T, H] and FC2's input [chunk + MR_MAX, F] as bf16 */
     int vnni;              /* ACT_INT: the AVX-512 VNNI block tile (else the AVX2 one) */
+    int bits8;             /* ACT_INT on 8-bit panels (group-wise a8w8-int, VNNI only), else 4-bit (a8w4-int) */
     int32_t *xq, *xo, *aq, *ao; /* ACT_INT: x [T] and FC2's input [chunk + MR_MAX] rows as BlockRow's */
     float *xs, *as;             /* quads (K/4 each), offsets and scales (K/32 each) */
 } Call;
@@ -779,18 +781,21 @@ static BlockRow block_row(const int32_t *q, const float *sc, const int32_t *off,
 }
 
 /* This thread's share of the rows of src [n, K] (ld apart) quantized per block into q / sc / off. */
-static void block_quantize_rows(const float *src, int64_t ld, int64_t n, int64_t K, int32_t *q, float *sc,
-                                int32_t *off) {
+static void block_quantize_rows(const Call *cl, const float *src, int64_t ld, int64_t n, int64_t K, int32_t *q,
+                                float *sc, int32_t *off) {
     int64_t r0, r1;
     my_units(n, &r0, &r1);
     for (int64_t r = r0; r < r1; ++r)
-        block_quantize_row(src + r * ld, K, q + r * (K / 4), sc + r * (K / BLOCK), off + r * (K / BLOCK));
+        block_quantize_row(src + r * ld, K, cl->bits8, q + r * (K / 4), sc + r * (K / BLOCK), off + r * (K / BLOCK));
 }
 
-/* Panel p of a w4 weight with K inputs and group G: its codes and fp16 scales. */
-static const uint8_t *w4_panel(const uint8_t *w, int64_t p, int64_t K) { return w + p * panel_bytes(FMT_W4, K); }
-static const uint16_t *w4_scales(const void *s, int64_t p, int64_t K, int64_t G) {
-    return (const uint16_t *)panel_scales(FMT_W4, s, p, K, G);
+/* Panel p of the call's w4 / w8 weight with K inputs and group G on the block tile: c [mr][32]
+ * columns 16 h .. 16 h + 15. */
+static void block_of(const Call *cl, const uint8_t *w, const void *s, int64_t p, int64_t K, int64_t G,
+                     const BlockRow *rows, int mr, float *c) {
+    int fmt = cl->bits8 ? FMT_W8 : FMT_W4;
+    block_panel(cl->vnni, cl->bits8, w + p * panel_bytes(fmt, K), (const uint16_t *)panel_scales(fmt, s, p, K, G), K,
+                G, rows, mr, c, 32);
 }
 
 /* Block-tile FC1 + SwiGLU: this thread's 16-feature units (gate panel u, up panel F/16 + u) over
@@ -804,9 +809,8 @@ static void bfc1(const Call *cl, int mr_max, int64_t lo, int64_t n, const Expert
         for (int64_t r0 = 0; r0 < n; r0 += mr_max) {
             int mr = n - r0 < mr_max ? (int)(n - r0) : mr_max;
             for (int i = 0; i < mr; ++i) rows[i] = block_row(cl->xq, cl->xs, cl->xo, cl->tok[lo + r0 + i], H);
-            block_panel(cl->vnni, w4_panel(ex->w1, u, H), w4_scales(ex->s1, u, H, G), H, G, rows, mr, c, 32);
-            block_panel(cl->vnni, w4_panel(ex->w1, F / 16 + u, H), w4_scales(ex->s1, F / 16 + u, H, G), H, G, rows,
-                        mr, c + 16, 32);
+            block_of(cl, ex->w1, ex->s1, u, H, G, rows, mr, c);
+            block_of(cl, ex->w1, ex->s1, F / 16 + u, H, G, rows, mr, c + 16);
             for (int i = 0; i < mr; ++i) {
                 float k = cl->between ? route(cl, lo + r0 + i) : 1.f;
                 swiglu_span(a + (r0 + i) * F + u * 16, c + i * 32, c + i * 32 + 16, 0, 16, cl->limit, k);
@@ -825,9 +829,7 @@ static void bfc2(const Call *cl, int mr_max, int64_t lo, int64_t n, const Expert
         for (int64_t r0 = 0; r0 < n; r0 += mr_max) {
             int mr = n - r0 < mr_max ? (int)(n - r0) : mr_max;
             for (int i = 0; i < mr; ++i) rows[i] = block_row(cl->aq, cl->as, cl->ao, r0 + i, F);
-            for (int h = 0; h < 2; ++h)
-                block_panel(cl->vnni, w4_panel(ex->w2, 2 * u + h, F), w4_scales(ex->s2, 2 * u + h, F, G), F, G, rows,
-                            mr, c + 16 * h, 32);
+            for (int h = 0; h < 2; ++h) block_of(cl, ex->w2, ex->s2, 2 * u + h, F, G, rows, mr, c + 16 * h);
             for (int i = 0; i < mr; ++i) {
                 int64_t slot = lo + r0 + i;
                 float k = cl->between ? 1.f : route(cl, slot), *dst = cl->y + cl->tok[slot] * cl->ldy + u * 32;
@@ -842,7 +844,7 @@ static void block_chunk(const Call *cl, int64_t lo, int64_t n, const Expert *ex,
     int mr_max = cl->vnni ? BLOCK_MR_512 : BLOCK_MR_256;
     bfc1(cl, mr_max, lo, n, ex, a);
 #pragma omp barrier
-    block_quantize_rows(a, cl->F, n, cl->F, cl->aq, cl->as, cl->ao);
+    block_quantize_rows(cl, a, cl->F, n, cl->F, cl->aq, cl->as, cl->ao);
 #pragma omp barrier
     bfc2(cl, mr_max, lo, n, ex);
 }
@@ -903,8 +905,9 @@ static int isa_ok(int isa, int fmt) {
 /* Call fields, int64 each (pointers as integers):
  *   x, ldx, y, ldy, tok, scale, H, F, G1, G2, chunk, scratch, isa, fmt, between, qx, sx, sumx, qa, sa, suma,
  *   act_blocks (grouped a8w4-int / a8w8-int on FMT_W4 / FMT_W8 panels, F % 32 == 0: ACT_FLOAT, x already
- *   quantized per block and dequantized by the host, the float tiles; ACT_INT, a8w4-int only (FMT_W4,
- *   groups multiples of 32, no bf16), x as it is, quantized here for the integer block tiles),
+ *   quantized per block and dequantized by the host, the float tiles; ACT_INT, the integer block tiles
+ *   (a8w4-int on FMT_W4, a8w8-int on FMT_W8 with AVX-512 VNNI; groups multiples of 32, no bf16), x
+ *   as it is, quantized here),
  *   bf16 (1: the float formats' bf16 tiles, AVX-512 BF16 only; not w16)
  * experts: E rows of (w1, w2, s1, s2, cs1, cs2) pointers; bounds: E + 1 slot offsets.  scratch:
  * FC1's output of two chunks, 2 * (chunk + MR_MAX) * F floats; qx [T, H] bytes, sx / sumx [T];
@@ -958,8 +961,10 @@ static int64_t run_call(const int64_t *f, const int64_t *experts, const int64_t 
     if (!is_int(fmt) && (f[C_G1] < 1 || f[C_G2] < 1 || f[C_H] % f[C_G1] || f[C_F] % f[C_G2])) return -1;
     if (f[C_ACT_BLOCKS] && ((fmt != FMT_W4 && fmt != FMT_W8) || f[C_F] % 32)) return -1;
     if (f[C_ACT_BLOCKS] < ACT_NONE || f[C_ACT_BLOCKS] > ACT_INT) return -1;
-    int block_int = f[C_ACT_BLOCKS] == ACT_INT; /* a8w4-int's block tiles: w4 panels, whole blocks a group */
-    if (block_int && (fmt != FMT_W4 || f[C_G1] % BLOCK || f[C_G2] % BLOCK || f[C_BF16])) return -1;
+    /* the block tiles: a8w4-int on w4 panels, a8w8-int on w8 panels (AVX-512 VNNI), whole blocks a group */
+    int block_int = f[C_ACT_BLOCKS] == ACT_INT, vnni = s.isa == ISA_AVX512 && (moe_qgemm_cpu_features() & 2);
+    if (block_int && ((fmt != FMT_W4 && !(fmt == FMT_W8 && vnni)) || f[C_G1] % BLOCK || f[C_G2] % BLOCK || f[C_BF16]))
+        return -1;
     Call cl = {PTR(const float, f, C_X), f[C_LDX], PTR(float, f, C_Y), f[C_LDY], PTR(const int64_t, f, C_TOK),
                PTR(const float, f, C_SCALE), f[C_H], f[C_F], f[C_G1], f[C_G2], limit, (int)f[C_BETWEEN],
                PTR(int8_t, f, C_QX), PTR(float, f, C_SX), PTR(int32_t, f, C_SUMX), PTR(int8_t, f, C_QA),
@@ -986,7 +991,7 @@ static int64_t run_call(const int64_t *f, const int64_t *experts, const int64_t 
         return free(bufs), free(xp), free(bf), free(blk), -2;
     cl.xb = bf, cl.ab = bf ? bf + num_tokens * cl.H : NULL;
     if (block_int) {
-        cl.vnni = s.isa == ISA_AVX512 && (moe_qgemm_cpu_features() & 2);
+        cl.vnni = vnni, cl.bits8 = fmt == FMT_W8;
         cl.xq = blk, cl.aq = cl.xq + xn / 4;
         cl.xo = cl.aq + an / 4, cl.ao = cl.xo + xn / BLOCK;
         cl.xs = (float *)(cl.ao + an / BLOCK), cl.as = cl.xs + xn / BLOCK;
@@ -1000,7 +1005,7 @@ static int64_t run_call(const int64_t *f, const int64_t *experts, const int64_t 
 #pragma omp barrier
         }
         if (block_int) {
-            block_quantize_rows(cl.x, cl.ldx, num_tokens, cl.H, cl.xq, cl.xs, cl.xo);
+            block_quantize_rows(&cl, cl.x, cl.ldx, num_tokens, cl.H, cl.xq, cl.xs, cl.xo);
 #pragma omp barrier
         }
         if (is_int(fmt)) {
@@ -1095,11 +1100,12 @@ void moe_qgemm_quantize(const float *x, int64_t n, int64_t K, int8_t *q, float *
     quantize_rows(x, n, K, q, s, sum, 0);
 }
 
-/* Rows of x [n, K] (K a multiple of 32) as the block tiles read them (block_quantize_row): quads
- * xq [n, K/4], scales sx and offsets off [n, K/32]. */
-void moe_qgemm_block_quantize(const float *x, int64_t n, int64_t K, int32_t *xq, float *sx, int32_t *off) {
+/* Rows of x [n, K] (K a multiple of 32) as the block tiles read them (block_quantize_row, for
+ * 4-bit or 8-bit weights): quads xq [n, K/4], scales sx and offsets off [n, K/32]. */
+void moe_qgemm_block_quantize(const float *x, int64_t n, int64_t K, int64_t bits8, int32_t *xq, float *sx,
+                              int32_t *off) {
     for (int64_t r = 0; r < n; ++r)
-        block_quantize_row(x + r * K, K, xq + r * (K / 4), sx + r * (K / BLOCK), off + r * (K / BLOCK));
+        block_quantize_row(x + r * K, K, (int)bits8, xq + r * (K / 4), sx + r * (K / BLOCK), off + r * (K / BLOCK));
 }
 
 /* A float-format weight [N, K] (panel layout, N a multiple of 16) dequantized into rows: out [N][K],

@@ -56,7 +56,7 @@ _KERNEL = cpu_cc.Kernel(
      "moe_qgemm_dequant_panel": ([_I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR], _I64),
      "moe_qgemm_dequant_rows": ([_I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64], _I64),
      "moe_qgemm_quantize": [_PTR, _I64, _I64, _PTR, _PTR, _PTR],
-     "moe_qgemm_block_quantize": [_PTR, _I64, _I64, _PTR, _PTR, _PTR],
+     "moe_qgemm_block_quantize": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR],
      "moe_qgemm_cpu_features": ([], _I64)},
     "quantized prefill is unavailable")
 PANEL = 16  # output rows per packed panel (the C file's PANEL)
@@ -99,15 +99,24 @@ BLOCK_TILES_ENV = "MOE_COMPILE_QGEMM_BLOCK_TILES"
 ACT_FLOAT, ACT_INT = 1, 2  # the C call's act_blocks: float panels on dequantized blocks / the block tiles
 
 
-def block_tiles(p: "QGemmPack") -> bool:
-    """Whether a call on ``p``'s panels runs the integer block tiles (``blocktiles.h``): group-wise
-    a8w4-int with groups of whole 32-element blocks, unless ``MOE_COMPILE_QGEMM_BLOCK_TILES=0``.
-    Why the default: they multiply the stored codes (4 products a lane and instruction) where the
-    float panels dequantize every weight first: one MoE layer's 512-token prefill 0.5-0.6 of the
-    float panels' time on 2-core Xeon (AVX-512 VNNI, BENCHMARKS.md, session 32)."""
-    if p.fmt != "a8w4-int" or not _grouped(p) or p.group % 32:
+def block_tiles(p, isa: int) -> bool:
+    """Whether a call on ``p``'s panels (a QGemmPack or its canonical QuantWeight) at tile ``isa``
+    runs the integer block tiles
+    (``blocktiles.h``): group-wise a8w4-int (either ISA) or a8w8-int (AVX-512 VNNI) with groups of
+    whole 32-element blocks, unless ``MOE_COMPILE_QGEMM_BLOCK_TILES=0``.  Why the default: they
+    multiply the stored codes (4 products a lane and instruction) where the float panels
+    dequantize every weight first: one MoE layer's 512-token prefill a8w4-int 0.32-0.33 of the
+    float panels' time on a 2-core Xeon (AVX-512 VNNI), 0.57-0.66 under the AVX2 switch
+    (BENCHMARKS.md, session 32).  Group-wise a8w8-int on AVX2 keeps its float panels (8-bit
+    products need vpmaddubsw's sign trick and a widening a step there: no faster than fp32)."""
+    return _block_fits(p, isa) and os.environ.get(BLOCK_TILES_ENV, "1") != "0"
+
+
+def _block_fits(p, isa: int) -> bool:
+    """Whether the block tiles compute ``p``'s format at ``isa`` at all (block_tiles less the switch)."""
+    if not _grouped(p) or p.group % 32 or p.fmt not in ("a8w4-int", "a8w8-int"):
         return False
-    return os.environ.get(BLOCK_TILES_ENV, "1") != "0"
+    return p.fmt == "a8w4-int" or (isa == ISA_AVX512 and bool(_features() & 2))
 
 
 def bf16_tiles(p: "QGemmPack", isa: int) -> bool:
@@ -305,10 +314,10 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, attrs
     threads = threads or torch.get_num_threads()
     p1, p2 = packed(w1, pack_cache), packed(w2, pack_cache)
     x = x.contiguous()
-    block = block_tiles(p1) if block is None else block
-    if block and not (p1.fmt == "a8w4-int" and grouped and p1.group % 32 == 0 and p2.group % 32 == 0):
-        raise ValueError(f"qgemm: the block tiles run group-wise a8w4-int with groups of 32, 64, ..., not "
-                         f"{w1.fmt} (group {w1.group})")
+    block = block_tiles(w1, isa) and _block_fits(w2, isa) if block is None else block
+    if block and not (_block_fits(w1, isa) and _block_fits(w2, isa)):
+        raise ValueError(f"qgemm: the block tiles run group-wise a8w4-int, or a8w8-int on AVX-512 VNNI, with "
+                         f"groups of 32, 64, ...; not {w1.fmt} (group {w1.group}) at isa {isa}")
     if grouped and not block:  # x quantized per block of 32 and dequantized: what the float panels multiply
         x = dequantized_blocks(x)
     order, bounds = sort_by_expert(ids, E)
@@ -433,13 +442,16 @@ def quantize_rows(x: torch.Tensor):
     return q, s, total
 
 
-def block_quantized_rows(x: torch.Tensor):
+def block_quantized_rows(x: torch.Tensor, bits8: bool = False):
     """(q int8 [n, K], s fp32 [n, K/32], off int32 [n, K/32]) by the block tiles' quantizer, q read
-    back from its quads (elements 8c + 0, 2, 4, 6 then 8c + 1, 3, 5, 7); tests only."""
+    back from its quads (for 4-bit weights elements 8c + 0, 2, 4, 6 then 8c + 1, 3, 5, 7; for 8-bit
+    ones in order, offset by 128); tests only."""
     x = x.float().contiguous()
     n, K = x.shape
     quads, s, off = torch.empty(n, K // 4, dtype=torch.int32), torch.empty(n, K // 32), torch.empty(n, K // 32, dtype=torch.int32)
-    _KERNEL.lib().moe_qgemm_block_quantize(x.data_ptr(), n, K, quads.data_ptr(), s.data_ptr(), off.data_ptr())
+    _KERNEL.lib().moe_qgemm_block_quantize(x.data_ptr(), n, K, int(bits8), quads.data_ptr(), s.data_ptr(), off.data_ptr())
+    if bits8:
+        return (quads.view(torch.uint8).reshape(n, K).to(torch.int16) - 128).to(torch.int8), s, off
     paired = quads.view(torch.int8).reshape(n, K // 8, 2, 4)  # [c][low / high nibbles' elements][i]
     q = paired.transpose(2, 3).reshape(n, K)  # element 8c + 2i + h at [c][i][h]
     return q, s, off
