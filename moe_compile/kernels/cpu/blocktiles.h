@@ -182,20 +182,17 @@ BLOCK_AVX2 __attribute__((always_inline)) static inline void block_rows_avx2(con
     for (int r = 0; r < n; ++r) _mm256_storeu_ps(c + r * ldc, t[r]);
 }
 
-/* The panel against mr rows (1 .. BLOCK_MR_512), the row count dispatched to a constant. */
-BLOCK_VNNI static void block_panel_vnni(const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
+/* The 4-bit (or 8-bit: bits8) panel against mr rows (1 .. BLOCK_MR_512), the row count
+ * dispatched to a constant. */
+BLOCK_VNNI static void block_panel_vnni(int bits8, const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
                                         const BlockRow *rows, int mr, float *c, int64_t ldc) {
-#define BLOCK_N(N) \
-    case N: block_rows_vnni(d, s, K, G, rows, N, c, ldc); break;
-    switch (mr) { BLOCK_N(1) BLOCK_N(2) BLOCK_N(3) BLOCK_N(4) BLOCK_N(5) BLOCK_N(6) BLOCK_N(7) BLOCK_N(8) }
-#undef BLOCK_N
-}
-
-/* The 8-bit panel against mr rows (1 .. BLOCK_MR_512). */
-BLOCK_VNNI static void block_panel8_vnni(const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
-                                         const BlockRow *rows, int mr, float *c, int64_t ldc) {
-#define BLOCK_N(N) \
-    case N: block_rows8_vnni(d, s, K, G, rows, N, c, ldc); break;
+#define BLOCK_N(N)                                                             \
+    case N:                                                                    \
+        if (bits8)                                                             \
+            block_rows8_vnni(d, s, K, G, rows, N, c, ldc);                     \
+        else                                                                   \
+            block_rows_vnni(d, s, K, G, rows, N, c, ldc);                      \
+        break;
     switch (mr) { BLOCK_N(1) BLOCK_N(2) BLOCK_N(3) BLOCK_N(4) BLOCK_N(5) BLOCK_N(6) BLOCK_N(7) BLOCK_N(8) }
 #undef BLOCK_N
 }
@@ -217,7 +214,10 @@ BLOCK_AVX2 static void block_panel_avx2(const uint8_t *d, const uint16_t *s, int
  * products need the sign trick and a widening a step: no faster than the fp32 tile there). */
 static void block_panel(int vnni, int bits8, const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
                         const BlockRow *rows, int mr, float *c, int64_t ldc) {
-    (bits8 ? block_panel8_vnni : vnni ? block_panel_vnni : block_panel_avx2)(d, s, K, G, rows, mr, c, ldc);
+    if (vnni || bits8)
+        block_panel_vnni(bits8, d, s, K, G, rows, mr, c, ldc);
+    else
+        block_panel_avx2(d, s, K, G, rows, mr, c, ldc);
 }
 
 #endif
