@@ -52,30 +52,45 @@ typedef struct {
  * (bits8 = 1) the quads in order, xq[c] = q[4c .. 4c + 3] + 128 (vpdpbusd's unsigned operand),
  * and no offset (the +128 is taken off per column, block_rows8_vnni). */
 static inline void block_quantize_row(const float *x, int64_t K, int bits8, int32_t *xq, float *sx, int32_t *off) {
+    /* AVX2, 32 elements (one block) at a time: the same division, rounding and clamp as the
+     * reference's elementwise ops, so the same codes bit for bit (test_blocktiles.py) */
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127), nan_code = _mm256_set1_epi32(INT32_MIN);
+    /* 4-bit weights: each 8 bytes as their evens then their odds (what a lane's low and high nibbles
+     * multiply); 8-bit: in order */
+    const __m256i evens_odds = _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15,
+                                                0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+    const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes the packs' lane interleave */
     for (int64_t b = 0; b < K / BLOCK; ++b) {
         const float *xb = x + b * BLOCK;
-        float big = 0.f;
-        for (int j = 0; j < BLOCK; ++j) {
-            float m = xb[j] < 0 ? -xb[j] : xb[j];
-            big = m > big || m != m ? m : big; /* a NaN wins and stays */
+        __m256 v[4], big = _mm256_setzero_ps();
+        int nan = 0;
+        for (int i = 0; i < 4; ++i) {
+            v[i] = _mm256_loadu_ps(xb + 8 * i);
+            big = _mm256_max_ps(big, _mm256_and_ps(v[i], magnitude));
+            nan |= _mm256_movemask_ps(_mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
         }
-        float s = big / 127.f;
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(big), _mm256_extractf128_ps(big, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+        float s = nan ? __builtin_nanf("") : _mm_cvtss_f32(m4) / 127.f; /* a NaN wins and stays */
         s = s == 0.f ? 1.f : s;
-        int8_t q[BLOCK];
-        int32_t sum = 0;
-        for (int j = 0; j < BLOCK; ++j) {
-            int v = _mm_cvtss_si32(_mm_set_ss(xb[j] / s)); /* MXCSR's round half to even; NaN -> INT_MIN */
-            v = v == (int)0x80000000 ? 0 : v > 127 ? 127 : v < -127 ? -127 : v;
-            q[j] = (int8_t)v, sum += v;
+        const __m256 vs = _mm256_set1_ps(s);
+        __m256i q[4], sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; ++i) {
+            __m256i c = _mm256_cvtps_epi32(_mm256_div_ps(v[i], vs)); /* MXCSR's round half to even */
+            c = _mm256_andnot_si256(_mm256_cmpeq_epi32(c, nan_code), c); /* NaN (INT_MIN) -> 0 */
+            q[i] = _mm256_max_epi32(_mm256_min_epi32(c, lim), nlim);
+            sum = _mm256_add_epi32(sum, q[i]);
         }
-        for (int c = 0; c < BLOCK / 4; ++c) { /* 8 quads a block either way */
-            uint32_t quad = 0;
-            for (int i = 0; i < 4; ++i) /* 4-bit: quad c = 2 c' + h holds q[8 c' + 2 i + h] */
-                quad |= bits8 ? (uint32_t)(uint8_t)(q[4 * c + i] + 128) << (8 * i)
-                              : (uint32_t)(uint8_t)q[8 * (c / 2) + 2 * i + c % 2] << (8 * i);
-            xq[b * 8 + c] = (int32_t)quad;
-        }
-        sx[b] = s, off[b] = bits8 ? 0 : -8 * sum;
+        __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        bytes = _mm256_permutevar8x32_epi32(bytes, in_order);
+        bytes = bits8 ? _mm256_xor_si256(bytes, _mm256_set1_epi8((char)0x80)) : _mm256_shuffle_epi8(bytes, evens_odds);
+        _mm256_storeu_si256((__m256i *)(xq + b * 8), bytes);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        sx[b] = s, off[b] = bits8 ? 0 : -8 * _mm_cvtsi128_si32(s4);
     }
 }
 
