@@ -1,6 +1,6 @@
-/* Integer tiles with per-block scaling: group-wise a8w4-int's prefill (qgemm.c) on its own integer
- * semantics, y = sum_b (acc_b * s_x,b) * s_w,g(b), acc_b the exact int32 dot product of one
- * 32-element block of int8 activations with the block's 4-bit weights.
+/* Integer tiles with per-block scaling: group-wise a8w4-int's (and a8w8-int's) prefill (qgemm.c) on
+ * its own integer semantics, y = sum_b (acc_b * s_x,b) * s_w,g(b), acc_b the exact int32 dot
+ * product of one 32-element block of int8 activations with the block's 4-bit (8-bit) weights.
  *
  * Shapes:   one weight panel = 16 output rows (qgemm.py's _code_panels, w4-int's bytes):
  *             codes [K/8][16][4] bytes, lane j of vector c = row j's elements 8c .. 8c + 7 as
@@ -97,6 +97,16 @@ static inline void block_quantize_row(const float *x, int64_t K, int bits8, int3
 #define BLOCK_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c")))
 #define BLOCK_AVX2 __attribute__((target("avx2,fma,f16c")))
 
+/* One block's exact int32 sums of n rows (16 columns each) into their fp32 totals:
+ * t[r] += (sum[r] * s_x,r,b) * s_w (the 16 group scales at sg), the order qdecode's rows16 loops use. */
+BLOCK_VNNI __attribute__((always_inline)) static inline void block_scale_vnni(const BlockRow *rows, const int n,
+                                                                              int64_t b, const uint16_t *sg,
+                                                                              const __m512i *sum, __m512 *t) {
+    const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sg));
+    for (int r = 0; r < n; ++r)
+        t[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_set1_ps(rows[r].sx[b])), sw, t[r]);
+}
+
 /* c[r][0..15] = the panel (d, s) against rows[r], r < n (n a compile-time constant at each call). */
 BLOCK_VNNI __attribute__((always_inline)) static inline void block_rows_vnni(const uint8_t *d, const uint16_t *s,
                                                                              int64_t K, int64_t G,
@@ -119,11 +129,8 @@ BLOCK_VNNI __attribute__((always_inline)) static inline void block_rows_vnni(con
                 hi_acc[r] = _mm512_dpbusd_epi32(hi_acc[r], hi, _mm512_set1_epi32(xb[1]));
             }
         }
-        const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sg));
-        for (int r = 0; r < n; ++r) {
-            const __m512 acc = _mm512_cvtepi32_ps(_mm512_add_epi32(lo_acc[r], hi_acc[r]));
-            t[r] = _mm512_fmadd_ps(_mm512_mul_ps(acc, _mm512_set1_ps(rows[r].sx[b])), sw, t[r]);
-        }
+        for (int r = 0; r < n; ++r) lo_acc[r] = _mm512_add_epi32(lo_acc[r], hi_acc[r]);
+        block_scale_vnni(rows, n, b, sg, lo_acc, t);
         if (--left == 0) sg += 16, left = G / BLOCK;
     }
     for (int r = 0; r < n; ++r) _mm512_storeu_ps(c + r * ldc, t[r]);
@@ -155,11 +162,8 @@ BLOCK_VNNI __attribute__((always_inline)) static inline void block_rows8_vnni(co
             }
         }
         const __m512i bias = _mm512_slli_epi32(colsum, 7);
-        const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sg));
-        for (int r = 0; r < n; ++r) {
-            const __m512 acc = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(even[r], odd[r]), bias));
-            t[r] = _mm512_fmadd_ps(_mm512_mul_ps(acc, _mm512_set1_ps(rows[r].sx[b])), sw, t[r]);
-        }
+        for (int r = 0; r < n; ++r) even[r] = _mm512_sub_epi32(_mm512_add_epi32(even[r], odd[r]), bias);
+        block_scale_vnni(rows, n, b, sg, even, t);
         if (--left == 0) sg += 16, left = G / BLOCK;
     }
     for (int r = 0; r < n; ++r) _mm512_storeu_ps(c + r * ldc, t[r]);

@@ -525,8 +525,8 @@ typedef struct {
     float *sa;
     int32_t *suma;
     int act_blocks;        /* grouped a8w4-int / a8w8-int: ACT_FLOAT, FC2's input quantized per block of 32 and
-                            * dequantized (fake_quantize_blocks) for the float panels; ACT_INT (a8w4-int), the
-                            * integer block tiles (blocktiles.h) on x and FC2's input quantized per block */
+                            * dequantized (fake_quantize_blocks) for the float panels; ACT_INT, the integer
+                            * block tiles (blocktiles.h) on x and FC2's input quantized per block */
     int bf16;              /* float formats on AVX-512 BF16: the bf16 tiles, on xb / ab */
     uint16_t *xb, *ab;     /* bf16 tiles: x [T, H] and FC2's input [chunk + MR_MAX, F] as bf16 */
     int vnni;              /* ACT_INT: the AVX-512 VNNI block tile (else the AVX2 one) */
@@ -772,7 +772,7 @@ static void ffc2(const Call *cl, Shape s, int64_t lo, int64_t n, const Expert *e
     }
 }
 
-/* ---- group-wise a8w4-int on the integer block tiles (ACT_INT, blocktiles.h) ---- */
+/* ---- group-wise a8w4-int / a8w8-int on the integer block tiles (ACT_INT, blocktiles.h) ---- */
 
 /* Row r of a [n, K] quantized set (x: K = H, FC2's input: K = F) as the block tiles read it. */
 static BlockRow block_row(const int32_t *q, const float *sc, const int32_t *off, int64_t r, int64_t K) {

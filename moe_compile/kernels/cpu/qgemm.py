@@ -17,14 +17,15 @@ Formats:
                        BF16, every float format but w16 runs bf16 tiles instead (``bf16_tiles``:
                        the panel and the activations rounded to bf16, fp32 sums; the dense
                        prefill's ``prefill_dtype`` policy and switch).
-  a8w4-int group-wise  its own integer semantics on w4-int's panels (the same bytes): x and FC2's
-                       input quantized per token and block of 32 in the kernel, each block's int32
-                       sum exact and scaled once, y = sum_b (acc_b s_x) s_w (``block_tiles``: the
-                       integer block tiles, AVX-512 VNNI ``vpdpbusd`` or AVX2 ``vpmaddubsw``;
-                       ``MOE_COMPILE_QGEMM_BLOCK_TILES=0`` runs the float panels below instead).
-  a8w8-int group-wise  w8-int's float panels (the same bytes) on activations quantized per token and
-                       block of 32 and dequantized (x here, FC2's input in the kernel), so the
-                       result is the reference's up to fp32 rounding.
+  a8w4-int / a8w8-int group-wise
+                       their own integer semantics on w4-int's / w8-int's panels (the same bytes):
+                       x and FC2's input quantized per token and block of 32 in the kernel, each
+                       block's int32 sum exact and scaled once, y = sum_b (acc_b s_x) s_w
+                       (``block_tiles``: AVX-512 VNNI ``vpdpbusd``, or for a8w4-int AVX2
+                       ``vpmaddubsw``).  Elsewhere (a8w8-int on AVX2) and with
+                       ``MOE_COMPILE_QGEMM_BLOCK_TILES=0``: the float panels on activations
+                       quantized per block and dequantized (x here, FC2's input in the kernel), the
+                       reference's result up to fp32 rounding.
 
 Each canonical weight is repacked once (``pack``) into the tiles' panels (``QGemmPack``: the same
 bytes as the canonical tensors plus int32 column sums for a8w8) and kept in the caller's
