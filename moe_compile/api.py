@@ -71,7 +71,8 @@ def empty_cache() -> dict:
     """Give back the CPU memory the fused op keeps between calls: expert weights packed for oneDNN
     (``kernels/cpu/prepack.py``), stacked weight gradients' buffers (``kernels/cpu/grad_cache.py``) and
     quantized packs with quant="auto"'s choices (``kernels/cpu/quant.py``) and dense linears' packs
-    (``quant_dense``, ``kernels/cpu/dense.py``).
+    (``quant_dense``, ``kernels/cpu/dense.py``) with the calling thread's buffer for their prefill
+    calls' dequantized weights.
     Returns the bytes each held before.  Nothing is lost: packs are rebuilt and buffers made
     afresh when later calls need them; a gradient still alive keeps its memory until freed."""
     from moe_compile.kernels.cpu import dense as cpu_dense, grad_cache as cpu_grad_cache, prepack as cpu_prepack
@@ -80,7 +81,8 @@ def empty_cache() -> dict:
     dense = cpu_dense.stats()
     held = {"packed_weights": cpu_prepack.stats()["bytes"], "gradient_buffers": cpu_grad_cache.held_bytes(),
             "quantized_weights": cpu_quant.stats()["bytes"],
-            "dense_weights": dense["dense_pack_bytes"] + dense["dense_panel_bytes"]}
+            "dense_weights": dense["dense_pack_bytes"] + dense["dense_panel_bytes"],
+            "dense_prefill_scratch": dense["dense_prefill_scratch_bytes"]}
     cpu_dense.clear()
     cpu_prepack.clear()
     cpu_grad_cache.clear()

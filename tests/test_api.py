@@ -25,7 +25,7 @@ def test_empty_cache_gives_back_packs_and_gradient_buffers(monkeypatch):
     packed, kept = cpu_prepack.stats()["bytes"], cpu_grad_cache.held_bytes()
     assert packed > 0 and kept == w.fc1[0].nbytes
     assert moe_compile.empty_cache() == {"packed_weights": packed, "gradient_buffers": kept, "quantized_weights": 0,
-                                        "dense_weights": 0}
+                                        "dense_weights": 0, "dense_prefill_scratch": 0}
     assert cpu_prepack.stats()["bytes"] == 0 and cpu_grad_cache.held_bytes() == 0
     grad.fill_(1.0)  # a gradient handed out before stays the caller's
     assert torch.all(grad == 1.0)

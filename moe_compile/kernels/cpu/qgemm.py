@@ -55,7 +55,7 @@ _KERNEL = cpu_cc.Kernel(
      "moe_qgemm_run_quantized": ([_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, _I64], _I64),
      "moe_qgemm_int_matmul": ([_I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR], _I64),
      "moe_qgemm_dequant_panel": ([_I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR], _I64),
-     "moe_qgemm_dequant_rows": ([_I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64], _I64),
+     "moe_qgemm_dequant_kn": ([_I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64], _I64),
      "moe_qgemm_quantize": [_PTR, _I64, _I64, _PTR, _PTR, _PTR],
      "moe_qgemm_block_quantize": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR],
      "moe_qgemm_cpu_features": ([], _I64)},
@@ -417,21 +417,32 @@ def float_panels(w) -> bool:
     return w.fmt not in INTEGER or _grouped(w)
 
 
-def dequantized_weight(p: QGemmPack, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantized_weight(p: QGemmPack, e: int, dtype: torch.dtype = torch.float32,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
     """Expert e's weight [N, K] in fp32 or bf16 (rounded to nearest even), dequantized from its
-    float panels in one threaded C pass: a dense prefill GEMM's operand (kernels/cpu/dense.py)."""
+    float panels in one threaded C pass: a dense prefill GEMM's operand (kernels/cpu/dense.py).
+    The result is the transpose of a contiguous [K, N] tensor (``.t()`` of it is contiguous): what
+    the C pass writes with whole-vector stores and torch's GEMM reads as ``x @ w.t()`` without a
+    copy.  ``out``: a contiguous tensor of dtype with at least N K elements to write into (its
+    first N K), instead of a new one."""
     if not float_panels(p) or dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"qgemm.dequantized_weight: {p.fmt} panels as {dtype} are not served")
     E, N, K = p.shape
-    out = torch.empty(N, K, dtype=dtype)
+    if out is None:
+        out = torch.empty(K, N, dtype=dtype)
+    elif out.dtype != dtype or not out.is_contiguous() or out.numel() < N * K:
+        raise ValueError(f"qgemm.dequantized_weight: out must be a contiguous {dtype} tensor of at least {N * K} "
+                         f"elements, got {out.dtype} {tuple(out.shape)}")
+    else:
+        out = out.view(-1)[: N * K].view(K, N)
     scales = p.scale[e].data_ptr() if p.scale.numel() else None
     isa = best_isa("grouped" if _grouped(p) else p.fmt)
-    status = _KERNEL.lib().moe_qgemm_dequant_rows(isa, p.code, p.data[e].data_ptr(), scales, N, K, p.group,
-                                                  out.data_ptr(), int(dtype == torch.bfloat16),
-                                                  torch.get_num_threads())
+    status = _KERNEL.lib().moe_qgemm_dequant_kn(isa, p.code, p.data[e].data_ptr(), scales, N, K, p.group,
+                                                out.data_ptr(), int(dtype == torch.bfloat16),
+                                                torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"qgemm.dequantized_weight: {p.fmt} refused (status {status})")
-    return out
+    return out.t()
 
 
 def quantize_rows(x: torch.Tensor):

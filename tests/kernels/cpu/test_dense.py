@@ -64,6 +64,52 @@ def test_prefill_weight_from_panels_equals_the_reference_dequantization(fmt):
     assert torch.equal(qgemm.dequantized_weight(panels, 0, torch.bfloat16), want.bfloat16())
 
 
+@pytest.mark.parametrize("fmt,group", (("w4-int", 32), ("w4-int", 512), ("w8-int", 64), ("mxfp4", 32), ("w16", None)))
+@pytest.mark.parametrize("offset", (0, 1))
+def test_prefill_weight_into_a_given_buffer(fmt, group, offset):
+    """Into a caller's buffer (longer than the weight; offset 1: not 64-byte aligned, so the C pass
+    stores without its whole-line non-temporal stores), with K = 1024 over several of the pass's
+    k steps (group 512: a step longer than its usual 256), an odd panel count (48 rows: a panel
+    pair and a lone panel): the reference's values in fp32 and bf16."""
+    from moe_compile.kernels.cpu import qgemm
+
+    if qgemm.unavailable_reason(fmt) is not None:
+        pytest.skip(qgemm.unavailable_reason(fmt))
+    qw = quant.pack(fmt, torch.randn(1, 48, 1024), group)
+    panels = qgemm.pack(qw)
+    want = quant.dequantize(qw)[0]
+    for dtype in (torch.float32, torch.bfloat16):
+        buf = torch.full((48 * 1024 + 100,), float("nan"), dtype=dtype)
+        got = qgemm.dequantized_weight(panels, 0, dtype, buf[offset:])
+        assert got.shape == (48, 1024) and got.t().is_contiguous() and got.data_ptr() == buf[offset:].data_ptr()
+        assert torch.equal(got, want.to(dtype))
+    with pytest.raises(ValueError, match="at least 49152 elements"):
+        qgemm.dequantized_weight(panels, 0, torch.float32, torch.empty(100))
+
+
+def test_prefill_weight_buffer_kept_and_reused(monkeypatch):
+    """Prefill calls on two weights share this thread's kept buffer: each result is its own weight's
+    (the second call overwrites the buffer only after the first's GEMM read it); a weight over
+    SCRATCH_BYTES gets a buffer of its own; empty_cache gives the kept one back."""
+    import moe_compile
+
+    moe_compile.empty_cache()
+    w1, w2, x = torch.randn(96, K), torch.randn(48, K), torch.randn(40, K)
+    y1 = dense.linear(x, w1, None, "w8-int")
+    kept = dense.stats()["dense_prefill_scratch_bytes"]
+    dtype = dense.prefill_dtype("w8-int")
+    assert kept == 96 * K * dtype.itemsize
+    y2 = dense.linear(x, w2, None, "w8-int")
+    assert dense.stats()["dense_prefill_scratch_bytes"] == kept  # the smaller weight reuses it
+    for y, w in ((y1, w1), (y2, w2)):
+        assert rel_err(y, _reference(x, w, torch.zeros(w.shape[0]), "w8-int")) < (8e-3 if dtype == torch.bfloat16 else TOL)
+    monkeypatch.setattr(dense, "SCRATCH_BYTES", 48 * K * dtype.itemsize)
+    y3 = dense.linear(x, w1, None, "w8-int")  # over the limit now: made for the call
+    assert torch.equal(y3, y1)
+    assert moe_compile.empty_cache()["dense_prefill_scratch"] == kept
+    assert dense.stats()["dense_prefill_scratch_bytes"] == 0
+
+
 def test_prefill_in_fp32_when_asked(monkeypatch):
     """MOE_COMPILE_PREFILL_BF16=0: the prefill GEMM on the fp32 dequantized weight, to fp32 rounding."""
     monkeypatch.setenv(dense.PREFILL_BF16_ENV, "0")
