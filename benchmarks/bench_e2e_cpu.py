@@ -413,18 +413,11 @@ def main() -> None:
 
 
 def _llc_mib() -> str:
-    """The last-level cache's size as sysfs reports it: where the weights every step reads again
-    (attention, lm_head: ~80 MB at 4 bits here) fit in it, a step reads them from there and can beat
-    the roof (a fraction above 1), ours and llama.cpp's alike."""
-    sizes = []
-    for index in range(8):
-        try:
-            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size") as f:
-                text = f.read().strip()
-        except OSError:
-            break
-        sizes.append(int(text[:-1]) * (1024 if text.endswith("M") else 1) if text[-1] in "KM" else int(text) // 1024)
-    return str(max(sizes) // 1024) if sizes else "?"
+    """The last-level cache's MiB: where the weights every step reads again (attention, lm_head:
+    ~80 MB at 4 bits here) fit in it, a step reads them from there and can beat the roof (a
+    fraction above 1), ours and llama.cpp's alike."""
+    llc = harness.last_level_cache_bytes()
+    return "?" if llc is None else str(llc // (1024 * 1024))
 
 
 def _gguf_paths(a, model) -> dict:

@@ -112,6 +112,29 @@ def best_read_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
     return mib * 1024 * 1024 / t.min_s
 
 
+def last_level_cache_bytes() -> int | None:
+    """The largest CPU cache sysfs reports for cpu0 (the last level), or None where it says nothing."""
+    sizes = []
+    for index in range(8):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size") as f:
+                text = f.read().strip()
+        except OSError:
+            break
+        unit = {"K": 1024, "M": 1024 * 1024}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KM")) * unit)
+    return max(sizes) if sizes else None
+
+
+def flush_mib() -> int:
+    """MiB to read between timed calls so that they start with none of their weights in any cache:
+    twice the last-level cache, at least 64 (a 2-core Xeon VM reports 300 MiB of L3: after a 64 MiB
+    read a 7 MiB buffer still read at 42 GB/s, from L3; after 256 MiB or more at 19-21 GB/s), at
+    most 1024."""
+    llc = last_level_cache_bytes()
+    return 64 if llc is None else min(1024, max(64, 2 * llc // (1024 * 1024)))
+
+
 def cache_flush(mib: int = 64):
     """``fn()`` reading ``mib`` MiB of unrelated memory (``torch.sum``): run before each timed call
     of a memory-bound cell, every variant then starts with the caches holding none of the weights,
