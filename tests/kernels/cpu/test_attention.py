@@ -77,6 +77,43 @@ def test_equals_reference(shape, mask, threads, isa):
     torch.testing.assert_close(got, reference(q, k, v, m, scale), atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kind", ["float", "bool"])
+def test_static_cache_mask_only_its_attended_keys(kind, threads, isa):
+    """A static KV cache's mask: each batch row left-padded (its first keys masked), each query row
+    causal up to its own end, the long unwritten tail masked for every row.  Only the keys some
+    row attends are chunked (attended_span); the answer is the reference's, the keys past the last
+    attended one changing nothing (they hold inf here: read, they would make NaN)."""
+    B, H, G, L, S, D = 2, 8, 2, 3, 1000, 32
+    q, k, v = torch.randn(B, H, L, D), torch.randn(B, G, S, D), torch.randn(B, G, S, D)
+    keep = torch.zeros(B, 1, L, S, dtype=torch.bool)
+    for b in range(B):
+        for row in range(L):
+            keep[b, 0, row, 7 * b + 3: 150 + row + 1] = True
+    k[:, :, 160:] = float("inf")
+    v[:, :, 160:] = float("inf")
+    m = keep if kind == "bool" else torch.where(keep, torch.randn(B, 1, L, S), torch.tensor(float("-inf")))
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, fast = served(q, k, v, m, D ** -0.5)
+    finally:
+        torch.set_num_threads(old)
+    assert fast and torch.isfinite(got).all()
+    # as test_equals_reference: fp32 sums in another order than float64
+    want = reference(q, k[:, :, :160], v[:, :, :160], m[..., :160], D ** -0.5)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_every_key_masked_for_every_row_goes_to_sdpa():
+    q, k, v = torch.randn(1, 4, 2, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    m = torch.zeros(1, 1, 2, 8, dtype=torch.bool)
+    got, fast = served(q, k, v, m, 0.25)
+    assert not fast
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)  # SDPA's own answer there
+
+
 def test_strided_inputs():
     """q from a transpose (HF's [B, L, H, D] -> [B, H, L, D]), K/V a slice of a longer cache."""
     B, H, G, L, S, D = 1, 8, 2, 2, 50, 32
