@@ -1108,8 +1108,6 @@ void moe_qgemm_block_quantize(const float *x, int64_t n, int64_t K, int64_t bits
         block_quantize_row(x + r * K, K, (int)bits8, xq + r * (K / 4), sx + r * (K / BLOCK), off + r * (K / BLOCK));
 }
 
-/* 16 fp32 values stored as bf16, rounded to nearest even: (bits + 0x7FFF + lsb) >> 16 a lane, the
- * rule torch's fp32 -> bf16 conversion follows for finite values (the packs' values are finite). */
 /* moe_qgemm_dequant_kn's step along k: whole groups, DQ_KC elements where the group divides it */
 enum { DQ_KC = 256 };
 static int64_t dequant_kn_step(int64_t G) { return G > 0 && G < DQ_KC ? DQ_KC / G * G : G > 0 ? G : DQ_KC; }
@@ -1130,8 +1128,9 @@ static inline __m256i bf16x16(const float *src) {
 
 /* Panels [p, p + np) (np 1 or 2) of a float-format weight dequantized into their columns of
  * out [K][N]: `step` elements of k at a time (dequant_kn_step) into the thread's buffer
- * buf [2][step][16] (32 KiB at step 256, in L1 / L2), then each k's 64 bytes (fp32: one panel; bf16: two) stored to memory as
- * one line with a non-temporal store where the line is whole and aligned (`stream`). */
+ * buf [2][step][16] (32 KiB at step 256, in L1 / L2), then each k's 64 bytes (fp32: one panel;
+ * bf16: two) stored to memory as one line, non-temporally where the lines are whole and aligned
+ * (`stream`: then N is a multiple of 32 and np is 2). */
 static void dequant_kn_panels(Shape s, const uint8_t *w, const void *scales, int64_t p, int np, int64_t N, int64_t K,
                               int64_t G, int64_t step, void *out, int bf16, int stream, float *buf) {
     const int64_t code_bytes = panel_bytes(s.fmt, K) / K, scale_bytes = is_mx(s.fmt) ? 1 : 2; /* a k, a group */
