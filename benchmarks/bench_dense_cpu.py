@@ -90,13 +90,17 @@ def torchao_rows(w: torch.Tensor) -> dict:
 
 
 def moe_rows(w: torch.Tensor) -> dict:
+    """dense_linear in each format with the group the backend packs a dense linear with
+    (``passes/linears.dense_group``: a8w8-int group-wise, the others their own default)."""
     import moe_compile.ops  # noqa: F401  registers the op
     from moe_compile.kernels.cpu import dense
+    from moe_compile.passes.linears import dense_group
 
     rows = {"moe fp32": lambda x: torch.ops.moe_compile.dense_linear(x, w, None, "none", 0)}
     for fmt in FORMATS:
         if dense.unavailable_reason(fmt) is None:
-            rows[f"moe {fmt}"] = (lambda f: lambda x: torch.ops.moe_compile.dense_linear(x, w, None, f, 0))(fmt)
+            group = dense_group(fmt, w.shape[1])
+            rows[f"moe {fmt}"] = (lambda f, g: lambda x: torch.ops.moe_compile.dense_linear(x, w, None, f, g))(fmt, group)
     return rows
 
 
