@@ -206,7 +206,9 @@ def _prefill(x2: torch.Tensor, pack: "_Packed", bias: torch.Tensor | None) -> to
     if pack.panels is None:
         pack.panels = _float_panels(pack.qweight)
     if pack.panels is not False:
-        w = qgemm.dequantized_weight(pack.panels, 0, dtype, _weight_scratch(pack.qweight.shape, dtype))
+        # a GEMM that autograd records keeps its weight for the backward: not the kept buffer then
+        recorded = torch.is_grad_enabled() and x2.requires_grad
+        w = qgemm.dequantized_weight(pack.panels, 0, dtype, None if recorded else _weight_scratch(pack.qweight.shape, dtype))
     else:
         w = quant.dequantize(pack.qweight)[0].to(dtype)  # [N, K], this call only
     y = F.linear(x2.to(dtype), w).float()

@@ -110,6 +110,25 @@ def test_prefill_weight_buffer_kept_and_reused(monkeypatch):
     assert dense.stats()["dense_prefill_scratch_bytes"] == 0
 
 
+def test_prefill_recorded_by_autograd_keeps_its_own_weight():
+    """A prefill GEMM autograd records saves its weight for the backward: that weight must not be
+    the kept buffer a later call overwrites (the gradient would silently use another weight)."""
+    import moe_compile
+
+    moe_compile.empty_cache()
+    w1, w2 = torch.randn(96, K), torch.randn(96, K)
+    x = torch.randn(40, K, requires_grad=True)
+    y = dense.linear(x, w1, None, "w8-int")
+    assert dense.stats()["dense_prefill_scratch_bytes"] == 0
+    with torch.no_grad():
+        dense.linear(torch.randn(40, K), w2, None, "w8-int")  # fills the kept buffer with w2
+    y.sum().backward()
+    dtype = dense.prefill_dtype("w8-int")
+    want = quant.dequantize(dense.packed(w1, "w8-int").qweight)[0].to(dtype).float().sum(0)
+    # x's gradient is the column sums of w1's dequantized weight (bf16 GEMM: one rounding of its sum)
+    assert rel_err(x.grad, want.expand(40, K)) < (8e-3 if dtype == torch.bfloat16 else 1e-5)
+
+
 def test_prefill_in_fp32_when_asked(monkeypatch):
     """MOE_COMPILE_PREFILL_BF16=0: the prefill GEMM on the fp32 dequantized weight, to fp32 rounding."""
     monkeypatch.setenv(dense.PREFILL_BF16_ENV, "0")
