@@ -19,9 +19,9 @@ softmax routing weights:
 Every round calls each variant once, in an order shuffled every round: a call that always ran
 right after the 256 MiB read was ~0.15 ms slower than the same call elsewhere in the round
 (Mixtral T=1, 2-core EPYC), so a fixed order biases whichever variant follows it.  Decode cells
-read --flush-mib (256) MiB of unrelated memory before every timed call: 64 MiB did not evict a
-50 MB working set on a VM reporting a 480 MiB L3 (1.14 ms against 2.23 ms after 256 MiB for the
-same Mixtral-like T=1 call).  2 threads on both sides.
+read --flush-mib MiB of unrelated memory before every timed call (default: twice the last-level
+cache, at least 256): 64 MiB did not evict a 50 MB working set on a VM reporting a 480 MiB L3
+(1.14 ms against 2.23 ms after 256 MiB for the same Mixtral-like T=1 call).  2 threads on both sides.
 
     python benchmarks/bench_cpu_llamacpp.py --llama-lib /path/libmoe_peer.so --out DIR
 """
@@ -183,7 +183,9 @@ def main(argv=None):
     ap.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     ap.add_argument("--decode-rounds", type=int, default=40)
     ap.add_argument("--prefill-rounds", type=int, default=7)
-    ap.add_argument("--flush-mib", type=int, default=256, help="MiB read before each decode call (evicts the weights)")
+    ap.add_argument("--flush-mib", type=int, default=None,
+                    help="MiB read before each decode call (evicts the weights; default twice the last-level cache, "
+                         "at least 256)")
     ap.add_argument("--out", default=None, help="directory for cpu_llamacpp.md and .json")
     a = ap.parse_args(argv)
     import moe_compile.ops  # noqa: F401  torch's libgomp first, then the peer library
@@ -191,7 +193,7 @@ def main(argv=None):
     lib = open_peer(a.llama_lib)
     if lib is None:
         print(f"# llama.cpp peer not found ({a.llama_lib!r}): moe and the roofs only", file=sys.stderr)
-    data = run(a.shapes, a.tokens, lib, a.decode_rounds, a.prefill_rounds, a.flush_mib)
+    data = run(a.shapes, a.tokens, lib, a.decode_rounds, a.prefill_rounds, a.flush_mib or max(256, harness.flush_mib()))
     md = to_markdown(data)
     print(md)
     harness.write_outputs(a.out, "cpu_llamacpp", md, data)

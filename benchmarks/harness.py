@@ -135,14 +135,15 @@ def flush_mib() -> int:
     return 64 if llc is None else min(1024, max(64, 2 * llc // (1024 * 1024)))
 
 
-def cache_flush(mib: int = 64):
-    """``fn()`` reading ``mib`` MiB of unrelated memory (``torch.sum``): run before each timed call
+def cache_flush(mib: int | None = None):
+    """``fn()`` reading ``mib`` MiB (default ``flush_mib()``: twice the last-level cache, at least
+    64) of unrelated memory (``torch.sum``): run before each timed call
     of a memory-bound cell, every variant then starts with the caches holding none of the weights,
     as a layer's decode step does in a model whose weights exceed the cache.  Without it a variant
     gains from the one timed before it: right after moe had streamed 120 MiB of touched experts, a
     sum over the same weights read them at 44 GB/s against ~30 GB/s from memory (the last-read part
     still in the 32 MiB L3)."""
-    buf = torch.ones(mib * 1024 * 1024 // 4, dtype=torch.float32)
+    buf = torch.ones((mib or flush_mib()) * 1024 * 1024 // 4, dtype=torch.float32)
     return lambda: buf.sum()
 
 
