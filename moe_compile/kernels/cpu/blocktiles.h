@@ -50,7 +50,7 @@ typedef struct {
  * non-finite), q = round half to even(x / s) in [-127, 127], 0 where x / s is NaN; stored as
  * BlockRow's quads, scales and offsets: for 4-bit weights (bits8 = 0) as above, for 8-bit ones
  * (bits8 = 1) the quads in order, xq[c] = q[4c .. 4c + 3] + 128 (vpdpbusd's unsigned operand),
- * and no offset (the +128 is taken off per column, block_rows8_vnni). */
+ * and no offset (the +128 is taken off per column, block_sums8_vnni). */
 static inline void block_quantize_row(const float *x, int64_t K, int bits8, int32_t *xq, float *sx, int32_t *off) {
     /* AVX2, 32 elements (one block) at a time: the same division, rounding and clamp as the
      * reference's elementwise ops, so the same codes bit for bit (test_blocktiles.py) */
@@ -97,73 +97,68 @@ static inline void block_quantize_row(const float *x, int64_t K, int bits8, int3
 #define BLOCK_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c")))
 #define BLOCK_AVX2 __attribute__((target("avx2,fma,f16c")))
 
-/* One block's exact int32 sums of n rows (16 columns each) into their fp32 totals:
- * t[r] += (sum[r] * s_x,r,b) * s_w (the 16 group scales at sg), the order qdecode's rows16 loops use. */
-BLOCK_VNNI __attribute__((always_inline)) static inline void block_scale_vnni(const BlockRow *rows, const int n,
-                                                                              int64_t b, const uint16_t *sg,
-                                                                              const __m512i *sum, __m512 *t) {
-    const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sg));
-    for (int r = 0; r < n; ++r)
-        t[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_set1_ps(rows[r].sx[b])), sw, t[r]);
+/* sum[r] = block b's exact int32 sums of rows[r] against a 4-bit panel's 16 columns, db the
+ * block's 4 vectors: the low and the high nibbles in two chains a row (vpdpbusd's latency hidden
+ * at few rows), the block's offset -8 sum(q_x) as the low chain's start. */
+BLOCK_VNNI __attribute__((always_inline)) static inline void block_sums4_vnni(const uint8_t *db, const BlockRow *rows,
+                                                                              const int n, int64_t b, __m512i *sum) {
+    const __m512i low = _mm512_set1_epi8(15);
+    __m512i hi_acc[BLOCK_MR_512];
+    for (int r = 0; r < n; ++r) sum[r] = _mm512_set1_epi32(rows[r].off[b]), hi_acc[r] = _mm512_setzero_si512();
+    for (int q = 0; q < 4; ++q) {
+        const __m512i v = _mm512_loadu_si512(db + 64 * q);
+        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        for (int r = 0; r < n; ++r) {
+            const int32_t *xb = rows[r].xq + 8 * b + 2 * q;
+            sum[r] = _mm512_dpbusd_epi32(sum[r], lo, _mm512_set1_epi32(xb[0]));
+            hi_acc[r] = _mm512_dpbusd_epi32(hi_acc[r], hi, _mm512_set1_epi32(xb[1]));
+        }
+    }
+    for (int r = 0; r < n; ++r) sum[r] = _mm512_add_epi32(sum[r], hi_acc[r]);
 }
 
-/* c[r][0..15] = the panel (d, s) against rows[r], r < n (n a compile-time constant at each call). */
-BLOCK_VNNI __attribute__((always_inline)) static inline void block_rows_vnni(const uint8_t *d, const uint16_t *s,
-                                                                             int64_t K, int64_t G,
+/* The same for 8-bit weight panels (w8-int's bytes, group-wise a8w8-int): codes [K/4][16][4]
+ * int8, lane j of vector c = row j's elements 4c .. 4c + 3; rows' quads in order, offset by 128;
+ * db the block's 8 vectors.  vpdpbusd (x + 128 unsigned, broadcast) x (q_w signed) sums
+ * q_x q_w + 128 sum q_w, so each block's column sums of q_w (vpdpbusd of ones, once a panel block
+ * for all rows) times 128 come off: exact. */
+BLOCK_VNNI __attribute__((always_inline)) static inline void block_sums8_vnni(const uint8_t *db, const BlockRow *rows,
+                                                                              const int n, int64_t b, __m512i *sum) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    __m512i odd[BLOCK_MR_512], colsum = _mm512_setzero_si512();
+    for (int r = 0; r < n; ++r) sum[r] = odd[r] = _mm512_setzero_si512();
+    for (int q = 0; q < 8; q += 2) {
+        const __m512i v0 = _mm512_loadu_si512(db + 64 * q), v1 = _mm512_loadu_si512(db + 64 * q + 64);
+        colsum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(colsum, ones, v0), ones, v1);
+        for (int r = 0; r < n; ++r) {
+            const int32_t *xb = rows[r].xq + 8 * b + q;
+            sum[r] = _mm512_dpbusd_epi32(sum[r], _mm512_set1_epi32(xb[0]), v0);
+            odd[r] = _mm512_dpbusd_epi32(odd[r], _mm512_set1_epi32(xb[1]), v1);
+        }
+    }
+    const __m512i bias = _mm512_slli_epi32(colsum, 7);
+    for (int r = 0; r < n; ++r) sum[r] = _mm512_sub_epi32(_mm512_add_epi32(sum[r], odd[r]), bias);
+}
+
+/* c[r][0..15] = the 4-bit (bits8 = 0) or 8-bit (1) panel (d, s) against rows[r], r < n (bits8 and n
+ * compile-time constants at each call): each block's exact sums scaled once,
+ * t[r] += (sum[r] * s_x,r,b) * s_w (the 16 group scales at sg), the order qdecode's rows16 loops use. */
+BLOCK_VNNI __attribute__((always_inline)) static inline void block_rows_vnni(const int bits8, const uint8_t *d,
+                                                                             const uint16_t *s, int64_t K, int64_t G,
                                                                              const BlockRow *rows, const int n,
                                                                              float *c, int64_t ldc) {
-    const __m512i low = _mm512_set1_epi8(15);
     __m512 t[BLOCK_MR_512];
     for (int r = 0; r < n; ++r) t[r] = _mm512_setzero_ps();
     const uint16_t *sg = s; /* the blocks' 16 group scales, stepped every G / 32 blocks */
     for (int64_t b = 0, left = G / BLOCK; b < K / BLOCK; ++b) {
-        const uint8_t *db = d + b * 4 * 64; /* a block's 32 elements of 16 rows: 4 vectors */
-        __m512i lo_acc[BLOCK_MR_512], hi_acc[BLOCK_MR_512];
-        for (int r = 0; r < n; ++r) lo_acc[r] = _mm512_set1_epi32(rows[r].off[b]), hi_acc[r] = _mm512_setzero_si512();
-        for (int q = 0; q < 4; ++q) {
-            const __m512i v = _mm512_loadu_si512(db + 64 * q);
-            const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            for (int r = 0; r < n; ++r) {
-                const int32_t *xb = rows[r].xq + 8 * b + 2 * q;
-                lo_acc[r] = _mm512_dpbusd_epi32(lo_acc[r], lo, _mm512_set1_epi32(xb[0]));
-                hi_acc[r] = _mm512_dpbusd_epi32(hi_acc[r], hi, _mm512_set1_epi32(xb[1]));
-            }
-        }
-        for (int r = 0; r < n; ++r) lo_acc[r] = _mm512_add_epi32(lo_acc[r], hi_acc[r]);
-        block_scale_vnni(rows, n, b, sg, lo_acc, t);
-        if (--left == 0) sg += 16, left = G / BLOCK;
-    }
-    for (int r = 0; r < n; ++r) _mm512_storeu_ps(c + r * ldc, t[r]);
-}
-
-/* The same for 8-bit weight panels (w8-int's bytes, group-wise a8w8-int): codes [K/4][16][4]
- * int8, lane j of vector c = row j's elements 4c .. 4c + 3; rows' quads in order, offset by 128.
- * vpdpbusd (x + 128 unsigned, broadcast) x (q_w signed) sums q_x q_w + 128 sum q_w, so each block's
- * column sums of q_w (vpdpbusd of ones, once a panel block for all rows) times 128 come off: exact. */
-BLOCK_VNNI __attribute__((always_inline)) static inline void block_rows8_vnni(const uint8_t *d, const uint16_t *s,
-                                                                              int64_t K, int64_t G,
-                                                                              const BlockRow *rows, const int n,
-                                                                              float *c, int64_t ldc) {
-    const __m512i ones = _mm512_set1_epi8(1);
-    __m512 t[BLOCK_MR_512];
-    for (int r = 0; r < n; ++r) t[r] = _mm512_setzero_ps();
-    const uint16_t *sg = s;
-    for (int64_t b = 0, left = G / BLOCK; b < K / BLOCK; ++b) {
-        const uint8_t *db = d + b * 8 * 64; /* a block's 32 elements of 16 rows: 8 vectors */
-        __m512i even[BLOCK_MR_512], odd[BLOCK_MR_512], colsum = _mm512_setzero_si512();
-        for (int r = 0; r < n; ++r) even[r] = odd[r] = _mm512_setzero_si512();
-        for (int q = 0; q < 8; q += 2) {
-            const __m512i v0 = _mm512_loadu_si512(db + 64 * q), v1 = _mm512_loadu_si512(db + 64 * q + 64);
-            colsum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(colsum, ones, v0), ones, v1);
-            for (int r = 0; r < n; ++r) {
-                const int32_t *xb = rows[r].xq + 8 * b + q;
-                even[r] = _mm512_dpbusd_epi32(even[r], _mm512_set1_epi32(xb[0]), v0);
-                odd[r] = _mm512_dpbusd_epi32(odd[r], _mm512_set1_epi32(xb[1]), v1);
-            }
-        }
-        const __m512i bias = _mm512_slli_epi32(colsum, 7);
-        for (int r = 0; r < n; ++r) even[r] = _mm512_sub_epi32(_mm512_add_epi32(even[r], odd[r]), bias);
-        block_scale_vnni(rows, n, b, sg, even, t);
+        __m512i sum[BLOCK_MR_512];
+        if (bits8)
+            block_sums8_vnni(d + b * 8 * 64, rows, n, b, sum); /* a block's 32 elements of 16 rows: 8 vectors */
+        else
+            block_sums4_vnni(d + b * 4 * 64, rows, n, b, sum); /* 4 vectors */
+        const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sg));
+        for (int r = 0; r < n; ++r)
+            t[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_set1_ps(rows[r].sx[b])), sw, t[r]);
         if (--left == 0) sg += 16, left = G / BLOCK;
     }
     for (int r = 0; r < n; ++r) _mm512_storeu_ps(c + r * ldc, t[r]);
@@ -208,9 +203,9 @@ BLOCK_VNNI static void block_panel_vnni(int bits8, const uint8_t *d, const uint1
 #define BLOCK_N(N)                                                             \
     case N:                                                                    \
         if (bits8)                                                             \
-            block_rows8_vnni(d, s, K, G, rows, N, c, ldc);                     \
+            block_rows_vnni(1, d, s, K, G, rows, N, c, ldc);                   \
         else                                                                   \
-            block_rows_vnni(d, s, K, G, rows, N, c, ldc);                      \
+            block_rows_vnni(0, d, s, K, G, rows, N, c, ldc);                   \
         break;
     switch (mr) { BLOCK_N(1) BLOCK_N(2) BLOCK_N(3) BLOCK_N(4) BLOCK_N(5) BLOCK_N(6) BLOCK_N(7) BLOCK_N(8) }
 #undef BLOCK_N

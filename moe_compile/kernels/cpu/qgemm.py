@@ -315,8 +315,9 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, attrs
     threads = threads or torch.get_num_threads()
     p1, p2 = packed(w1, pack_cache), packed(w2, pack_cache)
     x = x.contiguous()
-    block = block_tiles(w1, isa) and _block_fits(w2, isa) if block is None else block
-    if block and not (_block_fits(w1, isa) and _block_fits(w2, isa)):
+    fits = _block_fits(w1, isa) and _block_fits(w2, isa)
+    block = fits and block_tiles(w1, isa) if block is None else block
+    if block and not fits:
         raise ValueError(f"qgemm: the block tiles run group-wise a8w4-int, or a8w8-int on AVX-512 VNNI, with "
                          f"groups of 32, 64, ...; not {w1.fmt} (group {w1.group}) at isa {isa}")
     if grouped and not block:  # x quantized per block of 32 and dequantized: what the float panels multiply
