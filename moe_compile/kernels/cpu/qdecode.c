@@ -787,6 +787,28 @@ static void rows16_a8_prepare(const float *x, int64_t K, int8_t *q, int32_t *xq,
         }
 }
 
+/* x (K floats) for rows16_w8_rows_vnni: quantize_i16's blocks in order, each int16 q split into its
+ * low byte l (0..255) and its high byte h (-128..127), q = 256 h + l exactly, as int32 quads
+ * xq[2 j] = l of elements 4 j .. 4 j + 3 and xq[2 j + 1] = their h; each block's scale sx and offset
+ * off = -32768 sum(h) (the loop multiplies h by w + 128, the weight's sign bit flipped to make it
+ * unsigned for vpdpbusd: 256 x 128 sum(h) too many). */
+static void rows16_w8_prepare(const float *x, int64_t K, int16_t *q, int32_t *xq, float *sx, int32_t *off) {
+    quantize_i16(x, K, 0, q, sx);
+    for (int64_t b = 0; b < K; b += I16_BLOCK) {
+        int32_t high = 0;
+        for (int i = 0; i < I16_BLOCK; ++i) high += q[b + i] >> 8; /* arithmetic: the signed high byte */
+        off[b / I16_BLOCK] = -32768 * high;
+    }
+    for (int64_t j = 0; j < K / 4; ++j) {
+        uint32_t low = 0, high = 0;
+        for (int i = 0; i < 4; ++i) {
+            const uint16_t v = (uint16_t)q[4 * j + i];
+            low |= (uint32_t)(v & 255) << (8 * i), high |= (uint32_t)(v >> 8) << (8 * i);
+        }
+        xq[2 * j] = (int32_t)low, xq[2 * j + 1] = (int32_t)high;
+    }
+}
+
 /* The rows16 loops on AVX2 (no VNNI): the same panels, the 16 rows as two halves of 8 (each
  * 64-byte vector's first and last 32 bytes), the same exact int32 block sums, converted, scaled
  * and summed in the same order, so the results are the VNNI loops' bit for bit.  Why: on AVX2 the
@@ -982,6 +1004,45 @@ A8G_VNNI ALWAYS_INLINE void rows16_a8_rows_vnni(const uint8_t *d, const uint16_t
     for (int r = 0; r < n; ++r) _mm512_storeu_ps(in->out[r], t[r]);
 }
 
+/* w8-int (loop 3): a 64-byte vector is 4 consecutive elements of the block's 16 rows, int8.  Each
+ * int16 element of x is its low byte l (unsigned) and high byte h (signed), so a row's block sum
+ * sum w q = 256 sum w h + sum w l is two vpdpbusd a vector: l (u8) against w (s8), and w + 128 (u8:
+ * the sign bit flipped) against h (s8), whose 128 sum h the prepared offset takes off.  Both sums
+ * are exact int32 (|sum w l| <= 32 x 127 x 255, |sum (w + 128) h| <= 32 x 255 x 128; the combined
+ * block sum is w . q itself, |.| <= 32 x 127 x 32767 < 2^27), converted and scaled as the 4-bit
+ * loops (its convert rounds where |sum| > 2^24).  Why: the row loop sign-extends every 32 weights
+ * and converts and scales every block of every row (~41 G weights/s on two cores in cache, 2-core
+ * Xeon); here 64 weights cost one xor and two vpdpbusd, and a block's scaling is shared by 16 rows. */
+A8G_VNNI ALWAYS_INLINE void rows16_w8_rows_vnni(const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
+                                                const rows16_set_t *in, const int n) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 t[ROWS16_MULTI];
+    for (int r = 0; r < n; ++r) t[r] = _mm512_setzero_ps();
+    const uint16_t *sg = s; /* as in rows16_w4_rows_vnni */
+    for (int64_t g = 0, left = G / I16_BLOCK; g < K / I16_BLOCK; ++g) {
+        const uint8_t *dg = d + g * 8 * 64; /* a block's 32 elements: 8 vectors */
+        __m512i lo[ROWS16_MULTI][2], hi[ROWS16_MULTI][2]; /* two chains each, for the latency at one row */
+        for (int r = 0; r < n; ++r) lo[r][0] = _mm512_set1_epi32(in->off[r][g]), lo[r][1] = hi[r][0] = hi[r][1] = _mm512_setzero_si512();
+        for (int c = 0; c < 8; ++c) {
+            _mm_prefetch((const char *)(dg + 64 * c + PREFETCH_ELEMENTS), PREFETCH_HINT);
+            const __m512i v = _mm512_loadu_si512(dg + 64 * c), u = _mm512_xor_si512(v, flip);
+            for (int r = 0; r < n; ++r) {
+                const int32_t *xg = in->xq[r] + 16 * g + 2 * c;
+                lo[r][c & 1] = _mm512_dpbusd_epi32(lo[r][c & 1], _mm512_set1_epi32(xg[0]), v);
+                hi[r][c & 1] = _mm512_dpbusd_epi32(hi[r][c & 1], u, _mm512_set1_epi32(xg[1]));
+            }
+        }
+        const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sg));
+        for (int r = 0; r < n; ++r) {
+            const __m512i h = _mm512_slli_epi32(_mm512_add_epi32(hi[r][0], hi[r][1]), 8);
+            const __m512i a = _mm512_add_epi32(h, _mm512_add_epi32(lo[r][0], lo[r][1]));
+            t[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(in->sx[r][g])), sw, t[r]);
+        }
+        if (--left == 0) sg += ROWS16, left = G / I16_BLOCK;
+    }
+    for (int r = 0; r < n; ++r) _mm512_storeu_ps(in->out[r], t[r]);
+}
+
 /* As rows16_rows_avx2, on the VNNI loops. */
 A8G_VNNI static void rows16_rows_vnni(int loop, const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
                                       const rows16_set_t *in, int n) {
@@ -989,8 +1050,10 @@ A8G_VNNI static void rows16_rows_vnni(int loop, const uint8_t *d, const uint16_t
     case N:                                                                                                          \
         if (loop == 1)                                                                                               \
             rows16_w4_rows_vnni(d, s, K, G, in, N);                                                                 \
-        else                                                                                                         \
+        else if (loop == 2)                                                                                          \
             rows16_a8_rows_vnni(d, s, K, G, in, N);                                                                 \
+        else                                                                                                         \
+            rows16_w8_rows_vnni(d, s, K, G, in, N);                                                                 \
         break;
     switch (n) { ROWS16_N(1) ROWS16_N(2) ROWS16_N(3) ROWS16_N(4) }
 #undef ROWS16_N
@@ -1003,6 +1066,9 @@ static void rows16_rows(int loop, int vnni, const uint8_t *d, const uint16_t *s,
     (vnni ? rows16_rows_vnni : rows16_rows_avx2)(loop, d, s, K, G, in, n);
 }
 
+/* Bytes of one weight row in loop `loop`'s panels: 4-bit (loops 1, 2) or int8 (3). */
+static int64_t rows16_row_bytes(int loop, int64_t K) { return loop == 3 ? K : K / 2; }
+
 /* y[16 b .. 16 b + 15] for row blocks [b0, b1) of a rows16 weight (data, scale: its panels) and one
  * prepared row. */
 static void rows16_dot(int loop, int vnni, const uint8_t *data, const uint16_t *scale, int64_t K, int64_t G,
@@ -1010,7 +1076,7 @@ static void rows16_dot(int loop, int vnni, const uint8_t *data, const uint16_t *
     rows16_set_t one = {.xq = {xq}, .sx = {sx}, .off = {off}};
     for (int64_t b = b0; b < b1; ++b) {
         one.out[0] = y + ROWS16 * b;
-        rows16_rows(loop, vnni, data + b * ROWS16 * (K / 2), scale + b * (K / G) * ROWS16, K, G, &one, 1);
+        rows16_rows(loop, vnni, data + b * ROWS16 * rows16_row_bytes(loop, K), scale + b * (K / G) * ROWS16, K, G, &one, 1);
     }
 }
 
@@ -1028,7 +1094,28 @@ static int rows16_loop(const qweight_t *w, int64_t isa) {
     const int64_t G = w->group;
     if (w->n % ROWS16 || w->k % 128 || !(G == 32 || G == 64 || (G > 0 && G % 128 == 0))) return 0;
     if (w->fmt == FMT_W4) return rows16_vnni(isa) ? i16_form(w->fmt, w->k, G, isa) == I16_T4 : i16_form(w->fmt, w->k, G, ISA_AVX2) != 0;
+    if (w->fmt == FMT_W8) return rows16_vnni(isa) && i16_form(w->fmt, w->k, G, isa) ? 3 : 0;
     return w->fmt == FMT_A8W4G ? 2 : 0;
+}
+
+/* rows16_loop of a weight [.., n, k] in format fmt at this ISA, for qdecode.py (rows16_runs: which
+ * weights get panels and hand them over); 0 for an ISA this CPU lacks. */
+int64_t moe_qdecode_best_isa(void);
+
+int64_t moe_qdecode_rows16_loop(int64_t fmt, int64_t n, int64_t k, int64_t group, int64_t isa) {
+    const qweight_t w = {.fmt = fmt, .n = n, .k = k, .group = group};
+    return (isa == ISA_AVX2 || isa == ISA_AVX512) && isa <= moe_qdecode_best_isa() ? rows16_loop(&w, isa) : 0;
+}
+
+/* One input row (K floats) as the rows16 loop `loop` reads it: xq [K/2] int32 (w4-int's pairs;
+ * a8w4-int's quads fill K/4), sx and off [K/4] (per block; a8w4-int per lane); tmp K int16s. */
+static void rows16_input(int loop, const float *x, int64_t K, void *tmp, int32_t *xq, float *sx, int32_t *off) {
+    if (loop == 1)
+        rows16_prepare(x, K, tmp, xq, sx, off);
+    else if (loop == 2)
+        rows16_a8_prepare(x, K, tmp, xq, sx, off);
+    else
+        rows16_w8_prepare(x, K, tmp, xq, sx, off);
 }
 
 /* y [N] = x [K] . W^T on a rows16 weight (loop: rows16_loop's), the blocks split over nparts
@@ -1041,10 +1128,7 @@ static int rows16_linear(int loop, int vnni, const float *x, int64_t K, int64_t 
     float *sx = malloc((size_t)(K / A8G_ROW_DIV + 8) * 4);
     int status = -1;
     if (q && xp && off && sx) {
-        if (loop == 1)
-            rows16_prepare(x, K, q, xp, sx, off);
-        else
-            rows16_a8_prepare(x, K, q, xp, sx, off);
+        rows16_input(loop, x, K, q, xp, sx, off);
 #pragma omp parallel num_threads(nparts)
         {
             const int64_t blocks = N / ROWS16, p = omp_get_thread_num(), P = omp_get_num_threads();
@@ -1054,15 +1138,6 @@ static int rows16_linear(int loop, int vnni, const float *x, int64_t K, int64_t 
     }
     free(q), free(xp), free(off), free(sx);
     return status;
-}
-
-/* One input row (K floats) as the rows16 loop `loop` reads it: xq [K/2] int32 (w4-int's pairs;
- * a8w4-int's quads fill K/4), sx and off [K/4] (per block; a8w4-int per lane); tmp K int16s. */
-static void rows16_input(int loop, const float *x, int64_t K, void *tmp, int32_t *xq, float *sx, int32_t *off) {
-    if (loop == 1)
-        rows16_prepare(x, K, tmp, xq, sx, off);
-    else
-        rows16_a8_prepare(x, K, tmp, xq, sx, off);
 }
 
 /* An expert role's rows16 panels (qgemm's panels of all E experts: [E, N/16, K/8, 16, 4] bytes and
@@ -1083,7 +1158,7 @@ static int rows16_chunk(const qweight_t *w, int64_t n) { return w->rows16 && n <
 /* Rows 16 b .. 16 b + 15 of expert e's role w against the n rows of `in` (rows16_chunk). */
 static void rows16_expert_rows(const qweight_t *w, int64_t e, int64_t b, const rows16_set_t *in, int n) {
     const int64_t K = w->k, G = w->group, row = e * w->n + b * ROWS16;
-    rows16_rows((int)w->rows16, (int)w->r16vnni, w->r16data + row * (K / 2), (const uint16_t *)w->r16scale + row * (K / G),
+    rows16_rows((int)w->rows16, (int)w->r16vnni, w->r16data + row * rows16_row_bytes((int)w->rows16, K), (const uint16_t *)w->r16scale + row * (K / G),
                 K, G, in, n);
 }
 
@@ -1350,9 +1425,9 @@ static void fc1_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t
             int64_t m = f1 - c < 128 ? f1 - c : 128;
             swiglu_span(blk, hr + c, hr + s->F + c, 0, m, limit, g);
             layout_copy(s->a + r * s->F + c, blk, m, s->v, s->w2.layout);
-            if (s->w2.rows16 == 1) { /* every row: chunks of up to ROWS16_MULTI read them; w4-int's blocks are whole inside a chunk of 128 */
+            if (s->w2.rows16 == 1 || s->w2.rows16 == 3) { /* every row: chunks of up to ROWS16_MULTI read them; int16 blocks are whole inside a chunk of 128 */
                 int16_t tmp[128];
-                rows16_input(1, blk, m, tmp, s->a16 + r * (s->F / 2) + c / 2, s->a16s + r * (s->F / 4) + c / I16_BLOCK,
+                rows16_input((int)s->w2.rows16, blk, m, tmp, s->a16 + r * (s->F / 2) + c / 2, s->a16s + r * (s->F / 4) + c / I16_BLOCK,
                              s->a16o + r * (s->F / 4) + c / I16_BLOCK);
             } else if (s->w2.i16 && single) {
                 int64_t at = i16_scale_at(s->w2.i16, s->F, r, c);

@@ -75,6 +75,7 @@ _NO_KERNEL = ("a8w8-fp8",)
 _KERNEL = cpu_cc.Kernel("qdecode", ENV,
                         {"moe_qdecode_run": ([ctypes.c_void_p, ctypes.c_float, ctypes.c_int64], ctypes.c_int),
                          "moe_qdecode_best_isa": ([], ctypes.c_int64),
+                         "moe_qdecode_rows16_loop": ([ctypes.c_int64] * 5, ctypes.c_int64),
                          "moe_qdecode_a8g_matmul": ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                                      ctypes.c_int64, ctypes.c_void_p], ctypes.c_int)},
@@ -118,15 +119,14 @@ ROWS16 = 16  # rows the rows16 loops' weight interleaves (qdecode.c: rows16_dot_
 def rows16_runs(w) -> bool:
     """Whether qdecode.c's rows16 loops would run this weight ([E, N, K]: a dense weight at T = 1, an
     expert role at a slot of its own), read from its qgemm panels (``qgemm._code_panels``: 16 rows
-    interleaved, 4 bytes a lane): w4-int or group-wise a8w4-int, N a multiple of 16, the VNNI loops'
-    shape rules (K a multiple of 128, G 32, 64 or a multiple of 128) on every ISA (AVX-512 VNNI
-    loops where the CPU has them, AVX2 ones otherwise and under the AVX2 switch: the same sums,
-    bit for bit); not for w4-int under ``MOE_COMPILE_QDECODE_I16=0``."""
-    four_bit = w.fmt == "w4-int" and os.environ.get(I16_ENV) != "0" or w.fmt == "a8w4-int" and w.grouped_activations
-    if not four_bit or best_isa() not in (ISA_AVX2, ISA_AVX512):
+    interleaved, 4 bytes a lane): N a multiple of 16, K of 128, G 32, 64 or a multiple of 128, and
+    w4-int (not under ``MOE_COMPILE_QDECODE_I16=0``) or group-wise a8w4-int on AVX-512 VNNI or
+    AVX2 (the two ISAs' loops give the same sums, bit for bit), or w8-int on AVX-512 VNNI (its
+    loop's two byte products a vector need vpdpbusd).  The C side's own answer
+    (``moe_qdecode_rows16_loop``), so the two never disagree."""
+    if w.fmt not in ("w4-int", "w8-int", "a8w4-int") or unavailable_reason(w.fmt) is not None:
         return False
-    N, K, G = w.shape[1], w.shape[2], w.group
-    return N % ROWS16 == 0 and K % 128 == 0 and (G in (32, 64) or G % 128 == 0)
+    return bool(_KERNEL.lib().moe_qdecode_rows16_loop(_format_code(w), w.shape[1], w.shape[2], w.group, best_isa()))
 
 
 def expert_rows16(w, pack_cache) -> tuple | None:

@@ -176,16 +176,16 @@ def test_quant_calls_the_cpp_kernel_does_not_take(installed):
     assert not _quant_ran_in_cpp(args)[1]
 
 
-@pytest.mark.parametrize("fmt", ["w4-int", "a8w4-int"])
+@pytest.mark.parametrize("fmt", ["w4-int", "a8w4-int", "w8-int"])
 def test_quant_decode_in_cpp_reads_the_rows16_panels(installed, fmt):
     """The registered layer hands the C++ kernel its roles' rows16 panels too: at T = 1 (every slot
     alone in its expert) the C++ call gives the Python call's bits, and zeros once the panels alone
-    are zeroed (u = 8 codes)."""
+    are zeroed (4-bit: u = 8 codes)."""
+    from moe_compile import quant as formats
     from moe_compile.kernels.cpu import qdecode, qgemm, quant
-    from tests.kernels.cpu.test_qdecode import ROWS16
 
-    if not ROWS16:
-        pytest.skip("the rows16 loops need AVX2 (and MOE_COMPILE_QDECODE_I16 not 0)")
+    if not qdecode.rows16_runs(formats.pack(fmt, torch.randn(1, 16, 128))):
+        pytest.skip(f"{fmt}'s rows16 loop does not run here (4-bit: AVX2 and int16 blocks; w8-int: AVX-512 VNNI)")
     x, ids, gates, W1, W2 = _quant_case(T=1)
     args = _quant_args(x, ids, gates, W1, W2, fmt, tag=f"rows16-{fmt}")
     first, in_cpp = _quant_ran_in_cpp(args)
@@ -195,6 +195,6 @@ def test_quant_decode_in_cpp_reads_the_rows16_panels(installed, fmt):
     layer = next(p for p in quant._PACKS.values() if p.refs[0]() is W1 and p.w1.fmt == fmt)
     panels = [v for v in layer.kernel_cache.values() if isinstance(v, qgemm.QGemmPack)]
     assert len(panels) == 2 and qdecode.rows16_runs(layer.w1)
-    panels[0].data.fill_(0x88)
+    panels[0].data.fill_(0 if fmt == "w8-int" else 0x88)
     zeroed, in_cpp = _quant_ran_in_cpp(args)
     assert in_cpp and torch.equal(zeroed, torch.zeros_like(zeroed))

@@ -227,21 +227,25 @@ def test_one_pack_per_weight_and_format():
     assert dense.packed(w, "w8-int") is first
 
 
-# ------------------------------------------- the 4-bit formats' rows16 panels (T = 1, AVX-512 VNNI or AVX2)
-ROWS16_FORMATS = ("w4-int", "a8w4-int")  # a8w4-int: its group-wise form, dense's default
-def _runs_rows16() -> bool:
-    """Whether this CPU (and switches) read the rows16 panels: AVX2 or AVX-512, int16 blocks not off."""
-    return qdecode.rows16_runs(quant.pack("w4-int", torch.randn(1, 16, 128)))
+# ------------------------- the rows16 panels (T = 1): 4-bit on AVX-512 VNNI or AVX2, w8-int on VNNI
+def _runs_rows16(fmt: str = "w4-int") -> bool:
+    """Whether this CPU (and switches) read fmt's rows16 panels: the 4-bit formats on AVX2 or
+    AVX-512 with int16 blocks not off, w8-int on AVX-512 VNNI."""
+    return qdecode.rows16_runs(quant.pack(fmt, torch.randn(1, 16, 128)))
 
 
 needs_rows16 = pytest.mark.skipif(not _runs_rows16(), reason="the rows16 loops need AVX2 (and MOE_COMPILE_QDECODE_I16 not 0)")
+# a8w4-int: its group-wise form, dense's default
+ROWS16_FORMATS = ("w4-int", "a8w4-int", pytest.param("w8-int", marks=pytest.mark.skipif(
+    not _runs_rows16("w8-int"), reason="w8-int's rows16 loop needs AVX-512 VNNI")))
 
 
 def _rows16_emulation(x: torch.Tensor, qw) -> torch.Tensor:
-    """What the rows16 loops compute for one row x [K]: x as int16 per block of 32 for w4-int (s =
-    max|x| / 32767, q = round half even(x / s), as qdecode.c's quantize_i16), as the format's int8
-    blocks for a8w4-int (quantize_per_block_int8), each (row, block) sum of (u - 8) q exact in
-    integers, then per block t = fma((sum * s_x) * s_w, t) in fp32, in block order."""
+    """What the rows16 loops compute for one row x [K]: x as int16 per block of 32 for w4-int and
+    w8-int (s = max|x| / 32767, q = round half even(x / s), as qdecode.c's quantize_i16), as the
+    format's int8 blocks for a8w4-int (quantize_per_block_int8), each (row, block) sum of w q
+    (4-bit: w = u - 8) exact in integers, rounded once to fp32, then per block
+    t = fma((sum * s_x) * s_w, t) in fp32, in block order."""
     from moe_compile.quant.common import quantize_per_block_int8
 
     N, K = qw.shape[1:]
@@ -254,8 +258,11 @@ def _rows16_emulation(x: torch.Tensor, qw) -> torch.Tensor:
         sx = torch.where(big == 0, torch.ones_like(big), big / 32767)
         q = torch.round(xb / sx[:, None]).clamp(-32767, 32767).to(torch.int64)  # round half to even
     packed = qw.data[0].to(torch.int64)
-    u = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(N, K // 32, 32)
-    sums = ((u - 8) * q[None]).sum(dim=2)  # [N, K/32], exact
+    if qw.fmt == "w8-int":
+        codes = packed.reshape(N, K // 32, 32)
+    else:
+        codes = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(N, K // 32, 32) - 8
+    sums = (codes * q[None]).sum(dim=2)  # [N, K/32], exact
     sw = qw.scale[0].float().repeat_interleave(qw.group // 32, dim=1)  # [N, K/32]
     t = torch.zeros(N, dtype=torch.float32)
     for g in range(K // 32):
@@ -274,7 +281,9 @@ def test_rows16_reads_the_panels_the_pack_holds(fmt):
     qw = pack.qweight
     data, scale = pack.rows16
     assert data.data_ptr() == pack.panels.data.data_ptr() and scale.data_ptr() == pack.panels.scale.data_ptr()
-    assert torch.equal(data.reshape(3, 128 // 4, 16, 4).permute(0, 2, 1, 3).reshape(48, 128), qw.data[0])
+    row_bytes = qw.data.shape[-1]  # 128 4-bit, 256 w8-int
+    assert torch.equal(data.reshape(3, row_bytes // 4, 16, 4).permute(0, 2, 1, 3).reshape(48, row_bytes),
+                       qw.data[0].view(torch.uint8))
     assert torch.equal(scale.permute(0, 2, 1).reshape(48, 256 // qw.group), qw.scale[0])
     assert dense.stats()["dense_panel_bytes"] >= pack.panels.nbytes
 
@@ -299,7 +308,7 @@ def test_rows16_matches_its_emulation_and_the_reference(fmt, group):
         assert rel_err(got, x @ quant.dequantize(pack.qweight)[0].t()) < TOL
     dense.install()
     assert torch.equal(torch.ops.moe_compile.dense_linear(x, w, None, fmt, group), got)
-    pack.rows16[0][0].fill_(0x88)  # rows 0-15 read as zeros (u = 8) in the panels alone, not the pack
+    pack.rows16[0][0].fill_(0 if fmt == "w8-int" else 0x88)  # rows 0-15 read as zeros (u = 8) in the panels alone, not the pack
     changed = dense.linear(x, w, None, fmt, group)
     assert changed[0, :16].abs().max() == 0 and torch.equal(changed[0, 16:], got[0, 16:])  # it read the copy
     dense.clear()
@@ -335,7 +344,7 @@ def test_rows16_only_where_its_loop_runs(monkeypatch):
     switch keeps them (the AVX2 loops, the same sums)."""
     from moe_compile.quant import a8w4_int
 
-    assert not qdecode.rows16_runs(quant.pack("w8-int", torch.randn(1, 32, 128)))
+    assert not qdecode.rows16_runs(quant.pack("mxfp4", torch.randn(1, 32, 128)))
     per_channel = a8w4_int.pack(torch.randn(1, 32, 128), group_size=None)
     assert not qdecode.rows16_runs(per_channel)
     assert not qdecode.rows16_runs(quant.pack("w4-int", torch.randn(1, 40, 128)))
@@ -344,6 +353,7 @@ def test_rows16_only_where_its_loop_runs(monkeypatch):
     monkeypatch.delenv(qdecode.I16_ENV)
     monkeypatch.setattr(qdecode, "best_isa", lambda: qdecode.ISA_AVX2)
     assert qdecode.rows16_runs(quant.pack("w4-int", torch.randn(1, 32, 128)))
+    assert not qdecode.rows16_runs(quant.pack("w8-int", torch.randn(1, 32, 128)))  # its loop is VNNI's alone
     monkeypatch.setattr(qdecode, "best_isa", lambda: 0)  # no F16C / FMA: no kernel at all
     assert not qdecode.rows16_runs(quant.pack("w4-int", torch.randn(1, 32, 128)))
     monkeypatch.undo()

@@ -400,6 +400,10 @@ def test_grouped_a8w4_groups_the_loops_do_not_tile_are_refused():
 ROWS16 = qdecode.rows16_runs(quant.pack("w4-int", torch.randn(1, 16, 128)))
 needs_rows16 = pytest.mark.skipif(not ROWS16, reason="the rows16 loops need AVX2 (and MOE_COMPILE_QDECODE_I16 not 0)")
 ROWS16_ATTRS = [FFNAttrs(), FFNAttrs(weight_on="between", limit=1.5)]
+# w8-int's rows16 loop is AVX-512 VNNI's alone (two byte products a vector need vpdpbusd)
+ROWS16_W8 = pytest.param("w8-int", marks=pytest.mark.skipif(
+    not qdecode.rows16_runs(quant.pack("w8-int", torch.randn(1, 16, 128))), reason="w8-int's rows16 loop needs AVX-512 VNNI"))
+ROWS16_FORMATS = ["w4-int", "a8w4-int", ROWS16_W8]
 
 
 def _assert_close_a8(got, want, atol):
@@ -415,7 +419,7 @@ def _assert_close_a8(got, want, atol):
 # T = 1 puts every slot alone in its expert (K distinct ids); T = 4 and 16 with 5 experts mix lone
 # slots (rows16) with experts of several (the row loops), in one call.
 @needs_rows16
-@pytest.mark.parametrize("fmt", ["w4-int", "a8w4-int"])
+@pytest.mark.parametrize("fmt", ROWS16_FORMATS)
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("T", [1, 4, 16])
 @pytest.mark.parametrize("attrs", ROWS16_ATTRS, ids=["output", "between-clamped"])
@@ -428,7 +432,7 @@ def test_rows16_steps_match_the_reference_and_the_row_loops(fmt, group, T, attrs
     assert len(cache) == 2  # both roles' panels, made on first use
     want = reference_moe(x, ids, g, w1, w2, attrs)
     rows = qdecode.run(x, ids, g, w1, w2, attrs, None)  # the row loops on the canonical pack alone
-    if fmt == "w4-int":
+    if fmt in ("w4-int", "w8-int"):
         # the int16 activation blocks (tolerance()), and the same blocks as the row loops': the
         # two differ by the order of fp32 sums alone
         torch.testing.assert_close(got, want, rtol=1e-5, atol=tolerance(fmt, qdecode.best_isa()) * want.abs().max())
@@ -442,7 +446,7 @@ def test_rows16_steps_match_the_reference_and_the_row_loops(fmt, group, T, attrs
 
 
 @needs_rows16
-@pytest.mark.parametrize("fmt", ["w4-int", "a8w4-int"])
+@pytest.mark.parametrize("fmt", ROWS16_FORMATS)
 @pytest.mark.parametrize("role", ["fc1", "fc2"])
 def test_rows16_reads_the_panels_for_chunks_of_up_to_four(fmt, role):
     """With one role's panels zeroed (every code u = 8, i.e. 0, in the panels alone), a T = 1 step,
@@ -455,7 +459,7 @@ def test_rows16_reads_the_panels_for_chunks_of_up_to_four(fmt, role):
     ids = torch.tensor([[1, 4, 6], [6, 1, 4]] + [[4, 6, 1]] * 3)
     cache = {}
     qdecode.run(x[:1], ids[:1], g[:1], w1, w2, FFNAttrs(), cache)
-    qgemm.packed(w1 if role == "fc1" else w2, cache).data.fill_(0x88)
+    qgemm.packed(w1 if role == "fc1" else w2, cache).data.fill_(0 if fmt == "w8-int" else 0x88)
     for T in (1, 2):
         step = qdecode.run(x[:T], ids[:T], g[:T], w1, w2, FFNAttrs(), cache)
         assert torch.equal(step, torch.zeros_like(step)), f"T = {T}"
@@ -469,7 +473,7 @@ def test_rows16_reads_the_panels_for_chunks_of_up_to_four(fmt, role):
 
 
 @needs_rows16
-@pytest.mark.parametrize("fmt", ["w4-int", "a8w4-int"])
+@pytest.mark.parametrize("fmt", ROWS16_FORMATS)
 @pytest.mark.parametrize("T", [2, 3, 4])
 def test_rows16_chunks_equal_their_slots_alone(fmt, T):
     """T tokens routed to the same experts (chunks of T slots, one panel pass for
