@@ -752,8 +752,9 @@ A8G_VNNI static void w4_dot16_vnni(const qweight_t *wt, const uint8_t *const *ro
  * w4_dot16_vnni's), a8w4-int's quantize_int8_blocks' (the format's int8 per block of 32, vpdpbusd 4
  * products a lane); a lane's sum is exact in int32 and in its fp32 convert (|sum (u - 8) q| <=
  * 32 x 8 x 32767 < 2^24), scaled (sum * s_x) * s_w and summed over blocks in order: each row by one
- * thread, so the result does not depend on the thread count. 8-bit weights keep the row loops:
- * from memory they run at the memory's speed there (a w8-int rows16 loop was level, 2-core Zen 4). */
+ * thread, so the result does not depend on the thread count.  w8-int has a rows16 loop of its own
+ * on AVX-512 VNNI (rows16_w8_rows_vnni: its int16 activations as two bytes); elsewhere it keeps the
+ * row loops. */
 enum { ROWS16 = 16 };
 
 /* x (K floats, K a multiple of 32) for rows16_w4_rows_vnni: quantize_i16's blocks, as int32 pairs
@@ -1085,11 +1086,12 @@ static int i16_form(int64_t fmt, int64_t k, int64_t group, int64_t isa);
 /* Whether the rows16 loops run on the AVX-512 VNNI forms at this ISA (else the AVX2 forms). */
 static int rows16_vnni(int64_t isa) { return isa == ISA_AVX512 && a8g_vnni(); }
 
-/* Which rows16 loop runs a dense weight at T = 1 on this ISA: 1 w4-int's, 2 a8w4-int's, 0 none
- * (the row loops on the canonical pack).  The VNNI loops' shape rules (K a multiple of 128, G 32,
- * 64 or a multiple of 128) on every ISA, so which weights have panels does not depend on the CPU;
- * w4-int only where its activations go as int16 blocks at all (not under
- * MOE_COMPILE_QDECODE_I16=0, the exact fp32 loops). */
+/* Which rows16 loop runs a dense weight at T = 1 on this ISA: 1 w4-int's, 2 a8w4-int's, 3 w8-int's,
+ * 0 none (the row loops on the canonical pack).  The VNNI loops' shape rules (K a multiple of 128,
+ * G 32, 64 or a multiple of 128) on every ISA, so which 4-bit weights have panels does not depend
+ * on the CPU; w8-int only with AVX-512 VNNI (on AVX2, vpmaddubsw's int16 pair sums would saturate
+ * on its activations' low bytes); w4-int and w8-int only where their activations go as int16
+ * blocks at all (not under MOE_COMPILE_QDECODE_I16=0, the exact fp32 loops). */
 static int rows16_loop(const qweight_t *w, int64_t isa) {
     const int64_t G = w->group;
     if (w->n % ROWS16 || w->k % 128 || !(G == 32 || G == 64 || (G > 0 && G % 128 == 0))) return 0;
@@ -1107,8 +1109,9 @@ int64_t moe_qdecode_rows16_loop(int64_t fmt, int64_t n, int64_t k, int64_t group
     return (isa == ISA_AVX2 || isa == ISA_AVX512) && isa <= moe_qdecode_best_isa() ? rows16_loop(&w, isa) : 0;
 }
 
-/* One input row (K floats) as the rows16 loop `loop` reads it: xq [K/2] int32 (w4-int's pairs;
- * a8w4-int's quads fill K/4), sx and off [K/4] (per block; a8w4-int per lane); tmp K int16s. */
+/* One input row (K floats) as the rows16 loop `loop` reads it: xq [K/2] int32 (w4-int's pairs,
+ * w8-int's low and high byte quads; a8w4-int's quads fill K/4), sx and off [K/4] (per block;
+ * a8w4-int per lane); tmp K int16s. */
 static void rows16_input(int loop, const float *x, int64_t K, void *tmp, int32_t *xq, float *sx, int32_t *off) {
     if (loop == 1)
         rows16_prepare(x, K, tmp, xq, sx, off);
@@ -1122,7 +1125,7 @@ static void rows16_input(int loop, const float *x, int64_t K, void *tmp, int32_t
  * threads.  Returns 0, -1 without memory. */
 static int rows16_linear(int loop, int vnni, const float *x, int64_t K, int64_t N, const uint8_t *data,
                          const uint8_t *scale, int64_t G, float *y, int64_t nparts) {
-    /* int16 (w4) or int8 (a8w4) x, its pairs or quads, per-block (a8: per-lane) scales and offsets */
+    /* int16 (w4, w8) or int8 (a8w4) x, its pairs or quads, per-block (a8: per-lane) scales and offsets */
     void *q = aligned_alloc(64, (size_t)(K * 2 + 63) / 64 * 64);
     int32_t *xp = aligned_alloc(64, (size_t)(K * 2 + 63) / 64 * 64), *off = malloc((size_t)(K / A8G_ROW_DIV + 8) * 4);
     float *sx = malloc((size_t)(K / A8G_ROW_DIV + 8) * 4);

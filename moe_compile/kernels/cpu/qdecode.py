@@ -28,8 +28,8 @@ up to the order of the fp32 sums.  One exception, for speed: on AVX2 the 4- and 
 loops (on AVX-512 w8-int's, and w4-int's with VNNI) take an expert's single row as int16 blocks of 32 (qdecode.c:
 quantize_i16; up to ~5e-5 of the output's scale from the reference; ``MOE_COMPILE_QDECODE_I16=0``
 turns it off).  The kernel reads the canonical tensors as they are, with one exception: a w4-int
-or group-wise a8w4-int role's chunk of 1-4 slots of one expert (every slot at T = 1, most at
-T <= 16) reads the role's qgemm panels instead (``expert_rows16``: the prefill tiles' 16-row
+or group-wise a8w4-int role's (w8-int's too, with AVX-512 VNNI) chunk of 1-4 slots of one expert
+(every slot at T = 1, most at T <= 16) reads the role's qgemm panels instead (``expert_rows16``: the prefill tiles' 16-row
 panels from ``pack_cache``, made there once), one int32 lane per row, each vector unpacked once
 for the chunk's slots (qdecode.c: rows16_attach, rows16_chunk; AVX-512 VNNI loops, or AVX2 ones
 with the same sums).
