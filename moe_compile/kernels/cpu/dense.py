@@ -22,8 +22,8 @@ format ([1, N, K]) and kept here (``stats`` / ``clear``); an in-place update rep
 prefill call adds qgemm's panels of it (the same bytes, 16 rows interleaved).  A w4-int or
 group-wise a8w4-int weight gets them at once: its T = 1 calls read them (qdecode's rows16 loops,
 AVX-512 VNNI or AVX2), 15-25% faster from memory than the row loops on the pack with VNNI (lm_head
-[32000, 2048] 1.6 -> 1.3 ms, 2-core Zen 4); so does a w8-int weight where the CPU has AVX-512 VNNI
-(its loop needs vpdpbusd).  ``stats()["dense_panel_bytes"]``: what the panels hold.
+[32000, 2048] 1.6 -> 1.3 ms, 2-core Zen 4); so does a w8-int weight.
+``stats()["dense_panel_bytes"]``: what the panels hold.
 Results: fp32 and w16 equal ``x @ W^T`` up to the order of fp32 sums; a format equals its
 reference (``quant.matmul`` on the packed weight) as a decode step's FC2 does.
 """
@@ -66,7 +66,7 @@ class _Packed:
             self.qweight = quant.pack(fmt, weight.detach().float().unsqueeze(0), group)
         N, K = weight.shape
         # qgemm's panels of the weight: made by the first prefill call, or now where T = 1 calls
-        # read them (rows16: the 4-bit formats, w8-int with VNNI: qdecode.rows16_runs); the other decode calls read the pack
+        # read them (rows16: w4-int, w8-int, a8w4-int: qdecode.rows16_runs); the other decode calls read the pack
         self.panels, self.rows16 = None, None
         if qdecode.rows16_runs(self.qweight):
             self.panels = _float_panels(self.qweight)

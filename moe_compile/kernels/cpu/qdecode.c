@@ -752,9 +752,8 @@ A8G_VNNI static void w4_dot16_vnni(const qweight_t *wt, const uint8_t *const *ro
  * w4_dot16_vnni's), a8w4-int's quantize_int8_blocks' (the format's int8 per block of 32, vpdpbusd 4
  * products a lane); a lane's sum is exact in int32 and in its fp32 convert (|sum (u - 8) q| <=
  * 32 x 8 x 32767 < 2^24), scaled (sum * s_x) * s_w and summed over blocks in order: each row by one
- * thread, so the result does not depend on the thread count.  w8-int has a rows16 loop of its own
- * on AVX-512 VNNI (rows16_w8_rows_vnni: its int16 activations as two bytes); elsewhere it keeps the
- * row loops. */
+ * thread, so the result does not depend on the thread count.  w8-int has rows16 loops of its own
+ * (rows16_w8_rows_vnni: its int16 activations as two bytes; rows16_w8_rows_avx2). */
 enum { ROWS16 = 16 };
 
 /* x (K floats, K a multiple of 32) for rows16_w4_rows_vnni: quantize_i16's blocks, as int32 pairs
@@ -922,6 +921,49 @@ ALWAYS_INLINE void rows16_w4_rows_avx2(const uint8_t *d, const uint16_t *s, int6
     for (int r = 0; r < n; ++r) _mm256_storeu_ps(in->out[r], t[r][0]), _mm256_storeu_ps(in->out[r] + 8, t[r][1]);
 }
 
+/* w8-int on AVX2 (loop 4): each 16 bytes of a panel vector (4 rows x 4 elements) sign-extended to
+ * int16 and multiplied by x's 4 int16 elements (quantize_i16's, in order; broadcast) with vpmaddwd:
+ * two exact int32 lanes a row, added across the block, paired up at its end (vphaddd, then a lane
+ * permute into row order).  Each row's block sum is the integer w . q the VNNI loop (3) sums, and
+ * its convert, multiply and FMA are the same, so the two give the same bits.  Why not the VNNI
+ * loop's byte split: vpmaddubsw adds its u8 x s8 pairs in int16, and 2 x 255 x 128 overflows it. */
+ALWAYS_INLINE void rows16_w8_rows_avx2(const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
+                                       const rows16_set_t *in, const int n) {
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+    __m256 t[ROWS16_MULTI][2];
+    for (int r = 0; r < n; ++r) t[r][0] = t[r][1] = _mm256_setzero_ps();
+    const uint16_t *sg = s; /* as in rows16_w4_rows_vnni */
+    for (int64_t g = 0, left = G / I16_BLOCK; g < K / I16_BLOCK; ++g) {
+        const uint8_t *dg = d + g * 8 * 64;
+        __m256i acc[ROWS16_MULTI][4]; /* rows 0-3, 4-7, 8-11, 12-15: two lanes a row */
+        for (int r = 0; r < n; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; ++c) {
+            _mm_prefetch((const char *)(dg + 64 * c + PREFETCH_ELEMENTS), PREFETCH_HINT);
+            __m256i x4[ROWS16_MULTI];
+            for (int r = 0; r < n; ++r) {
+                int64_t four; /* x's elements 32 g + 4 c .. + 3, int16 */
+                memcpy(&four, (const int16_t *)in->xq[r] + 32 * g + 4 * c, 8);
+                x4[r] = _mm256_set1_epi64x(four);
+            }
+            for (int q = 0; q < 4; ++q) {
+                const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(dg + 64 * c + 16 * q)));
+                for (int r = 0; r < n; ++r) acc[r][q] = _mm256_add_epi32(acc[r][q], _mm256_madd_epi16(w, x4[r]));
+            }
+        }
+        const __m256 sw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg));
+        const __m256 sw1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + 8)));
+        for (int r = 0; r < n; ++r) {
+            const __m256 sxg = _mm256_set1_ps(in->sx[r][g]);
+            const __m256i a0 = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(acc[r][0], acc[r][1]), order);
+            const __m256i a1 = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(acc[r][2], acc[r][3]), order);
+            t[r][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a0), sxg), sw0, t[r][0]);
+            t[r][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a1), sxg), sw1, t[r][1]);
+        }
+        if (--left == 0) sg += ROWS16, left = G / I16_BLOCK;
+    }
+    for (int r = 0; r < n; ++r) _mm256_storeu_ps(in->out[r], t[r][0]), _mm256_storeu_ps(in->out[r] + 8, t[r][1]);
+}
+
 /* Rows 16 b .. 16 b + 15 of one panel block (d, s) against the n rows of `in`, the AVX2 loops. */
 static void rows16_rows_avx2(int loop, const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
                              const rows16_set_t *in, int n) {
@@ -929,8 +971,10 @@ static void rows16_rows_avx2(int loop, const uint8_t *d, const uint16_t *s, int6
     case N:                                                                                                          \
         if (loop == 1)                                                                                               \
             rows16_w4_rows_avx2(d, s, K, G, in, N); /* called, not through a pointer: inlined for each N */       \
-        else                                                                                                         \
+        else if (loop == 2)                                                                                          \
             rows16_a8_rows_avx2(d, s, K, G, in, N);                                                                 \
+        else                                                                                                         \
+            rows16_w8_rows_avx2(d, s, K, G, in, N);                                                                 \
         break;
     switch (n) { ROWS16_N(1) ROWS16_N(2) ROWS16_N(3) ROWS16_N(4) }
 #undef ROWS16_N
@@ -1067,8 +1111,8 @@ static void rows16_rows(int loop, int vnni, const uint8_t *d, const uint16_t *s,
     (vnni ? rows16_rows_vnni : rows16_rows_avx2)(loop, d, s, K, G, in, n);
 }
 
-/* Bytes of one weight row in loop `loop`'s panels: 4-bit (loops 1, 2) or int8 (3). */
-static int64_t rows16_row_bytes(int loop, int64_t K) { return loop == 3 ? K : K / 2; }
+/* Bytes of one weight row in loop `loop`'s panels: 4-bit (loops 1, 2) or int8 (3, 4). */
+static int64_t rows16_row_bytes(int loop, int64_t K) { return loop >= 3 ? K : K / 2; }
 
 /* y[16 b .. 16 b + 15] for row blocks [b0, b1) of a rows16 weight (data, scale: its panels) and one
  * prepared row. */
@@ -1086,17 +1130,17 @@ static int i16_form(int64_t fmt, int64_t k, int64_t group, int64_t isa);
 /* Whether the rows16 loops run on the AVX-512 VNNI forms at this ISA (else the AVX2 forms). */
 static int rows16_vnni(int64_t isa) { return isa == ISA_AVX512 && a8g_vnni(); }
 
-/* Which rows16 loop runs a dense weight at T = 1 on this ISA: 1 w4-int's, 2 a8w4-int's, 3 w8-int's,
- * 0 none (the row loops on the canonical pack).  The VNNI loops' shape rules (K a multiple of 128,
- * G 32, 64 or a multiple of 128) on every ISA, so which 4-bit weights have panels does not depend
- * on the CPU; w8-int only with AVX-512 VNNI (on AVX2, vpmaddubsw's int16 pair sums would saturate
- * on its activations' low bytes); w4-int and w8-int only where their activations go as int16
- * blocks at all (not under MOE_COMPILE_QDECODE_I16=0, the exact fp32 loops). */
+/* Which rows16 loop runs a dense weight at T = 1 on this ISA: 1 w4-int's, 2 a8w4-int's, w8-int's 3
+ * (AVX-512 VNNI: x as byte quads) or 4 (AVX2: x as int16), 0 none (the row loops on the canonical
+ * pack).  The VNNI loops' shape rules (K a multiple of 128, G 32, 64 or a multiple of 128) on every
+ * ISA, so which weights have panels does not depend on the CPU; w4-int and w8-int only where their
+ * activations go as int16 blocks at all (not under MOE_COMPILE_QDECODE_I16=0, the exact fp32
+ * loops). */
 static int rows16_loop(const qweight_t *w, int64_t isa) {
     const int64_t G = w->group;
     if (w->n % ROWS16 || w->k % 128 || !(G == 32 || G == 64 || (G > 0 && G % 128 == 0))) return 0;
     if (w->fmt == FMT_W4) return rows16_vnni(isa) ? i16_form(w->fmt, w->k, G, isa) == I16_T4 : i16_form(w->fmt, w->k, G, ISA_AVX2) != 0;
-    if (w->fmt == FMT_W8) return rows16_vnni(isa) && i16_form(w->fmt, w->k, G, isa) ? 3 : 0;
+    if (w->fmt == FMT_W8) return i16_form(w->fmt, w->k, G, isa) ? (rows16_vnni(isa) ? 3 : 4) : 0;
     return w->fmt == FMT_A8W4G ? 2 : 0;
 }
 
@@ -1110,15 +1154,17 @@ int64_t moe_qdecode_rows16_loop(int64_t fmt, int64_t n, int64_t k, int64_t group
 }
 
 /* One input row (K floats) as the rows16 loop `loop` reads it: xq [K/2] int32 (w4-int's pairs,
- * w8-int's low and high byte quads; a8w4-int's quads fill K/4), sx and off [K/4] (per block;
- * a8w4-int per lane); tmp K int16s. */
+ * w8-int's low and high byte quads or its int16 elements; a8w4-int's quads fill K/4), sx and off
+ * [K/4] (per block; a8w4-int per lane; loop 4 has no offsets); tmp K int16s. */
 static void rows16_input(int loop, const float *x, int64_t K, void *tmp, int32_t *xq, float *sx, int32_t *off) {
     if (loop == 1)
         rows16_prepare(x, K, tmp, xq, sx, off);
     else if (loop == 2)
         rows16_a8_prepare(x, K, tmp, xq, sx, off);
-    else
+    else if (loop == 3)
         rows16_w8_prepare(x, K, tmp, xq, sx, off);
+    else /* 4: quantize_i16's blocks as they are, in order */
+        quantize_i16(x, K, 0, (int16_t *)xq, sx);
 }
 
 /* y [N] = x [K] . W^T on a rows16 weight (loop: rows16_loop's), the blocks split over nparts
@@ -1428,7 +1474,7 @@ static void fc1_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t
             int64_t m = f1 - c < 128 ? f1 - c : 128;
             swiglu_span(blk, hr + c, hr + s->F + c, 0, m, limit, g);
             layout_copy(s->a + r * s->F + c, blk, m, s->v, s->w2.layout);
-            if (s->w2.rows16 == 1 || s->w2.rows16 == 3) { /* every row: chunks of up to ROWS16_MULTI read them; int16 blocks are whole inside a chunk of 128 */
+            if (s->w2.rows16 == 1 || s->w2.rows16 >= 3) { /* every row: chunks of up to ROWS16_MULTI read them; int16 blocks are whole inside a chunk of 128 */
                 int16_t tmp[128];
                 rows16_input((int)s->w2.rows16, blk, m, tmp, s->a16 + r * (s->F / 2) + c / 2, s->a16s + r * (s->F / 4) + c / I16_BLOCK,
                              s->a16o + r * (s->F / 4) + c / I16_BLOCK);

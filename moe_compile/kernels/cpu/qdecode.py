@@ -28,7 +28,7 @@ up to the order of the fp32 sums.  One exception, for speed: on AVX2 the 4- and 
 loops (on AVX-512 w8-int's, and w4-int's with VNNI) take an expert's single row as int16 blocks of 32 (qdecode.c:
 quantize_i16; up to ~5e-5 of the output's scale from the reference; ``MOE_COMPILE_QDECODE_I16=0``
 turns it off).  The kernel reads the canonical tensors as they are, with one exception: a w4-int
-or group-wise a8w4-int role's (w8-int's too, with AVX-512 VNNI) chunk of 1-4 slots of one expert
+or group-wise a8w4-int role's (w8-int's too) chunk of 1-4 slots of one expert
 (every slot at T = 1, most at T <= 16) reads the role's qgemm panels instead (``expert_rows16``: the prefill tiles' 16-row
 panels from ``pack_cache``, made there once), one int32 lane per row, each vector unpacked once
 for the chunk's slots (qdecode.c: rows16_attach, rows16_chunk; AVX-512 VNNI loops, or AVX2 ones
@@ -120,10 +120,9 @@ def rows16_runs(w) -> bool:
     """Whether qdecode.c's rows16 loops would run this weight ([E, N, K]: a dense weight at T = 1, an
     expert role at a slot of its own), read from its qgemm panels (``qgemm._code_panels``: 16 rows
     interleaved, 4 bytes a lane): N a multiple of 16, K of 128, G 32, 64 or a multiple of 128, and
-    w4-int (not under ``MOE_COMPILE_QDECODE_I16=0``) or group-wise a8w4-int on AVX-512 VNNI or
-    AVX2 (the two ISAs' loops give the same sums, bit for bit), or w8-int on AVX-512 VNNI (its
-    loop's two byte products a vector need vpdpbusd).  The C side's own answer
-    (``moe_qdecode_rows16_loop``), so the two never disagree."""
+    w4-int or w8-int (neither under ``MOE_COMPILE_QDECODE_I16=0``) or group-wise a8w4-int, on
+    AVX-512 VNNI or AVX2 (the two ISAs' loops give the same sums, bit for bit).  The C side's own
+    answer (``moe_qdecode_rows16_loop``), so the two never disagree."""
     if w.fmt not in ("w4-int", "w8-int", "a8w4-int") or unavailable_reason(w.fmt) is not None:
         return False
     return bool(_KERNEL.lib().moe_qdecode_rows16_loop(_format_code(w), w.shape[1], w.shape[2], w.group, best_isa()))

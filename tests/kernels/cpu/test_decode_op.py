@@ -185,7 +185,7 @@ def test_quant_decode_in_cpp_reads_the_rows16_panels(installed, fmt):
     from moe_compile.kernels.cpu import qdecode, qgemm, quant
 
     if not qdecode.rows16_runs(formats.pack(fmt, torch.randn(1, 16, 128))):
-        pytest.skip(f"{fmt}'s rows16 loop does not run here (4-bit: AVX2 and int16 blocks; w8-int: AVX-512 VNNI)")
+        pytest.skip(f"{fmt}'s rows16 loop does not run here (it needs AVX2, and int16 blocks for w4-int / w8-int)")
     x, ids, gates, W1, W2 = _quant_case(T=1)
     args = _quant_args(x, ids, gates, W1, W2, fmt, tag=f"rows16-{fmt}")
     first, in_cpp = _quant_ran_in_cpp(args)

@@ -227,17 +227,14 @@ def test_one_pack_per_weight_and_format():
     assert dense.packed(w, "w8-int") is first
 
 
-# ------------------------- the rows16 panels (T = 1): 4-bit on AVX-512 VNNI or AVX2, w8-int on VNNI
-def _runs_rows16(fmt: str = "w4-int") -> bool:
-    """Whether this CPU (and switches) read fmt's rows16 panels: the 4-bit formats on AVX2 or
-    AVX-512 with int16 blocks not off, w8-int on AVX-512 VNNI."""
-    return qdecode.rows16_runs(quant.pack(fmt, torch.randn(1, 16, 128)))
+# ------------------------------------------- the rows16 panels (T = 1, AVX-512 VNNI or AVX2)
+ROWS16_FORMATS = ("w4-int", "a8w4-int", "w8-int")  # a8w4-int: its group-wise form, dense's default
+def _runs_rows16() -> bool:
+    """Whether this CPU (and switches) read the rows16 panels: AVX2 or AVX-512, int16 blocks not off."""
+    return qdecode.rows16_runs(quant.pack("w4-int", torch.randn(1, 16, 128)))
 
 
 needs_rows16 = pytest.mark.skipif(not _runs_rows16(), reason="the rows16 loops need AVX2 (and MOE_COMPILE_QDECODE_I16 not 0)")
-# a8w4-int: its group-wise form, dense's default
-ROWS16_FORMATS = ("w4-int", "a8w4-int", pytest.param("w8-int", marks=pytest.mark.skipif(
-    not _runs_rows16("w8-int"), reason="w8-int's rows16 loop needs AVX-512 VNNI")))
 
 
 def _rows16_emulation(x: torch.Tensor, qw) -> torch.Tensor:
@@ -350,10 +347,11 @@ def test_rows16_only_where_its_loop_runs(monkeypatch):
     assert not qdecode.rows16_runs(quant.pack("w4-int", torch.randn(1, 40, 128)))
     monkeypatch.setenv(qdecode.I16_ENV, "0")
     assert not qdecode.rows16_runs(quant.pack("w4-int", torch.randn(1, 32, 128)))
+    assert not qdecode.rows16_runs(quant.pack("w8-int", torch.randn(1, 32, 128)))
     monkeypatch.delenv(qdecode.I16_ENV)
     monkeypatch.setattr(qdecode, "best_isa", lambda: qdecode.ISA_AVX2)
     assert qdecode.rows16_runs(quant.pack("w4-int", torch.randn(1, 32, 128)))
-    assert not qdecode.rows16_runs(quant.pack("w8-int", torch.randn(1, 32, 128)))  # its loop is VNNI's alone
+    assert qdecode.rows16_runs(quant.pack("w8-int", torch.randn(1, 32, 128)))
     monkeypatch.setattr(qdecode, "best_isa", lambda: 0)  # no F16C / FMA: no kernel at all
     assert not qdecode.rows16_runs(quant.pack("w4-int", torch.randn(1, 32, 128)))
     monkeypatch.undo()

@@ -400,10 +400,7 @@ def test_grouped_a8w4_groups_the_loops_do_not_tile_are_refused():
 ROWS16 = qdecode.rows16_runs(quant.pack("w4-int", torch.randn(1, 16, 128)))
 needs_rows16 = pytest.mark.skipif(not ROWS16, reason="the rows16 loops need AVX2 (and MOE_COMPILE_QDECODE_I16 not 0)")
 ROWS16_ATTRS = [FFNAttrs(), FFNAttrs(weight_on="between", limit=1.5)]
-# w8-int's rows16 loop is AVX-512 VNNI's alone (two byte products a vector need vpdpbusd)
-ROWS16_W8 = pytest.param("w8-int", marks=pytest.mark.skipif(
-    not qdecode.rows16_runs(quant.pack("w8-int", torch.randn(1, 16, 128))), reason="w8-int's rows16 loop needs AVX-512 VNNI"))
-ROWS16_FORMATS = ["w4-int", "a8w4-int", ROWS16_W8]
+ROWS16_FORMATS = ["w4-int", "a8w4-int", "w8-int"]
 
 
 def _assert_close_a8(got, want, atol):
@@ -489,3 +486,20 @@ def test_rows16_chunks_equal_their_slots_alone(fmt, T):
         alone = qdecode.run(x[t:t + 1].contiguous(), ids[t:t + 1].contiguous(), g[t:t + 1].contiguous(), w1, w2,
                             FFNAttrs(), cache)
         assert torch.equal(together[t:t + 1], alone), f"token {t}"
+
+
+@needs_rows16
+@pytest.mark.skipif(not VNNI, reason="the VNNI loops need AVX-512 VNNI")
+@pytest.mark.parametrize("fmt", ROWS16_FORMATS)
+@pytest.mark.parametrize("T", [1, 4])
+def test_rows16_loops_give_the_same_bits_on_both_isas(fmt, T):
+    """The AVX2 loops sum each row's blocks to the same integers as the VNNI ones (w8-int: int16
+    products there, two byte products here) and scale them alike, so a step is the same bits on
+    either ISA; an AVX2 loop that mixed up a row's lanes or a block's vectors would not be."""
+    x, ids, g, w1, w2 = _case(fmt, T, H=256, F=128, E=8, K=3, seed=60 + T)
+    if T == 1:
+        ids = torch.randperm(8)[:3][None]
+    cache = {}
+    vnni = qdecode.run(x, ids, g, w1, w2, FFNAttrs(), cache, isa=qdecode.ISA_AVX512)
+    avx2 = qdecode.run(x, ids, g, w1, w2, FFNAttrs(), cache, isa=qdecode.ISA_AVX2)
+    assert torch.equal(vnni, avx2)
