@@ -1189,11 +1189,11 @@ static int rows16_linear(int loop, int vnni, const float *x, int64_t K, int64_t 
     return status;
 }
 
-/* An expert role's rows16 panels (qgemm's panels of all E experts: [E, N/16, K/8, 16, 4] bytes and
- * [E, N/16, K/G, 16] fp16, qdecode.py passes them where rows16_runs holds), read at one slot
+/* An expert role's rows16 panels (qgemm's panels of all E experts: [E, N/16, K'/4, 16, 4] bytes, K'
+ * bytes a row, and [E, N/16, K/G, 16] fp16, qdecode.py passes them where rows16_runs holds), read at one slot
  * where rows16_loop takes the role and `aligned` (FC1: F a multiple of 16, so the up rows start a
- * panel).  Why: a slot's 4-bit FC1 / FC2 is a T = 1 dense linear per expert, arithmetic-bound on
- * the row loops as the dense ones were (dense-layers.md, "4-bit at T = 1"). */
+ * panel).  Why: a slot's 4- or 8-bit FC1 / FC2 is a T = 1 dense linear per expert, arithmetic-bound on
+ * the row loops as the dense ones were (dense-layers.md, "4- and 8-bit at T = 1"). */
 static void rows16_attach(qweight_t *w, int64_t data, int64_t scale, int64_t isa, int aligned) {
     w->rows16 = data && scale && aligned ? rows16_loop(w, isa) : 0;
     w->r16vnni = rows16_vnni(isa);
