@@ -755,6 +755,9 @@ A8G_VNNI static void w4_dot16_vnni(const qweight_t *wt, const uint8_t *const *ro
  * thread, so the result does not depend on the thread count.  w8-int has rows16 loops of its own
  * (rows16_w8_rows_vnni: its int16 activations as two bytes; rows16_w8_rows_avx2). */
 enum { ROWS16 = 16 };
+/* The rows16 loops (rows16_loop's answer, 0 for none): w4-int's, group-wise a8w4-int's, and w8-int's
+ * on AVX-512 VNNI (x as byte quads) or AVX2 (x as int16). */
+enum { R16_W4 = 1, R16_A8W4, R16_W8_VNNI, R16_W8_AVX2 };
 
 /* x (K floats, K a multiple of 32) for rows16_w4_rows_vnni: quantize_i16's blocks, as int32 pairs
  * xp[4 c + j] = (q[8 c + j], q[8 c + 4 + j]) (the two elements a 16-bit word's nibble j holds in an
@@ -921,10 +924,10 @@ ALWAYS_INLINE void rows16_w4_rows_avx2(const uint8_t *d, const uint16_t *s, int6
     for (int r = 0; r < n; ++r) _mm256_storeu_ps(in->out[r], t[r][0]), _mm256_storeu_ps(in->out[r] + 8, t[r][1]);
 }
 
-/* w8-int on AVX2 (loop 4): each 16 bytes of a panel vector (4 rows x 4 elements) sign-extended to
+/* w8-int on AVX2 (R16_W8_AVX2): each 16 bytes of a panel vector (4 rows x 4 elements) sign-extended to
  * int16 and multiplied by x's 4 int16 elements (quantize_i16's, in order; broadcast) with vpmaddwd:
  * two exact int32 lanes a row, added across the block, paired up at its end (vphaddd, then a lane
- * permute into row order).  Each row's block sum is the integer w . q the VNNI loop (3) sums, and
+ * permute into row order).  Each row's block sum is the integer w . q the VNNI loop (R16_W8_VNNI) sums, and
  * its convert, multiply and FMA are the same, so the two give the same bits.  Why not the VNNI
  * loop's byte split: vpmaddubsw adds its u8 x s8 pairs in int16, and 2 x 255 x 128 overflows it. */
 ALWAYS_INLINE void rows16_w8_rows_avx2(const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
@@ -969,9 +972,9 @@ static void rows16_rows_avx2(int loop, const uint8_t *d, const uint16_t *s, int6
                              const rows16_set_t *in, int n) {
 #define ROWS16_N(N)                                                                                                  \
     case N:                                                                                                          \
-        if (loop == 1)                                                                                               \
+        if (loop == R16_W4)                                                                                          \
             rows16_w4_rows_avx2(d, s, K, G, in, N); /* called, not through a pointer: inlined for each N */       \
-        else if (loop == 2)                                                                                          \
+        else if (loop == R16_A8W4)                                                                                   \
             rows16_a8_rows_avx2(d, s, K, G, in, N);                                                                 \
         else                                                                                                         \
             rows16_w8_rows_avx2(d, s, K, G, in, N);                                                                 \
@@ -1056,7 +1059,7 @@ A8G_VNNI ALWAYS_INLINE void rows16_a8_rows_vnni(const uint8_t *d, const uint16_t
     for (int r = 0; r < n; ++r) _mm512_storeu_ps(in->out[r], t[r]);
 }
 
-/* w8-int (loop 3): a 64-byte vector is 4 consecutive elements of the block's 16 rows, int8.  Each
+/* w8-int (R16_W8_VNNI): a 64-byte vector is 4 consecutive elements of the block's 16 rows, int8.  Each
  * int16 element of x is its low byte l (unsigned) and high byte h (signed), so a row's block sum
  * sum w q = 256 sum w h + sum w l is two vpdpbusd a vector: l (u8) against w (s8), and w + 128 (u8:
  * the sign bit flipped) against h (s8), whose 128 sum h the prepared offset takes off.  Both sums
@@ -1100,9 +1103,9 @@ A8G_VNNI static void rows16_rows_vnni(int loop, const uint8_t *d, const uint16_t
                                       const rows16_set_t *in, int n) {
 #define ROWS16_N(N)                                                                                                  \
     case N:                                                                                                          \
-        if (loop == 1)                                                                                               \
+        if (loop == R16_W4)                                                                                          \
             rows16_w4_rows_vnni(d, s, K, G, in, N);                                                                 \
-        else if (loop == 2)                                                                                          \
+        else if (loop == R16_A8W4)                                                                                   \
             rows16_a8_rows_vnni(d, s, K, G, in, N);                                                                 \
         else                                                                                                         \
             rows16_w8_rows_vnni(d, s, K, G, in, N);                                                                 \
@@ -1112,14 +1115,14 @@ A8G_VNNI static void rows16_rows_vnni(int loop, const uint8_t *d, const uint16_t
 }
 
 /* Rows 16 b .. 16 b + 15 of one panel block (d, s) against the n rows of `in`, on the VNNI loops or
- * the AVX2 ones (loop 1: w4-int, rows prepared by rows16_prepare; 2: a8w4-int, rows16_a8_prepare). */
+ * the AVX2 ones (rows prepared by rows16_input for the same loop). */
 static void rows16_rows(int loop, int vnni, const uint8_t *d, const uint16_t *s, int64_t K, int64_t G,
                         const rows16_set_t *in, int n) {
     (vnni ? rows16_rows_vnni : rows16_rows_avx2)(loop, d, s, K, G, in, n);
 }
 
-/* Bytes of one weight row in loop `loop`'s panels: 4-bit (loops 1, 2) or int8 (3, 4). */
-static int64_t rows16_row_bytes(int loop, int64_t K) { return loop >= 3 ? K : K / 2; }
+/* Bytes of one weight row in loop `loop`'s panels: int8 for w8-int's loops, else 4-bit. */
+static int64_t rows16_row_bytes(int loop, int64_t K) { return loop == R16_W8_VNNI || loop == R16_W8_AVX2 ? K : K / 2; }
 
 /* y[16 b .. 16 b + 15] for row blocks [b0, b1) of a rows16 weight (data, scale: its panels) and one
  * prepared row. */
@@ -1137,18 +1140,18 @@ static int i16_form(int64_t fmt, int64_t k, int64_t group, int64_t isa);
 /* Whether the rows16 loops run on the AVX-512 VNNI forms at this ISA (else the AVX2 forms). */
 static int rows16_vnni(int64_t isa) { return isa == ISA_AVX512 && a8g_vnni(); }
 
-/* Which rows16 loop runs a dense weight at T = 1 on this ISA: 1 w4-int's, 2 a8w4-int's, w8-int's 3
- * (AVX-512 VNNI: x as byte quads) or 4 (AVX2: x as int16), 0 none (the row loops on the canonical
- * pack).  The VNNI loops' shape rules (K a multiple of 128, G 32, 64 or a multiple of 128) on every
+/* Which rows16 loop (R16_*) runs a dense weight at T = 1 on this ISA, 0 none (the row loops on the
+ * canonical pack).  The VNNI loops' shape rules (K a multiple of 128, G 32, 64 or a multiple of 128) on every
  * ISA, so which weights have panels does not depend on the CPU; w4-int and w8-int only where their
  * activations go as int16 blocks at all (not under MOE_COMPILE_QDECODE_I16=0, the exact fp32
  * loops). */
 static int rows16_loop(const qweight_t *w, int64_t isa) {
     const int64_t G = w->group;
     if (w->n % ROWS16 || w->k % 128 || !(G == 32 || G == 64 || (G > 0 && G % 128 == 0))) return 0;
-    if (w->fmt == FMT_W4) return rows16_vnni(isa) ? i16_form(w->fmt, w->k, G, isa) == I16_T4 : i16_form(w->fmt, w->k, G, ISA_AVX2) != 0;
-    if (w->fmt == FMT_W8) return i16_form(w->fmt, w->k, G, isa) ? (rows16_vnni(isa) ? 3 : 4) : 0;
-    return w->fmt == FMT_A8W4G ? 2 : 0;
+    if (w->fmt == FMT_W4)
+        return (rows16_vnni(isa) ? i16_form(w->fmt, w->k, G, isa) == I16_T4 : i16_form(w->fmt, w->k, G, ISA_AVX2) != 0) ? R16_W4 : 0;
+    if (w->fmt == FMT_W8) return i16_form(w->fmt, w->k, G, isa) ? (rows16_vnni(isa) ? R16_W8_VNNI : R16_W8_AVX2) : 0;
+    return w->fmt == FMT_A8W4G ? R16_A8W4 : 0;
 }
 
 /* rows16_loop of a weight [.., n, k] in format fmt at this ISA, for qdecode.py (rows16_runs: which
@@ -1162,15 +1165,15 @@ int64_t moe_qdecode_rows16_loop(int64_t fmt, int64_t n, int64_t k, int64_t group
 
 /* One input row (K floats) as the rows16 loop `loop` reads it: xq [K/2] int32 (w4-int's pairs,
  * w8-int's low and high byte quads or its int16 elements; a8w4-int's quads fill K/4), sx and off
- * [K/4] (per block; a8w4-int per lane; loop 4 has no offsets); tmp K int16s. */
+ * [K/4] (per block; a8w4-int per lane; R16_W8_AVX2 has no offsets); tmp K int16s. */
 static void rows16_input(int loop, const float *x, int64_t K, void *tmp, int32_t *xq, float *sx, int32_t *off) {
-    if (loop == 1)
+    if (loop == R16_W4)
         rows16_prepare(x, K, tmp, xq, sx, off);
-    else if (loop == 2)
+    else if (loop == R16_A8W4)
         rows16_a8_prepare(x, K, tmp, xq, sx, off);
-    else if (loop == 3)
+    else if (loop == R16_W8_VNNI)
         rows16_w8_prepare(x, K, tmp, xq, sx, off);
-    else /* 4: quantize_i16's blocks as they are, in order */
+    else /* R16_W8_AVX2: quantize_i16's blocks as they are, in order */
         quantize_i16(x, K, 0, (int16_t *)xq, sx);
 }
 
@@ -1481,7 +1484,7 @@ static void fc1_part(const step_t *s, int64_t e, int64_t lo, int64_t hi, int64_t
             int64_t m = f1 - c < 128 ? f1 - c : 128;
             swiglu_span(blk, hr + c, hr + s->F + c, 0, m, limit, g);
             layout_copy(s->a + r * s->F + c, blk, m, s->v, s->w2.layout);
-            if (s->w2.rows16 == 1 || s->w2.rows16 >= 3) { /* every row: chunks of up to ROWS16_MULTI read them; int16 blocks are whole inside a chunk of 128 */
+            if (s->w2.rows16 && s->w2.rows16 != R16_A8W4) { /* int16 blocks (a8w4-int's after FC1, below): every row, chunks of up to ROWS16_MULTI read them; the blocks are whole inside a chunk of 128 */
                 int16_t tmp[128];
                 rows16_input((int)s->w2.rows16, blk, m, tmp, s->a16 + r * (s->F / 2) + c / 2, s->a16s + r * (s->F / 4) + c / I16_BLOCK,
                              s->a16o + r * (s->F / 4) + c / I16_BLOCK);
@@ -1554,7 +1557,7 @@ static void run_parts(const step_t *s, float limit, int64_t part, int64_t parts)
                 quantize_int8_blocks(&s->w2, s->a + r * s->F, s->a8 + r * s->F, s->a8b + r * (s->F / A8G_ROW_DIV),
                                      s->a8o + r * (s->F / A8G_ROW_DIV));
                 if (s->w2.rows16) /* the same int8 blocks in order, as quads: every row (a few KB) */
-                    rows16_input(2, s->a + r * s->F, s->F, s->a16tmp + r * s->F, s->a16 + r * (s->F / 2),
+                    rows16_input(R16_A8W4, s->a + r * s->F, s->F, s->a16tmp + r * s->F, s->a16 + r * (s->F / 2),
                                  s->a16s + r * (s->F / 4), s->a16o + r * (s->F / 4));
             } else
                 s->a8s[r] = quantize_int8_row(s->a + r * s->F, s->F, s->w2.fmt == FMT_A8W4 ? a8w4_block(s->F) : 0,

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import weakref
 
 import torch
@@ -123,7 +122,7 @@ def rows16_runs(w) -> bool:
     w4-int or w8-int (neither under ``MOE_COMPILE_QDECODE_I16=0``) or group-wise a8w4-int, on
     AVX-512 VNNI or AVX2 (the two ISAs' loops give the same sums, bit for bit).  The C side's own
     answer (``moe_qdecode_rows16_loop``), so the two never disagree."""
-    if w.fmt not in ("w4-int", "w8-int", "a8w4-int") or unavailable_reason(w.fmt) is not None:
+    if unavailable_reason(w.fmt) is not None:
         return False
     return bool(_KERNEL.lib().moe_qdecode_rows16_loop(_format_code(w), w.shape[1], w.shape[2], w.group, best_isa()))
 
