@@ -22,6 +22,10 @@
  *           calls of the activation and a second kernel launch cost 0.1-0.3 ms with the caches cold
  *           after the weights streamed through them, 3-6% of a step.
  *
+ * ISA:      AVX2 + FMA everywhere; where the CPU has AVX-512 (and the caller has not held it to
+ *           AVX2: moe_skinny_set_isa) the one-row dot product, decode's common case, runs in 16
+ *           lanes (dot_rows1_512), compiled for that target alone.
+ *
  * Built by moe_compile/kernels/cpu/skinny.py with `cc -O3 -mavx2 -mfma` on first use.
  */
 #include <immintrin.h>
@@ -125,6 +129,43 @@ DOT_ROWS(2, 4)
 DOT_ROWS(3, 2)
 DOT_ROWS(4, 2)
 
+#define AVX512 __attribute__((target("avx512f,avx2,fma")))
+
+/* dot_rows1 in 16 lanes: four accumulators, 64 floats (four 64-byte lines, one prefetch each) a
+ * step.  Why: half the loads and FMAs for the same bytes leave the core more room to keep lines
+ * in flight.  One process, the two builds alternating, 2 threads, 600 MiB read before each call,
+ * 2-core Xeon (family 6 model 207), fp32 decode step of one MoE layer, of the AVX2 loop's time in
+ * two runs: Mixtral-like T = 1 0.98 / 0.93, fine-grained 0.97 / 0.97, Qwen3-like 0.95 / 0.94
+ * (T = 4, mostly one row an expert: 0.92-1.03) (BENCHMARKS.md, session 35). */
+AVX512 static void dot_rows1_512(const float *w, const float *const *x, int64_t k, float *out) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const float *x0 = x[0];
+    int64_t i = 0;
+    for (; i + 64 <= k; i += 64) {
+        for (int j = 0; j < 64; j += 16) _mm_prefetch((const char *)(w + i + PREFETCH_AHEAD + j), _MM_HINT_T1);
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), _mm512_loadu_ps(x0 + i), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 16), _mm512_loadu_ps(x0 + i + 16), a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 32), _mm512_loadu_ps(x0 + i + 32), a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 48), _mm512_loadu_ps(x0 + i + 48), a3);
+    }
+    __m512 s = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+    out[0] = _mm512_reduce_add_ps(s) + dot_tail(w, x0, i, k);
+}
+
+enum { ISA_AVX2 = 2, ISA_AVX512 = 512 };
+/* ISA_AVX512: one-row dot products in 16 lanes (where the CPU has AVX-512F); ISA_AVX2 until set. */
+static int64_t isa_in_use = ISA_AVX2;
+
+/* The widest loops this CPU runs: ISA_AVX512 or ISA_AVX2. */
+int64_t moe_skinny_best_isa(void) { return __builtin_cpu_supports("avx512f") ? ISA_AVX512 : ISA_AVX2; }
+
+/* Hold the kernel to isa (at most moe_skinny_best_isa()); returns the setting before. */
+int64_t moe_skinny_set_isa(int64_t isa) {
+    int64_t before = isa_in_use;
+    isa_in_use = isa == ISA_AVX512 && moe_skinny_best_isa() == ISA_AVX512 ? ISA_AVX512 : ISA_AVX2;
+    return before;
+}
+
 /* Rows n0..n1 of W [n_out, k] against every x row, four x rows at a time while the weight row is
  * in L1.  Each weight row is read from memory once. */
 static void run_dot(const task_t *t, int64_t n0, int64_t n1) {
@@ -136,7 +177,12 @@ static void run_dot(const task_t *t, int64_t n0, int64_t n1) {
             float out[4];
             for (int64_t j = 0; j < q; ++j) xr[j] = x_row(t, r + j);
             switch (q) {
-            case 1: dot_rows1(w, xr, t->k, out); break;
+            case 1:
+                if (isa_in_use == ISA_AVX512)
+                    dot_rows1_512(w, xr, t->k, out);
+                else
+                    dot_rows1(w, xr, t->k, out);
+                break;
             case 2: dot_rows2(w, xr, t->k, out); break;
             case 3: dot_rows3(w, xr, t->k, out); break;
             default: dot_rows4(w, xr, t->k, out);

@@ -8,7 +8,9 @@ Shapes:  a task is one GEMM  y [r, n_out] = x [r, k] @ W^T (+ bias [n_out]),  W 
 The C file is compiled on first use (never at import, ``cpu_cc``) and loaded with ctypes.  It splits
 every task's output columns over torch's OpenMP threads (see the C file for why not Python
 threads).  Where there is no compiler, no AVX2 or the build fails, ``available()`` is False and
-the op keeps its MKL path; ``MOE_COMPILE_SKINNY=0`` turns the kernel off.
+the op keeps its MKL path; ``MOE_COMPILE_SKINNY=0`` turns the kernel off.  Where the CPU has AVX-512
+the one-row dot products run in 16 lanes; ``MOE_COMPILE_FUSED_ISA=avx2`` holds the kernel to AVX2
+(``kernels/cpu/isa.py``), as it does the others.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import struct
 
 import torch
 
-from moe_compile.kernels.cpu import cc as cpu_cc
+from moe_compile.kernels.cpu import cc as cpu_cc, isa as cpu_isa
 
 # Rows of x per expert up to which the kernel beats the MKL path (cpu.expert_linear).  Sweep on the
 # 2-core CI VM (fp32, 2 threads, five experts' [4096, 1024] + [1024, 2048] weights not in cache),
@@ -31,7 +33,9 @@ _KERNEL = cpu_cc.Kernel("skinny", "MOE_COMPILE_SKINNY",
                         {"moe_skinny_run_parallel": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64],
                          "moe_skinny_ffn_parallel": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float,
                                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64],
-                         "moe_skinny_decode": ([ctypes.c_void_p, ctypes.c_float, ctypes.c_int64], ctypes.c_int)},
+                         "moe_skinny_decode": ([ctypes.c_void_p, ctypes.c_float, ctypes.c_int64], ctypes.c_int),
+                         "moe_skinny_best_isa": ([], ctypes.c_int64),
+                         "moe_skinny_set_isa": ([ctypes.c_int64], ctypes.c_int64)},
                         "using MKL for decode")
 
 
@@ -99,11 +103,23 @@ def swiglu(h: int, ldh: int, a: int, lda: int, rows: int, ffn: int, interleaved:
     return [h, ldh, a, lda, rows, ffn, int(interleaved), scale]
 
 
+_isa_chosen: list[bool] = []  # the ISA is set once, on the library's first use
+
+
 def _lib() -> ctypes.CDLL:
     lib = _KERNEL.lib()
     if lib is None:
         raise RuntimeError(f"skinny CPU kernel unavailable: {_KERNEL.error()}")
+    if not _isa_chosen:
+        lib.moe_skinny_set_isa(cpu_isa.choose(int(lib.moe_skinny_best_isa())))  # MOE_COMPILE_FUSED_ISA=avx2: AVX2
+        _isa_chosen.append(True)
     return lib
+
+
+def use_isa(isa: int) -> int:
+    """Run the AVX2 loops (``isa.ISA_AVX2``) or, where the CPU has them, the AVX-512 ones
+    (``isa.ISA_AVX512``); returns the setting before."""
+    return int(_lib().moe_skinny_set_isa(isa))
 
 
 def decode_kernel_address() -> int:

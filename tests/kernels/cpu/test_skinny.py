@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from moe_compile.kernels.cpu import skinny as cpu_skinny
+from moe_compile.kernels.cpu.isa import ISA_AVX2, ISA_AVX512
 from tests.conftest import run_python
 
 needs_kernel = pytest.mark.skipif(not cpu_skinny.available(), reason=f"no skinny kernel: {cpu_skinny.unavailable_reason()}")
@@ -17,14 +18,29 @@ def _strided(rows: int, cols: int, pad: int) -> torch.Tensor:
     return torch.randn(rows, cols + pad)[:, pad:]
 
 
+@pytest.fixture(params=[ISA_AVX2, ISA_AVX512], ids=["avx2", "avx512"])
+def isa(request):
+    """The kernel held to AVX2, then (where the CPU has it) with its AVX-512 one-row loop."""
+    if not cpu_skinny.available():
+        pytest.skip(f"no skinny kernel: {cpu_skinny.unavailable_reason()}")
+    before = cpu_skinny.use_isa(request.param)
+    try:
+        if cpu_skinny.use_isa(request.param) != request.param:
+            pytest.skip("this CPU has no AVX-512")
+        yield request.param
+    finally:
+        cpu_skinny.use_isa(before)
+
+
 # fp32 against a float64 product: the kernel sums in blocks of 8/16 lanes, torch in its own order;
 # with unit-scale inputs and k <= 1100 the difference stays ~1e-5 of the output's scale.
 @needs_kernel
-# More rows than decode sends (cpu_skinny.MAX_ROWS) come from small experts (cpu_decode.fits).
-@pytest.mark.parametrize("rows,k,n_out", [(1, 1, 1), (2, 7, 9), (3, 33, 17), (5, 16, 300), (9, 8, 2), (11, 13, 7),
-                                          (16, 1100, 40)])
+# More rows than decode sends (cpu_skinny.MAX_ROWS) come from small experts (cpu_decode.fits).  One
+# row with k past 64 and not a multiple of it: the AVX-512 one-row loop's steps and its tail.
+@pytest.mark.parametrize("rows,k,n_out", [(1, 1, 1), (1, 200, 33), (1, 1100, 40), (2, 7, 9), (3, 33, 17), (5, 16, 300),
+                                          (9, 8, 2), (11, 13, 7), (16, 1100, 40)])
 @pytest.mark.parametrize("transposed,bias,threads", list(itertools.product([False, True], [False, True], [1, 2, 3])))
-def test_kernel_matches_torch(rows, k, n_out, transposed, bias, threads):
+def test_kernel_matches_torch(rows, k, n_out, transposed, bias, threads, isa):
     w = _strided(k, n_out, 3) if transposed else _strided(n_out, k, 3)  # rows padded: ldw != width
     x = _strided(rows, k, 5)
     buf = torch.full((rows, n_out + 4), float("nan"))
