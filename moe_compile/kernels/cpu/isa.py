@@ -2,8 +2,9 @@
 
 Each kernel's C file reports the best tile this CPU runs (``*_best_isa`` / feature bits read with
 ``__builtin_cpu_supports``); ``MOE_COMPILE_FUSED_ISA`` then holds every kernel (``experts``,
-``qdecode``, ``qgemm``, ``skinny``, ``attention``) to its AVX2 tiles with ``avx2`` — how an AVX2-only CPU runs, measured on an
-AVX-512 machine — or insists on AVX-512 with ``avx512`` (an error where the CPU lacks it).
+``qdecode``, ``qgemm``, ``skinny``, ``attention``) to its AVX2 tiles with ``avx2`` — how an
+AVX2-only CPU runs, measured on an AVX-512 machine — or insists on AVX-512 with ``avx512`` (an
+error where the CPU lacks it).
 """
 
 from __future__ import annotations
