@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -38,6 +39,19 @@ def _seed():
     torch.manual_seed(0)
     yield
     torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def kernel_isa(use_isa, isa: int):
+    """A C kernel held to ``isa`` by its setter ``use_isa`` (which returns the setting before) for the
+    block, the setting restored after; skipped where the CPU does not run that ISA."""
+    before = use_isa(isa)
+    try:
+        if use_isa(isa) != isa:
+            pytest.skip("this CPU has no AVX-512")
+        yield isa
+    finally:
+        use_isa(before)
 
 
 def run_python(code: str, **env) -> subprocess.CompletedProcess:

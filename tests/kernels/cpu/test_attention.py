@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import moe_compile.ops  # noqa: F401  registers the op
 from moe_compile.kernels.cpu import attention
 from moe_compile.kernels.cpu.isa import ISA_AVX2, ISA_AVX512
+from tests.conftest import kernel_isa
 
 op = torch.ops.moe_compile.decode_attention
 
@@ -50,13 +51,8 @@ def isa(request):
     """The kernel held to AVX2, then (where the CPU has it) run with its AVX-512 blocks: the shapes
     whose padded rows come in eights (the first and the third) take them."""
     assert attention.unavailable_reason() is None
-    before = attention.use_isa(request.param)
-    try:
-        if attention.use_isa(request.param) != request.param:
-            pytest.skip("this CPU has no AVX-512")
-        yield request.param
-    finally:
-        attention.use_isa(before)
+    with kernel_isa(attention.use_isa, request.param) as isa:
+        yield isa
 
 
 @pytest.mark.parametrize("threads", [1, 2])

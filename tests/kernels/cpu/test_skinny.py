@@ -8,7 +8,7 @@ import torch
 
 from moe_compile.kernels.cpu import skinny as cpu_skinny
 from moe_compile.kernels.cpu.isa import ISA_AVX2, ISA_AVX512
-from tests.conftest import run_python
+from tests.conftest import kernel_isa, run_python
 
 needs_kernel = pytest.mark.skipif(not cpu_skinny.available(), reason=f"no skinny kernel: {cpu_skinny.unavailable_reason()}")
 
@@ -23,13 +23,8 @@ def isa(request):
     """The kernel held to AVX2, then (where the CPU has it) with its AVX-512 one-row loop."""
     if not cpu_skinny.available():
         pytest.skip(f"no skinny kernel: {cpu_skinny.unavailable_reason()}")
-    before = cpu_skinny.use_isa(request.param)
-    try:
-        if cpu_skinny.use_isa(request.param) != request.param:
-            pytest.skip("this CPU has no AVX-512")
-        yield request.param
-    finally:
-        cpu_skinny.use_isa(before)
+    with kernel_isa(cpu_skinny.use_isa, request.param) as isa:
+        yield isa
 
 
 # fp32 against a float64 product: the kernel sums in blocks of 8/16 lanes, torch in its own order;
