@@ -96,16 +96,14 @@ static void dots_2x4(const float *const *qr, const float *k0, const float *k1, i
     _mm256_storeu_ps(out, hsum8x8(a));
 }
 
-#define AVX512 __attribute__((target("avx512f,avx2,fma")))
-
 /* The upper 256 bits of a 512-bit vector plus its lower ones (AVX512F alone, no DQ). */
-AVX512 static inline __m256 fold512(__m512 a) {
+AVX512_TARGET static inline __m256 fold512(__m512 a) {
     __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
     return _mm256_add_ps(_mm512_castps512_ps256(a), hi);
 }
 
 /* dots_2x4 for ROWS512 rows in 16 lanes: out[2 r + c] = q_r . k_c, 16 accumulators. */
-AVX512 static void dots_2x8(const float *const *qr, const float *k0, const float *k1, int64_t D, float *out) {
+AVX512_TARGET static void dots_2x8(const float *const *qr, const float *k0, const float *k1, int64_t D, float *out) {
     __m512 a[2 * ROWS512];
     for (int r = 0; r < 2 * ROWS512; ++r) a[r] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 16) {
@@ -268,8 +266,8 @@ static void weighted_values(const Job *J, const float *vb, int64_t s0, int64_t n
 }
 
 /* weighted_values for rows [i0, i0 + ROWS512) in 16 lanes: 32 of D at a time (16 at the tail). */
-AVX512 static void weighted_values_8(const Job *J, const float *vb, int64_t s0, int64_t n, const float *pr,
-                                     const uint8_t *attend, float *acc) {
+AVX512_TARGET static void weighted_values_8(const Job *J, const float *vb, int64_t s0, int64_t n, const float *pr,
+                                            const uint8_t *attend, float *acc) {
     const int64_t D = J->p[ND], vs = J->p[VSS];
     for (int64_t d = 0; d < D; d += 32) {
         const int two = d + 32 <= D;  /* D is a multiple of 16: the last piece may be 16 wide */

@@ -53,8 +53,6 @@
 
 #include "tiles.h" /* after PANEL: the tiles step PANEL floats per k */
 
-enum { ISA_AVX2 = 2, ISA_AVX512 = 512 };
-
 /* ---- tiles (tiles.h): c [mr][2V] = A rows . [b0 | b1], b0 / b1 stepping PANEL floats per k ----
  * The AVX-512 tile reads A's rows where they lie (a[r][k]); the AVX2 tile reads A tile-packed
  * (a[r] = the tile's base + r, element k at a[r][k * MR_AVX2]: one memory stream for all rows,

@@ -53,7 +53,6 @@
 
 /* Weight formats (qdecode.py: _FORMATS). */
 enum { FMT_BF16 = 1, FMT_FP16, FMT_W8, FMT_W4, FMT_MXFP4, FMT_MXFP8, FMT_A8W8, FMT_A8W4, FMT_A8W4G, FMT_A8W8G, FMT_COUNT };
-enum { ISA_AVX2 = 2, ISA_AVX512 = 512 };
 /* Group scales of one weight row converted to fp32 SEG at a time (a stack buffer per row). */
 enum { SEG = 256 };
 /* Software prefetch distance into the weight rows, in elements (so the same time ahead whatever
@@ -415,7 +414,6 @@ ALWAYS_INLINE __m256i int8_block(int64_t fmt, const uint8_t *row, int64_t k, __m
     __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(q, c));
     return _mm256_add_epi32(part, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
-
 
 /* How a8w4's activations are paired (quantize_int8_row's block): 64 where K allows, so that one
  * 32-byte load gives two vectors of 32 nibbles (evens and odds) for two vpmaddubsw: 4 operations

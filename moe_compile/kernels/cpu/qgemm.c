@@ -70,7 +70,6 @@
 #include "tiles.h" /* after PANEL: the tiles step PANEL floats per k */
 #include "blocktiles.h"
 
-enum { ISA_AVX2 = 2, ISA_AVX512 = 512 };
 enum { FMT_A8W8 = 1, FMT_A8W4 = 2, FMT_W8 = 3, FMT_W4 = 4, FMT_MXFP4 = 5, FMT_BF16 = 6, FMT_F16 = 7, FMT_MXFP8 = 8 };
 
 static int is_int(int fmt) { return fmt == FMT_A8W8 || fmt == FMT_A8W4; }

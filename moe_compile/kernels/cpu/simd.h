@@ -6,6 +6,13 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+/* The ISA codes the kernels and their hosts exchange (kernels/cpu/isa.py: ISA_AVX2, ISA_AVX512). */
+enum { ISA_AVX2 = 2, ISA_AVX512 = 512 };
+
+/* A function compiled for AVX-512F (the files themselves build for AVX2), run only where the CPU
+ * has it. */
+#define AVX512_TARGET __attribute__((target("avx512f,avx2,fma")))
+
 /* e^x on 8 lanes: x = n ln2 + r, |r| <= ln2/2, e^r by a degree-7 polynomial (Cephes' expf
  * coefficients), 2^n built in the exponent bits.  Max relative error ~2e-7 (as torch's Sleef
  * expf on the same inputs: tests/kernels/test_cpu_rows.py).  The input is clamped to

@@ -129,15 +129,13 @@ DOT_ROWS(2, 4)
 DOT_ROWS(3, 2)
 DOT_ROWS(4, 2)
 
-#define AVX512 __attribute__((target("avx512f,avx2,fma")))
-
 /* dot_rows1 in 16 lanes: four accumulators, 64 floats (four 64-byte lines, one prefetch each) a
  * step.  Why: half the loads and FMAs for the same bytes leave the core more room to keep lines
  * in flight.  One process, the two builds alternating, 2 threads, 600 MiB read before each call,
  * 2-core Xeon (family 6 model 207), fp32 decode step of one MoE layer, of the AVX2 loop's time in
  * two runs: Mixtral-like T = 1 0.98 / 0.93, fine-grained 0.97 / 0.97, Qwen3-like 0.95 / 0.94
  * (T = 4, mostly one row an expert: 0.92-1.03) (BENCHMARKS.md, session 35). */
-AVX512 static void dot_rows1_512(const float *w, const float *const *x, int64_t k, float *out) {
+AVX512_TARGET static void dot_rows1_512(const float *w, const float *const *x, int64_t k, float *out) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     const float *x0 = x[0];
     int64_t i = 0;
@@ -152,7 +150,6 @@ AVX512 static void dot_rows1_512(const float *w, const float *const *x, int64_t 
     out[0] = _mm512_reduce_add_ps(s) + dot_tail(w, x0, i, k);
 }
 
-enum { ISA_AVX2 = 2, ISA_AVX512 = 512 };
 /* ISA_AVX512: one-row dot products in 16 lanes (where the CPU has AVX-512F); ISA_AVX2 until set. */
 static int64_t isa_in_use = ISA_AVX2;
 

@@ -229,6 +229,8 @@ def test_one_pack_per_weight_and_format():
 
 # ------------------------------------------- the rows16 panels (T = 1, AVX-512 VNNI or AVX2)
 ROWS16_FORMATS = ("w4-int", "a8w4-int", "w8-int")  # a8w4-int: its group-wise form, dense's default
+
+
 def _runs_rows16() -> bool:
     """Whether this CPU (and switches) read the rows16 panels: AVX2 or AVX-512, int16 blocks not off."""
     return qdecode.rows16_runs(quant.pack("w4-int", torch.randn(1, 16, 128)))
