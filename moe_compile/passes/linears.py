@@ -25,7 +25,9 @@ from collections import Counter
 import torch
 import torch.fx as fx
 
+from moe_compile.packed_ops import run_format
 from moe_compile.passes.clusters import is_topk
+from moe_compile.quant.packed import is_packed
 
 log = logging.getLogger("moe_compile")
 ENV = "MOE_COMPILE_DENSE"  # "0": leave every dense linear to the inner compiler
@@ -42,6 +44,7 @@ class LinearMatch:
     weight_bytes: int  # bytes one call reads in that format
     router: bool  # its output picks experts (kept in its own dtype)
     group: int = 0  # the format's weight group; 0: the format's default (dense_group says which)
+    loaded: str = ""  # the format a weight loaded packed (a PackedWeight) runs in; "" for the others
 
     def replace(self) -> None:
         x, weight, bias = _operands(self.node)
@@ -72,6 +75,11 @@ def find_linears(gm: fx.GraphModule, example_inputs, fmt: str) -> tuple[list[Lin
             left[reason] += 1
             continue
         router = _is_router(node)
+        if is_packed(weight):  # loaded packed: read in its own format (or its int8-activation twin)
+            use = "none" if fmt == "none" else run_format(weight.fmt, fmt)
+            matches.append(LinearMatch(node, use, weight.packed_nbytes, router, weight.group,
+                                       loaded=run_format(weight.fmt, use)))
+            continue
         # only a model's parameters are packed: a weight handed in per call would be packed per call
         use = "none" if router or not isinstance(weight, torch.nn.Parameter) else fmt
         matches.append(LinearMatch(node, use, _bytes(weight, use), router, dense_group(use, weight.shape[1])))
@@ -157,7 +165,8 @@ def run_linear_pass(gm: fx.GraphModule, example_inputs, fmt: str) -> str | None:
 
 
 def _summary(matches: list[LinearMatch], left: Counter) -> str:
-    by_fmt = Counter(m.fmt + (f" group-wise ({m.group})" if m.group else "") for m in matches)
+    by_fmt = Counter(f"{m.loaded} as loaded" if m.loaded else m.fmt + (f" group-wise ({m.group})" if m.group else "")
+                     for m in matches)
     mib = sum(m.weight_bytes for m in matches) / 2**20
     parts = [f"{n} in {'their own dtype' if f == 'none' else f}" for f, n in sorted(by_fmt.items())]
     line = f"dense linears: {len(matches)} on moe_compile's kernels ({', '.join(parts) or 'none'}; {mib:.1f} MiB of weights a call)"

@@ -240,10 +240,21 @@ def _rewritten_entry(match, plan) -> Rewritten:
     s = match.spec
     a = s.attrs
     biases = tuple(role for role in ("fc1", "fc1_up", "fc2") if getattr(s, f"{role}_bias"))
-    return Rewritten(s.family, s.num_experts, s.top_k, s.hidden, s.ffn, plan.policy or s.variant, s.source, a.gate_up,
+    return Rewritten(s.family, s.num_experts, s.top_k, s.hidden, s.ffn, _variant(s, plan), s.source, a.gate_up,
                      a.activation, a.weight_on, match.error, transposed=a.transposed, limit=a.limit, alpha=a.alpha,
                      biases=biases, flipped=tuple(s.flipped), unflattened=tuple(role for role, _ in s.unflattened),
                      quant_tag=plan.tag, quant_note=plan.note, **getattr(match, "report_extra", {}))
+
+
+def _variant(spec, plan) -> str:
+    """What the op runs: the plan's format, or the format experts loaded packed (PackedWeight) run in."""
+    from moe_compile.packed_ops import run_format
+    from moe_compile.quant.packed import is_packed
+
+    w = spec.fc1[0].meta.get("example_value") if spec.fc1 else None
+    if is_packed(w):
+        return f"{run_format(w.fmt, plan.policy or 'none')} (loaded packed)"
+    return plan.policy or spec.variant
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:

@@ -88,6 +88,33 @@ def _drop(key: int, pack: "_Packed", _ref) -> None:
         torch.ops.moe_compile.dense_prune()
 
 
+class _LoadedPack(_Packed):
+    """A weight that is packed already (a ``PackedWeight``'s canonical bytes): the same fields and
+    panels as ``_Packed``, made from the QuantWeight instead of a full-precision weight."""
+
+    def __init__(self, qweight):  # noqa: super().__init__ packs from a weight; this one has the pack
+        self.ref, self.version, self.qweight = weakref.ref(qweight.data), None, qweight
+        N, K = qweight.shape[1:]
+        self.panels, self.rows16 = None, None
+        if qdecode.rows16_runs(qweight):
+            self.panels = _float_panels(qweight)
+            if self.panels is not False:
+                self.rows16 = (self.panels.data[0], self.panels.scale[0])
+        self.fields = qdecode.role_fields(qweight, N, K) + qdecode.rows16_fields(self.rows16)
+
+
+_LOADED: dict[tuple, _LoadedPack] = {}  # (data pointer, fmt) -> the pack of a loaded weight
+
+
+def linear_packed(x: torch.Tensor, qweight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear`` on a weight that is packed already: ``qweight`` a canonical [1, N, K] QuantWeight."""
+    key = (qweight.data.data_ptr(), qweight.fmt, qweight.group)
+    pack = _LOADED.get(key)
+    if pack is None or pack.ref() is not qweight.data:
+        pack = _LOADED[key] = _LoadedPack(qweight)
+    return _linear_on_pack(x, pack, bias)
+
+
 def packed(weight: torch.Tensor, fmt: str, group: int | None = None) -> _Packed:
     """The weight's pack in ``fmt``, made on first use and again after an in-place update."""
     key = (id(weight), fmt, group)
@@ -184,15 +211,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                          f"[N, K] expected, got x {tuple(x.shape)} and weight {tuple(weight.shape)}")
     lead, (N, K) = x.shape[:-1], weight.shape
     x2 = x.reshape(-1, K)
-    T = x2.shape[0]
     if fmt == "none":
-        y = _linear_native(x2, weight, bias)
-    elif T <= DECODE_ROWS and T > 0:
-        y = _decode(x2, packed(weight, fmt, group), N, K).to(x.dtype)
+        return _linear_native(x2, weight, bias).reshape(*lead, N)
+    return _linear_on_pack(x, packed(weight, fmt, group), bias)
+
+
+def _linear_on_pack(x: torch.Tensor, pack: "_Packed", bias: torch.Tensor | None) -> torch.Tensor:
+    """y [..., N] of a packed weight: the decode loops for T <= DECODE_ROWS rows, else prefill."""
+    N, K = pack.qweight.shape[1:]
+    lead, x2 = x.shape[:-1], x.reshape(-1, K)
+    T = x2.shape[0]
+    if 0 < T <= DECODE_ROWS:
+        y = _decode(x2, pack, N, K).to(x.dtype)
         if bias is not None:
             y += bias
     else:
-        y = _prefill(x2, packed(weight, fmt, group), bias).to(x.dtype)
+        y = _prefill(x2, pack, bias).to(x.dtype)
     return y.reshape(*lead, N)
 
 

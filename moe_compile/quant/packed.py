@@ -1,0 +1,159 @@
+"""A model weight kept packed: ``PackedWeight``, a tensor subclass holding one ``QuantWeight``.
+
+Shapes:  E experts, N output rows, K reduction (input) width.  A PackedWeight is logically an
+expert stack [E, N, K] (what HF keeps as ``gate_up_proj`` / ``down_proj``) or a linear's weight
+[N, K], in the model's dtype; physically it is the format's packed bytes and scales
+(``quant/common.py``'s table), never a full-precision copy.
+
+Why a tensor subclass (torchao's approach for quantized weights): the packed tensor *is* the
+model's parameter, so ``state_dict``, ``named_parameters``, ``explain()`` and the graph dump see
+it under its own name, and ``torch.compile`` traces it like any parameter.  What each operation
+does with it:
+
+  operation                                      result
+  detach / alias / clone                         the same packed bytes (what ``nn.Parameter`` needs)
+  ``w[e]`` (select on the expert dim)            expert e's [N, K] PackedWeight, no copy
+  ``.to(dtype)``                                 the same bytes, another logical dtype
+  ``F.embedding(ids, w)``                        only the rows asked for, dequantized
+  the fused MoE ops / ``dense_linear``           the packed kernels on the bytes themselves
+                                                 (``packed_ops.py``), also inside compiled graphs
+  anything else                                  run on the dequantized weight: the format's exact
+                                                 meaning (``quant.dequantize``), the reference path
+
+The last row is what eager runs and what the backend's proof runs on, so a model loaded packed
+gives in eager exactly the logits of the same model with the dequantized weights, and the compiled
+model is compared against that.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_map
+
+from moe_compile.quant.common import QuantWeight
+
+aten = torch.ops.aten
+_SAME_BYTES = (aten.detach.default, aten.alias.default, aten.clone.default)
+
+
+class PackedWeight(torch.Tensor):
+    """One weight in a ``moe_compile.quant`` format; see the module docstring."""
+
+    qdata: torch.Tensor  # the QuantWeight's data, [E, N, K'] (3-D) or [1, N, K'] (a linear)
+    qscale: torch.Tensor  # its scale (shape per format)
+
+    @staticmethod
+    def __new__(cls, qdata, qscale, fmt: str, group: int, shape: tuple, dtype: torch.dtype):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=qdata.device,
+                                                   requires_grad=False)
+
+    def __init__(self, qdata, qscale, fmt: str, group: int, shape: tuple, dtype: torch.dtype):
+        if len(shape) not in (2, 3):
+            raise ValueError(f"PackedWeight: a [E, N, K] expert stack or an [N, K] weight, got shape {tuple(shape)}")
+        self.qdata, self.qscale, self.fmt, self.group = qdata, qscale, fmt, int(group)
+
+    @classmethod
+    def of(cls, qw: QuantWeight, dtype: torch.dtype = torch.float32, linear: bool = False) -> "PackedWeight":
+        """``qw`` as a weight of logical dtype ``dtype``: [E, N, K], or [N, K] with ``linear`` (E = 1)."""
+        if qw.bias is not None:
+            raise ValueError("PackedWeight: per-channel a8w4-int (with its MSD bias) is not kept packed; "
+                             "use the group-wise form (group 32)")
+        if linear and qw.shape[0] != 1:
+            raise ValueError(f"PackedWeight.of(linear=True) takes one [1, N, K] weight, got {qw.shape}")
+        shape = tuple(qw.shape[1:]) if linear else tuple(qw.shape)
+        return cls(qw.data, qw.scale, qw.fmt, qw.group, shape, dtype)
+
+    def quant_weight(self) -> QuantWeight:
+        """The canonical QuantWeight [E, N, K] ([1, N, K] for a linear), sharing these bytes."""
+        shape = tuple(self.shape) if self.dim() == 3 else (1, *self.shape)
+        return QuantWeight(self.fmt, self.qdata, self.qscale, self.group, shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as a plain tensor of its logical shape and dtype (the format's exact meaning)."""
+        from moe_compile.quant.formats import dequantize
+
+        return dequantize(self.quant_weight()).reshape(self.shape).to(self.dtype)
+
+    @property
+    def packed_nbytes(self) -> int:
+        return self.qdata.nbytes + self.qscale.nbytes
+
+    def __repr__(self) -> str:  # never the dequantized values: printing a 60 GB stack must not build it
+        return f"PackedWeight({self.fmt}, group={self.group}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    def __tensor_flatten__(self):
+        return ["qdata", "qscale"], (self.fmt, self.group, tuple(self.shape), self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        fmt, group, shape, dtype = meta
+        return PackedWeight(inner["qdata"], inner["qscale"], fmt, group, shape, dtype)
+
+    def _like(self, qdata, qscale, shape=None, dtype=None) -> "PackedWeight":
+        return PackedWeight(qdata, qscale, self.fmt, self.group, tuple(shape or self.shape), dtype or self.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        special = _SPECIAL.get(func)
+        if special is not None:
+            out = special(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        from moe_compile import packed_ops
+
+        routed = packed_ops.route(func, args, kwargs)
+        if routed is not NotImplemented:
+            return routed
+        return func(*tree_map(_plain, args), **tree_map(_plain, kwargs))
+
+
+def _plain(t):
+    return t.dequantize() if isinstance(t, PackedWeight) else t
+
+
+def _same_bytes(func):
+    def run(w, *rest, **kwargs):
+        return w._like(func(w.qdata), func(w.qscale))
+    return run
+
+
+def _select(w, dim, index):
+    """``w[e]`` of an expert stack: expert e's bytes, a PackedWeight [N, K] (what a loop over the
+    experts, and the backend's proof, index)."""
+    if w.dim() != 3 or dim != 0:
+        return NotImplemented
+    return w._like(w.qdata[index:index + 1], w.qscale[index:index + 1], shape=w.shape[1:])
+
+
+def _to_copy(w, *, dtype=None, device=None, layout=None, pin_memory=None, non_blocking=False, memory_format=None):
+    """``.to(dtype)``: the same packed bytes under another logical dtype (a float dtype only)."""
+    if (device is not None and torch.device(device) != w.device) or not (dtype is None or dtype.is_floating_point):
+        return NotImplemented
+    return w._like(w.qdata, w.qscale, dtype=dtype or w.dtype)
+
+
+def _embedding(w, ids, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    """Rows ``ids`` of an [N, K] weight, dequantized (an embedding table is never built whole)."""
+    if w.dim() != 2:
+        return NotImplemented
+    from moe_compile.quant.formats import dequantize
+
+    flat = ids.reshape(-1)
+    qw = w.quant_weight()
+    scale = qw.scale[0, flat][None] if qw.scale.dim() == 3 else qw.scale  # w16 has no scales
+    rows = QuantWeight(qw.fmt, qw.data[0, flat][None], scale, qw.group,
+                       (1, flat.numel(), qw.shape[2]))
+    return dequantize(rows)[0].to(w.dtype).reshape(*ids.shape, w.shape[1])
+
+
+_SPECIAL = {
+    **{f: _same_bytes(f) for f in _SAME_BYTES},
+    aten.select.int: _select,
+    aten._to_copy.default: _to_copy,
+    aten.embedding.default: _embedding,
+}
+
+
+def is_packed(t) -> bool:
+    return isinstance(t, PackedWeight)
