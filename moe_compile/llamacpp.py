@@ -28,6 +28,17 @@ def write_gguf(model, path: str) -> None:
                          f"{getattr(cfg, 'model_type', type(model).__name__)} with norm_topk_prob="
                          f"{getattr(cfg, 'norm_topk_prob', None)}, mlp_only_layers={getattr(cfg, 'mlp_only_layers', None)}")
     w = gguf.GGUFWriter(path, "qwen3moe")
+    _add_header(w, cfg, gguf.LlamaFileType.ALL_F32)
+    for name, tensor in gguf_tensors(model):
+        w.add_tensor(name, tensor.detach().float().contiguous().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _add_header(w, cfg, file_type) -> None:
+    """Qwen3-MoE's hyperparameters and the placeholder vocab, as llama.cpp's qwen3moe reads them."""
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
@@ -41,14 +52,75 @@ def write_gguf(model, path: str) -> None:
     w.add_expert_count(cfg.num_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_file_type(file_type)
     _add_vocab(w, cfg.vocab_size)
-    for name, tensor in gguf_tensors(model):
-        w.add_tensor(name, tensor.detach().float().contiguous().numpy())
+
+
+def random_q4_0_shapes(cfg) -> list[tuple[str, tuple[int, ...], str]]:
+    """(GGUF name, numpy-order shape, "q4_0" or "f32") of a qwen3moe GGUF as llama-quantize's q4_0
+    writes it: the weights in q4_0, the norms and the routers (``ffn_gate_inp``) in f32."""
+    H, F, E, V = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.vocab_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    out = [("token_embd.weight", (V, H), "q4_0")]
+    for i in range(cfg.num_hidden_layers):
+        out += [(f"blk.{i}.{k}", shape, kind) for k, shape, kind in (
+            ("attn_norm.weight", (H,), "f32"), ("attn_q.weight", (q, H), "q4_0"), ("attn_k.weight", (kv, H), "q4_0"),
+            ("attn_v.weight", (kv, H), "q4_0"), ("attn_output.weight", (H, q), "q4_0"),
+            ("attn_q_norm.weight", (cfg.head_dim,), "f32"), ("attn_k_norm.weight", (cfg.head_dim,), "f32"),
+            ("ffn_norm.weight", (H,), "f32"), ("ffn_gate_inp.weight", (E, H), "f32"),
+            ("ffn_gate_exps.weight", (E, F, H), "q4_0"), ("ffn_up_exps.weight", (E, F, H), "q4_0"),
+            ("ffn_down_exps.weight", (E, H, F), "q4_0"))]
+    return out + [("output_norm.weight", (H,), "f32"), ("output.weight", (V, H), "q4_0")]
+
+
+def write_random_q4_0(cfg, path: str, seed: int = 0, std: float = 0.02) -> int:
+    """A qwen3moe GGUF of ``cfg``'s shapes with random weights written directly as q4_0 blocks, one
+    tensor at a time (no full-precision weight is ever made: a 30B-parameter file needs only its
+    largest tensor in memory).  Blocks: uniform 4-bit codes and fp16 scales d around std / 4.6 (the
+    codes' spread), so every weight has about ``std``; norms are 1, routers N(0, std) in f32.
+    Returns the file's size in bytes."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    shapes = random_q4_0_shapes(cfg)
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    _add_header(w, cfg, gguf.LlamaFileType.MOSTLY_Q4_0)
+    q4 = gguf.GGMLQuantizationType.Q4_0
+    for name, shape, kind in shapes:
+        n = int(np.prod(shape))
+        if kind == "q4_0":
+            w.add_tensor_info(name, (*shape[:-1], shape[-1] // 32 * 18), np.dtype(np.uint8), n // 32 * 18, q4)
+        else:
+            w.add_tensor_info(name, shape, np.dtype(np.float32), n * 4)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    for name, shape, kind in shapes:
+        n = int(np.prod(shape))
+        if kind == "f32":
+            norm = "norm" in name
+            w.write_tensor_data(np.ones(shape, np.float32) if norm else
+                                rng.standard_normal(shape, dtype=np.float32) * np.float32(std))
+            continue
+        blocks = rng.integers(0, 256, size=(n // 32, 18), dtype=np.uint8)
+        d = (rng.uniform(0.5, 1.5, size=n // 32) * (std / 4.6)).astype(np.float16)
+        blocks[:, :2] = d.view(np.uint8).reshape(-1, 2)
+        w.write_tensor_data(blocks)
     w.close()
+    return os.path.getsize(path)
+
+
+def qwen3_30b_a3b_config():
+    """Qwen3-30B-A3B's shapes (48 layers, 128 experts of width 768, top-8, hidden 2048, 32 / 4 heads
+    of 128, vocab 151 936) as a transformers config."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[], tie_word_embeddings=False, max_position_embeddings=4096,
+                          rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=1, pad_token_id=0)
 
 
 def _add_vocab(w, vocab: int) -> None:

@@ -27,13 +27,14 @@ import weakref
 import torch
 
 from moe_compile.ir import FFNAttrs
-from moe_compile.quant.common import QuantWeight
+from moe_compile.quant.common import FOUR_BIT, QuantWeight
 
 _LIB = torch.library.Library("moe_compile", "FRAGMENT")
 _LIB.define("fused_moe_packed(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor fc1_data, Tensor fc1_scale, "
-            "Tensor fc2_data, Tensor fc2_scale, str fmt, int[] groups, int[] dims, str weight_on, float limit) -> Tensor")
-_LIB.define("dense_linear_packed(Tensor x, Tensor data, Tensor scale, Tensor? bias, str fmt, int group, int[] dims) "
-            "-> Tensor")
+            "Tensor fc2_data, Tensor fc2_scale, str fmt, int[] groups, int[] dims, str weight_on, float limit, "
+            "str layout) -> Tensor")
+_LIB.define("dense_linear_packed(Tensor x, Tensor data, Tensor scale, Tensor? bias, str fmt, int group, int[] dims, "
+            "str layout) -> Tensor")
 
 # Formats that read the same bytes: weight-only and int8-activation forms of one packing.
 TWINS = {"w4-int": "a8w4-int", "a8w4-int": "w4-int", "w8-int": "a8w8-int", "a8w8-int": "w8-int"}
@@ -50,8 +51,22 @@ def run_format(weight_fmt: str, asked: str) -> str:
                      + " (or 'none': the loaded format), or load the model again with quant=" + repr(asked))
 
 
-def _quant(fmt: str, data, scale, group: int, shape) -> QuantWeight:
-    return QuantWeight(fmt, data, scale, group, tuple(int(d) for d in shape))
+def _quant(fmt: str, data, scale, group: int, shape, layout: str = "rows") -> QuantWeight:
+    """The QuantWeight the kernels are called with: the canonical bytes, or (panels) a view of the
+    panels with the canonical shapes, which only the kernels that read panels are given."""
+    shape = tuple(int(d) for d in shape)
+    if layout == "panels":
+        E, N, K = shape
+        kb = K // 2 if fmt in FOUR_BIT else K
+        data = data.view(torch.int8 if fmt in ("w8-int", "a8w8-int") else torch.uint8).view(E, N, kb)
+        scale = scale.view(E, N, -1)
+    return QuantWeight(fmt, data, scale, group, shape)
+
+
+def _panels(w: QuantWeight, data, scale):
+    from moe_compile.kernels.cpu import qgemm
+
+    return qgemm.QGemmPack(w.fmt, qgemm._code(w), data, scale, None, w.group, tuple(w.shape))
 
 
 # ---- the fused MoE op on packed experts ----
@@ -70,26 +85,46 @@ def _kernel_cache(d1: torch.Tensor, d2: torch.Tensor, fmt: str) -> dict:
     return cache
 
 
-def _fused_moe_packed(x, ids, weights, d1, s1, d2, s2, fmt, groups, dims, weight_on, limit):
-    from moe_compile.kernels.cpu import quant as cpu_quant
+def _fused_moe_packed(x, ids, weights, d1, s1, d2, s2, fmt, groups, dims, weight_on, limit, layout):
+    from moe_compile.kernels.cpu import qdecode, qgemm, quant as cpu_quant
 
     E, H, F = dims
     if x.shape[0] == 0:
         return x.new_zeros(x.shape)
-    w1 = _quant(fmt, d1, s1, groups[0], (E, 2 * F, H))
-    w2 = _quant(fmt, d2, s2, groups[1], (E, H, F))
     reg = cpu_quant.regime(x.shape[0])
     mod, why = cpu_quant.kernel_for(fmt, reg, E, H, F)
     if mod is None:
         raise ValueError(f"moe_compile: no native kernel runs the packed {fmt} experts in the {reg} regime here "
                          f"(T={x.shape[0]}): {why}")
     attrs = FFNAttrs("concat", False, "silu", limit, 1.702, weight_on)
-    y = mod.run(x.float().contiguous(), ids.long().contiguous(), weights.float().contiguous(), w1, w2, attrs,
-                _kernel_cache(d1, d2, fmt))
-    return y.to(x.dtype)
+    cache = _kernel_cache(d1, d2, fmt)
+    w1, w2, rows16 = cache.get("roles") or _roles(cache, fmt, d1, s1, d2, s2, groups, (E, H, F), layout)
+    args = (x.float().contiguous(), ids.long().contiguous(), weights.float().contiguous(), w1, w2, attrs, cache)
+    if layout == "rows":
+        return mod.run(*args).to(x.dtype)
+    # panels alone: qgemm reads them at any T, qdecode's rows16 loops where both roles have them
+    if mod is qdecode and rows16:
+        return qdecode.run(*args, canonical=False).to(x.dtype)
+    return qgemm.run(*args).to(x.dtype)
 
 
-def _fused_moe_packed_fake(x, ids, weights, d1, s1, d2, s2, fmt, groups, dims, weight_on, limit):
+def _roles(cache: dict, fmt, d1, s1, d2, s2, groups, dims, layout) -> tuple:
+    """(FC1, FC2 QuantWeights, whether qdecode's rows16 loops read both), made once per layer: its
+    panels (layout "panels") put in the layer's cache as the kernels' own."""
+    from moe_compile.kernels.cpu import qdecode, qgemm
+
+    E, H, F = dims
+    w1 = _quant(fmt, d1, s1, groups[0], (E, 2 * F, H), layout)
+    w2 = _quant(fmt, d2, s2, groups[1], (E, H, F), layout)
+    if layout == "panels":
+        qgemm.adopt(w1, _panels(w1, d1, s1), cache)
+        qgemm.adopt(w2, _panels(w2, d2, s2), cache)
+    rows16 = qdecode.rows16_runs(w1) and qdecode.rows16_runs(w2) and F % qdecode.ROWS16 == 0
+    cache["roles"] = (w1, w2, rows16)
+    return cache["roles"]
+
+
+def _fused_moe_packed_fake(x, ids, weights, d1, s1, d2, s2, fmt, groups, dims, weight_on, limit, layout):
     return x.new_empty(x.shape)
 
 
@@ -99,13 +134,14 @@ torch.library.register_fake("moe_compile::fused_moe_packed", lib=_LIB)(_fused_mo
 
 # ---- the dense linear on a packed weight ----
 
-def _dense_linear_packed(x, data, scale, bias, fmt, group, dims):
+def _dense_linear_packed(x, data, scale, bias, fmt, group, dims, layout):
     from moe_compile.kernels.cpu import dense
 
-    return dense.linear_packed(x, _quant(fmt, data, scale, group, (1, *dims)), bias)
+    w = _quant(fmt, data, scale, group, (1, *dims), layout)
+    return dense.linear_packed(x, w, bias, data, _panels(w, data, scale) if layout == "panels" else None)
 
 
-def _dense_linear_packed_fake(x, data, scale, bias, fmt, group, dims):
+def _dense_linear_packed_fake(x, data, scale, bias, fmt, group, dims, layout):
     return x.new_empty(*x.shape[:-1], dims[0])
 
 
@@ -142,7 +178,8 @@ def _route_linear(x, weight, bias, fmt, group):
     if not is_packed(weight) or is_packed(bias) or is_packed(x) or weight.dim() != 2:
         return NotImplemented
     return torch.ops.moe_compile.dense_linear_packed(x, weight.qdata, weight.qscale, bias,
-                                                     run_format(weight.fmt, fmt), weight.group, list(weight.shape))
+                                                     run_format(weight.fmt, fmt), weight.group, list(weight.shape),
+                                                     weight.packing)
 
 
 def packed_layout_refusal(fc1, fc1_up, fc2, biases, gate_up, transposed, activation, weight_on) -> str | None:
@@ -153,8 +190,8 @@ def packed_layout_refusal(fc1, fc1_up, fc2, biases, gate_up, transposed, activat
         return "the packed kernels take one stacked packed FC1 [E, 2F, H] and FC2 [E, H, F]"
     if any(biases) or gate_up != "concat" or transposed or activation != "silu" or weight_on == "input":
         return "the packed kernels run SwiGLU experts without biases, gate and up concatenated, [out, in]"
-    if fc1[0].fmt != fc2[0].fmt:
-        return f"FC1 is packed in {fc1[0].fmt} and FC2 in {fc2[0].fmt}"
+    if fc1[0].fmt != fc2[0].fmt or fc1[0].packing != fc2[0].packing:
+        return f"FC1 is packed in {fc1[0].fmt} ({fc1[0].packing}) and FC2 in {fc2[0].fmt} ({fc2[0].packing})"
     return None
 
 
@@ -166,4 +203,4 @@ def _route_moe(args, asked: str):
     E, F2, H = w1.shape
     return torch.ops.moe_compile.fused_moe_packed(x, ids, weights, w1.qdata, w1.qscale, w2.qdata, w2.qscale,
                                                   run_format(w1.fmt, asked), [w1.group, w2.group], [E, H, F2 // 2],
-                                                  weight_on, float(limit))
+                                                  weight_on, float(limit), w1.packing)

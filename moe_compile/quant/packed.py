@@ -33,40 +33,63 @@ from torch.utils._pytree import tree_map
 from moe_compile.quant.common import QuantWeight
 
 aten = torch.ops.aten
+# rows:   the canonical QuantWeight's data and scale (quant/common.py's table)
+# panels: qgemm's panels of them (kernels/cpu/qgemm.py, ``panels_only``: 16 rows interleaved), the
+#         bytes both the prefill tiles and the decode rows16 loops read, so a 4- or 8-bit weight is
+#         held once; the canonical form is made per call for the reference path only
+PACKINGS = ("rows", "panels")
 _SAME_BYTES = (aten.detach.default, aten.alias.default, aten.clone.default)
 
 
 class PackedWeight(torch.Tensor):
     """One weight in a ``moe_compile.quant`` format; see the module docstring."""
 
-    qdata: torch.Tensor  # the QuantWeight's data, [E, N, K'] (3-D) or [1, N, K'] (a linear)
-    qscale: torch.Tensor  # its scale (shape per format)
+    qdata: torch.Tensor  # rows: the QuantWeight's data, [E, N, K'] (3-D) or [1, N, K'] (a linear);
+    qscale: torch.Tensor  # its scale (shape per format).  panels: qgemm's panels of both (PACKINGS)
 
     @staticmethod
-    def __new__(cls, qdata, qscale, fmt: str, group: int, shape: tuple, dtype: torch.dtype):
+    def __new__(cls, qdata, qscale, fmt: str, group: int, shape: tuple, dtype: torch.dtype, packing: str = "rows"):
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=qdata.device,
                                                    requires_grad=False)
 
-    def __init__(self, qdata, qscale, fmt: str, group: int, shape: tuple, dtype: torch.dtype):
+    def __init__(self, qdata, qscale, fmt: str, group: int, shape: tuple, dtype: torch.dtype, packing: str = "rows"):
         if len(shape) not in (2, 3):
             raise ValueError(f"PackedWeight: a [E, N, K] expert stack or an [N, K] weight, got shape {tuple(shape)}")
-        self.qdata, self.qscale, self.fmt, self.group = qdata, qscale, fmt, int(group)
+        if packing not in PACKINGS:
+            raise ValueError(f"PackedWeight: packing must be one of {PACKINGS}, got {packing!r}")
+        self.qdata, self.qscale, self.fmt, self.group, self.packing = qdata, qscale, fmt, int(group), packing
 
     @classmethod
-    def of(cls, qw: QuantWeight, dtype: torch.dtype = torch.float32, linear: bool = False) -> "PackedWeight":
-        """``qw`` as a weight of logical dtype ``dtype``: [E, N, K], or [N, K] with ``linear`` (E = 1)."""
+    def of(cls, qw: QuantWeight, dtype: torch.dtype = torch.float32, linear: bool = False,
+           packing: str = "rows") -> "PackedWeight":
+        """``qw`` as a weight of logical dtype ``dtype``: [E, N, K], or [N, K] with ``linear`` (E = 1);
+        ``packing="panels"`` keeps qgemm's panels of it instead of its canonical bytes."""
         if qw.bias is not None:
             raise ValueError("PackedWeight: per-channel a8w4-int (with its MSD bias) is not kept packed; "
                              "use the group-wise form (group 32)")
         if linear and qw.shape[0] != 1:
             raise ValueError(f"PackedWeight.of(linear=True) takes one [1, N, K] weight, got {qw.shape}")
         shape = tuple(qw.shape[1:]) if linear else tuple(qw.shape)
+        if packing == "panels":
+            from moe_compile.kernels.cpu import qgemm
+
+            p = qgemm.panels_only(qw)
+            return cls(p.data, p.scale, qw.fmt, qw.group, shape, dtype, "panels")
         return cls(qw.data, qw.scale, qw.fmt, qw.group, shape, dtype)
 
+    @property
+    def logical_shape(self) -> tuple:
+        """[E, N, K] ([1, N, K] for a linear): the QuantWeight's shape."""
+        return tuple(self.shape) if self.dim() == 3 else (1, *self.shape)
+
     def quant_weight(self) -> QuantWeight:
-        """The canonical QuantWeight [E, N, K] ([1, N, K] for a linear), sharing these bytes."""
-        shape = tuple(self.shape) if self.dim() == 3 else (1, *self.shape)
-        return QuantWeight(self.fmt, self.qdata, self.qscale, self.group, shape)
+        """The canonical QuantWeight [E, N, K] ([1, N, K] for a linear): sharing these bytes (rows), a
+        new tensor (panels: the reference path's only)."""
+        if self.packing == "panels":
+            from moe_compile.kernels.cpu import qgemm
+
+            return qgemm.canonical_from_panels(self.fmt, self.qdata, self.qscale, self.group, self.logical_shape)
+        return QuantWeight(self.fmt, self.qdata, self.qscale, self.group, self.logical_shape)
 
     def dequantize(self) -> torch.Tensor:
         """The weight as a plain tensor of its logical shape and dtype (the format's exact meaning)."""
@@ -79,18 +102,19 @@ class PackedWeight(torch.Tensor):
         return self.qdata.nbytes + self.qscale.nbytes
 
     def __repr__(self) -> str:  # never the dequantized values: printing a 60 GB stack must not build it
-        return f"PackedWeight({self.fmt}, group={self.group}, shape={tuple(self.shape)}, dtype={self.dtype})"
+        return (f"PackedWeight({self.fmt}, group={self.group}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"packing={self.packing})")
 
     def __tensor_flatten__(self):
-        return ["qdata", "qscale"], (self.fmt, self.group, tuple(self.shape), self.dtype)
+        return ["qdata", "qscale"], (self.fmt, self.group, tuple(self.shape), self.dtype, self.packing)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        fmt, group, shape, dtype = meta
-        return PackedWeight(inner["qdata"], inner["qscale"], fmt, group, shape, dtype)
+        return PackedWeight(inner["qdata"], inner["qscale"], *meta)
 
     def _like(self, qdata, qscale, shape=None, dtype=None) -> "PackedWeight":
-        return PackedWeight(qdata, qscale, self.fmt, self.group, tuple(shape or self.shape), dtype or self.dtype)
+        return PackedWeight(qdata, qscale, self.fmt, self.group, tuple(shape or self.shape), dtype or self.dtype,
+                            self.packing)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -135,7 +159,7 @@ def _to_copy(w, *, dtype=None, device=None, layout=None, pin_memory=None, non_bl
 
 def _embedding(w, ids, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     """Rows ``ids`` of an [N, K] weight, dequantized (an embedding table is never built whole)."""
-    if w.dim() != 2:
+    if w.dim() != 2 or w.packing != "rows":
         return NotImplemented
     from moe_compile.quant.formats import dequantize
 

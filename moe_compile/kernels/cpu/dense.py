@@ -89,29 +89,40 @@ def _drop(key: int, pack: "_Packed", _ref) -> None:
 
 
 class _LoadedPack(_Packed):
-    """A weight that is packed already (a ``PackedWeight``'s canonical bytes): the same fields and
-    panels as ``_Packed``, made from the QuantWeight instead of a full-precision weight."""
+    """A weight that is packed already (a ``PackedWeight``): the same fields and panels as
+    ``_Packed``, made from its QuantWeight instead of a full-precision weight.  ``panels`` given:
+    the weight is kept as qgemm's panels alone (``qweight`` a view of them, not canonical bytes),
+    read by the rows16 loops at T = 1 and dequantized from them for every other T."""
 
-    def __init__(self, qweight):  # noqa: super().__init__ packs from a weight; this one has the pack
-        self.ref, self.version, self.qweight = weakref.ref(qweight.data), None, qweight
+    canonical: bool
+
+    def __init__(self, qweight, owner: torch.Tensor, panels=None):  # noqa: super().__init__ packs; this one has the pack
+        self.ref, self.version, self.qweight = weakref.ref(owner), None, qweight
         N, K = qweight.shape[1:]
-        self.panels, self.rows16 = None, None
+        self.canonical = panels is None
+        self.panels, self.rows16 = panels, None
         if qdecode.rows16_runs(qweight):
-            self.panels = _float_panels(qweight)
+            if self.panels is None:
+                self.panels = _float_panels(qweight)
             if self.panels is not False:
                 self.rows16 = (self.panels.data[0], self.panels.scale[0])
-        self.fields = qdecode.role_fields(qweight, N, K) + qdecode.rows16_fields(self.rows16)
+        fields = qdecode.role_fields(qweight, N, K)
+        self.fields = (fields if self.canonical else [0, *fields[1:]]) + qdecode.rows16_fields(self.rows16)
 
 
-_LOADED: dict[tuple, _LoadedPack] = {}  # (data pointer, fmt) -> the pack of a loaded weight
+_LOADED: dict[tuple, _LoadedPack] = {}  # (data pointer, fmt, group) -> the pack of a loaded weight
 
 
-def linear_packed(x: torch.Tensor, qweight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``linear`` on a weight that is packed already: ``qweight`` a canonical [1, N, K] QuantWeight."""
-    key = (qweight.data.data_ptr(), qweight.fmt, qweight.group)
+def linear_packed(x: torch.Tensor, qweight, bias: torch.Tensor | None, owner: torch.Tensor,
+                  panels=None) -> torch.Tensor:
+    """``linear`` on a weight that is packed already: ``qweight`` a canonical [1, N, K] QuantWeight,
+    or with ``panels`` (its qgemm panels) a view of those panels (``_LoadedPack``); ``owner`` the
+    tensor holding its bytes (the pack is kept while it lives)."""
+    key = (owner.data_ptr(), qweight.fmt, qweight.group)
     pack = _LOADED.get(key)
-    if pack is None or pack.ref() is not qweight.data:
-        pack = _LOADED[key] = _LoadedPack(qweight)
+    if pack is None or pack.ref() is not owner:
+        pack = _LOADED[key] = _LoadedPack(qweight, owner, panels)
+        weakref.finalize(owner, _LOADED.pop, key, None)
     return _linear_on_pack(x, pack, bias)
 
 
@@ -221,7 +232,7 @@ def _linear_on_pack(x: torch.Tensor, pack: "_Packed", bias: torch.Tensor | None)
     N, K = pack.qweight.shape[1:]
     lead, x2 = x.shape[:-1], x.reshape(-1, K)
     T = x2.shape[0]
-    if 0 < T <= DECODE_ROWS:
+    if 0 < T <= DECODE_ROWS and (getattr(pack, "canonical", True) or (T == 1 and pack.rows16)):
         y = _decode(x2, pack, N, K).to(x.dtype)
         if bias is not None:
             y += bias

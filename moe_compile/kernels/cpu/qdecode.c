@@ -1589,7 +1589,8 @@ static int i16_form(int64_t fmt, int64_t k, int64_t group, int64_t isa) {
 
 /* A decode step.  Returns 0; -1 when its scratch (a few hundred KiB at most) could not be
  * allocated, -2 for an ISA this CPU lacks or a format / shape the loops do not take (nothing
- * computed either way). */
+ * computed either way).  A role's data pointer 0: the weights are kept as their rows16 panels
+ * alone (a model loaded packed, moe_compile/quant/packed.py), which both roles must then have. */
 int moe_qdecode_run(const int64_t *plan, float limit, int64_t nparts) {
     step_t s = {.T = plan[P_T], .H = plan[P_H], .F = plan[P_F], .K = plan[P_K], .E = plan[P_E],
                 .between = plan[P_BETWEEN], .gates = (const float *)(intptr_t)plan[P_GATES],
@@ -1614,6 +1615,10 @@ int moe_qdecode_run(const int64_t *plan, float limit, int64_t nparts) {
     s.w1.i16 = i16_form(s.w1.fmt, s.w1.k, s.w1.group, isa), s.w2.i16 = i16_form(s.w2.fmt, s.w2.k, s.w2.group, isa);
     rows16_attach(&s.w1, plan[P_ROWS16], plan[P_ROWS16 + 1], isa, s.F % ROWS16 == 0);
     rows16_attach(&s.w2, plan[P_ROWS16 + 2], plan[P_ROWS16 + 3], isa, 1);
+    if (!s.w1.data || !s.w2.data) { /* weights kept as their panels alone: every chunk on the rows16 loops */
+        if (!s.w1.rows16 || !s.w2.rows16) return -2;
+        s.rmax = ROWS16_MULTI;
+    }
     /* rows16 roles' inputs: int32 [T, H/2] + [S, F/2], scales and offsets [T, H/4] + [S, F/4] each,
      * the int8 scratch [S, F] */
     const int64_t r16_ints = s.T * s.H / 2 + s.S * s.F / 2, r16_lanes = s.T * (s.H / 4) + s.S * (s.F / 4);

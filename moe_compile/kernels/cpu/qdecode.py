@@ -211,6 +211,9 @@ def _check_weight(w, name: str, n: int, k: int) -> None:
 _CHECKED: dict[int, tuple] = {}
 
 
+ROLE_FIELDS = 4  # the C side's W_FIELDS: data, scale, format code, group
+
+
 def _role_fields(w, name: str, n: int, k: int) -> list[int]:
     """[data, scale, format code, group] of a weight, checked the first time it is seen."""
     hit = _CHECKED.get(id(w))
@@ -227,13 +230,15 @@ def _role_fields(w, name: str, n: int, k: int) -> list[int]:
 
 
 def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, attrs: FFNAttrs, pack_cache=None,
-        isa: int | None = None) -> torch.Tensor:
+        isa: int | None = None, canonical: bool = True) -> torch.Tensor:
     """y [T, H] of a decode step: sum over each token's K slots of weight * FFN_e(x), FFN_e the
     SwiGLU of w1 / w2 dequantized (``attrs.limit`` clamps as in ``kernels/reference.py``; the
     weight multiplies FC2's output, or its input for weight_on "between").  Ids outside [0, E)
     contribute nothing.  ``pack_cache``: the layer's kernel cache, where a 4-bit role's rows16
     panels are found (``expert_rows16``; None: the canonical tensors alone);
-    ``isa``: force ISA_AVX2 / ISA_AVX512 (tests), default ``best_isa()``."""
+    ``isa``: force ISA_AVX2 / ISA_AVX512 (tests), default ``best_isa()``; ``canonical`` False: w1 / w2
+    are views of panels in ``pack_cache`` (``qgemm.adopt``), not canonical bytes, and only the
+    rows16 loops read them (both roles must have them: ``rows16_runs``)."""
     T, H = x.shape
     E, F2, _ = w1.shape
     F = F2 // 2
@@ -245,7 +250,13 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, attrs
                          f"got {ids.dtype} {tuple(ids.shape)}")
     fields = _role_fields(w1, "w1 (FC1)", 2 * F, H) + _role_fields(w2, "w2 (FC2)", H, F)
     isa = isa or best_isa()
-    fields += rows16_fields(expert_rows16(w1, pack_cache)) + rows16_fields(expert_rows16(w2, pack_cache))
+    r16 = expert_rows16(w1, pack_cache), expert_rows16(w2, pack_cache)
+    if not canonical:
+        if None in r16:
+            raise ValueError(f"qdecode: {w1.fmt} weights kept as panels alone need the rows16 loops for both roles "
+                             f"(rows16_runs: {w1.fmt} group {w1.group}, H={H}, F={F}, this CPU's ISA)")
+        fields = [0, *fields[1:ROLE_FIELDS], 0, *fields[ROLE_FIELDS + 1:]]  # no canonical data pointers
+    fields += rows16_fields(r16[0]) + rows16_fields(r16[1])
     y = torch.zeros(T, H, dtype=torch.float32)
     plan = [x.data_ptr(), T, H, F, ids.data_ptr(), ids.shape[1], E, weights.data_ptr(), y.data_ptr(),
             int(attrs.weight_on == "between"), isa, *fields]

@@ -232,8 +232,48 @@ def pack(w) -> QGemmPack:
                                 .view(torch.uint8).reshape(N // PANEL, -1) for d in w.data])
             scale = (torch.stack([_float_panels(s) for s in w.scale]) if w.fmt != "w16"
                      else torch.empty(0, dtype=torch.float16))
-    code = FORMAT_CODES[GROUPED_PANELS[w.fmt]] if grouped else FORMAT_CODES.get(w.fmt) or (6 if w.data.dtype == torch.bfloat16 else 7)
-    return QGemmPack(w.fmt, code, data, scale, colsum, w.group, (E, N, K))
+    return QGemmPack(w.fmt, _code(w), data, scale, colsum, w.group, (E, N, K))
+
+
+def _code(w) -> int:
+    """The C file's FMT_* value of a canonical QuantWeight's panels."""
+    if _grouped(w):
+        return FORMAT_CODES[GROUPED_PANELS[w.fmt]]
+    return FORMAT_CODES.get(w.fmt) or (6 if w.data.dtype == torch.bfloat16 else 7)
+
+
+def code_panels_only(w) -> bool:
+    """Whether ``w`` (a canonical QuantWeight) can be kept as its panels alone (``panels_only``):
+    a 4- or 8-bit integer-code format whose panels are a byte permutation of its canonical bytes."""
+    E, N, K = w.shape
+    return (w.fmt in ("w4-int", "w8-int") or (w.fmt == "a8w4-int" and _grouped(w))) and N % PANEL == 0 and K % 8 == 0
+
+
+def panels_only(w) -> QGemmPack:
+    """``pack(w)`` for a weight kept as its panels alone (``code_panels_only``)."""
+    if not code_panels_only(w):
+        raise ValueError(f"qgemm.panels_only: {w.fmt} group {w.group} [{', '.join(map(str, w.shape))}] is not a "
+                         f"4- or 8-bit integer-code weight with N a multiple of {PANEL}")
+    return pack(w)
+
+
+def canonical_from_panels(fmt: str, data: torch.Tensor, scale: torch.Tensor, group: int, shape) -> "QuantWeight":
+    """The canonical QuantWeight of panels ``pack`` made of a code format (the inverse permutation of
+    ``_code_panels`` and ``_float_panels``): a new tensor, for the reference path only."""
+    from moe_compile.quant.common import QuantWeight
+
+    E, N, K = shape
+    Kb = K // 2 if fmt in ("w4-int", "a8w4-int") else K
+    codes = data.reshape(E, N // PANEL, Kb // 4, PANEL, 4).permute(0, 1, 3, 2, 4).reshape(E, N, Kb)
+    codes = codes.view(torch.int8) if fmt in ("w8-int", "a8w8-int") else codes
+    scales = scale.reshape(E, N // PANEL, -1, PANEL).transpose(2, 3).reshape(E, N, -1)
+    return QuantWeight(fmt, codes.contiguous(), scales.contiguous(), group, (E, N, K))
+
+
+def adopt(w, p: QGemmPack, pack_cache) -> None:
+    """Put panels made elsewhere (a weight kept as its panels alone) in ``pack_cache`` as ``w``'s:
+    ``packed(w, pack_cache)`` then finds them instead of packing ``w``."""
+    pack_cache[("qgemm", w.fmt, w.data.data_ptr(), tuple(w.shape))] = p
 
 
 def packed(w, pack_cache) -> QGemmPack:
