@@ -6,6 +6,7 @@
     moe_compile.empty_cache()                      # give back packed weights and gradient buffers
     moe_compile.last_report()                      # what the backend did in the graphs it compiled last
     moe_compile.generate(model, ids, 64)           # greedy HF decoding, static cache, no per-step Python
+    moe_compile.load("model.gguf")                 # a GGUF / safetensors checkpoint, packed as it is read
 
 What the backend does is logged to ``logging.getLogger("moe_compile")``: INFO one line per compiled
 graph, DEBUG every rewrite and skip with tracebacks (``TORCH_LOGS="+moe_compile"`` enables it too).
@@ -16,13 +17,13 @@ when the backend first runs.
 
 import importlib
 
-__all__ = ["MoEConfig", "backend", "empty_cache", "explain", "generate", "last_report", "optimize"]
+__all__ = ["MoEConfig", "backend", "empty_cache", "explain", "generate", "last_report", "load", "optimize"]
 __version__ = "0.1.0"
 
 # Loaded on first use (PEP 562), so that ``import moe_compile.cli`` (``moe-compile --help``) does not
 # import torch, which takes seconds on a cold disk.
 _HOME = {"backend": "api", "empty_cache": "api", "explain": "api", "optimize": "api", "last_report": "compiler",
-         "MoEConfig": "config", "generate": "decoding"}
+         "MoEConfig": "config", "generate": "decoding", "load": "loading"}
 
 
 def __getattr__(name: str):
