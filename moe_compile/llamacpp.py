@@ -15,11 +15,14 @@ import subprocess
 import torch
 
 
-def write_gguf(model, path: str) -> None:
-    """The model as a qwen3moe GGUF, every tensor fp32 (llama.cpp's names and layouts: a [out, in]
-    weight as it is, experts stacked [E, out, in]).  The vocab is a placeholder (byte tokens and
+def write_gguf(model, path: str, weights: str = "F32") -> None:
+    """The model as a qwen3moe GGUF (llama.cpp's names and layouts: a [out, in] weight as it is,
+    experts stacked [E, out, in]), every tensor fp32, or with ``weights`` a ggml type name ("Q4_0",
+    "Q8_0", "Q5_0", ...: what the ``gguf`` package quantizes) the matrices in that type, norms and
+    routers fp32 as llama-quantize keeps them.  The vocab is a placeholder (byte tokens and
     numbered ones): llama-bench and the greedy checker take token ids, never text."""
     import gguf
+    from gguf.quants import quantize
 
     cfg = model.config
     if getattr(cfg, "model_type", None) != "qwen3_moe" or not cfg.norm_topk_prob or cfg.mlp_only_layers:
@@ -28,9 +31,14 @@ def write_gguf(model, path: str) -> None:
                          f"{getattr(cfg, 'model_type', type(model).__name__)} with norm_topk_prob="
                          f"{getattr(cfg, 'norm_topk_prob', None)}, mlp_only_layers={getattr(cfg, 'mlp_only_layers', None)}")
     w = gguf.GGUFWriter(path, "qwen3moe")
-    _add_header(w, cfg, gguf.LlamaFileType.ALL_F32)
+    qtype = gguf.GGMLQuantizationType[weights]
+    _add_header(w, cfg, gguf.LlamaFileType.ALL_F32 if weights == "F32" else gguf.LlamaFileType.GUESSED)
     for name, tensor in gguf_tensors(model):
-        w.add_tensor(name, tensor.detach().float().contiguous().numpy())
+        array = tensor.detach().float().contiguous().numpy()
+        if weights == "F32" or array.ndim == 1 or "ffn_gate_inp" in name:
+            w.add_tensor(name, array)
+        else:
+            w.add_tensor(name, quantize(array, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

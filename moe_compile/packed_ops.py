@@ -81,7 +81,7 @@ def _kernel_cache(d1: torch.Tensor, d2: torch.Tensor, fmt: str) -> dict:
     if hit is not None and hit[0]() is d1:
         return hit[1]
     cache: dict = {}
-    _CACHES[key] = (weakref.ref(d1, lambda _ref, key=key: _CACHES.pop(key, None)), cache)
+    _CACHES[key] = (weakref.ref(d1, lambda _ref, key=key, caches=_CACHES: caches.pop(key, None)), cache)
     return cache
 
 

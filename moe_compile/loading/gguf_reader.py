@@ -18,8 +18,9 @@ What a stored type becomes (no round trip through fp32 where the meaning is the 
                                                      once (``quant``, else w4-int g32 for <= 5 bits,
                                                      w8-int g32 above): the SQNR in the report
 
-Tensor data is read with plain file reads into fresh buffers, one tensor at a time, never through
-a mapping of the file, so the process holds only what the model keeps plus one tensor in flight.
+The header is read by ``gguf_file.py``; tensor data with plain file reads into fresh buffers, one
+tensor at a time, never through a mapping of the file, so the process holds only what the model
+keeps plus one tensor in flight.  The ``gguf`` package is needed only for the converted types.
 Architectures: qwen3moe (Qwen3-MoE), whose GGUF names map one to one onto transformers' Qwen3-MoE
 (llama.cpp's converter does not permute its q / k rows for this architecture).
 """
@@ -31,6 +32,7 @@ import os
 import torch
 
 from moe_compile.loading.build import Target, _group, cat_rows
+from moe_compile.loading.gguf_file import read_header
 
 BLOCK = 32
 # ggml type -> (our format, bytes a block) where the block is one of ours
@@ -43,44 +45,37 @@ ARCHS = ("qwen3moe",)
 
 def load_gguf(path: str, quant: str | None = None, quant_dense: str | None = None,
               dtype: torch.dtype = torch.float32):
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as exc:  # noqa: BLE001 — the package's own error, said with the file's name
-        raise ValueError(f"moe_compile.load: {path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
-    config = config_of(reader, path)
-    target = Target(config, dtype, quant, quant_dense, os.path.basename(path))
-    size = os.path.getsize(path)
+    header = read_header(path)
+    target = Target(config_of(header), dtype, quant, quant_dense, os.path.basename(path))
     halves: dict[str, dict] = {}
     with open(path, "rb") as f:
-        for t in reader.tensors:
+        for t in header.tensors:
             name, part = param_name(t.name, path)
-            end = int(t.data_offset) + int(t.n_bytes)
-            if end > size:
-                raise ValueError(f"moe_compile.load: {path} is truncated: tensor {t.name!r} ends at byte {end}, the "
-                                 f"file has {size}")
-            raw = _read(f, int(t.data_offset), int(t.n_bytes))
-            shape = tuple(int(d) for d in reversed(t.shape))  # numpy order: [..., N, K]
-            _put(target, name, part, raw, t.tensor_type.name, shape, halves)
-    del reader
+            raw = _read(f, t.offset, t.nbytes)
+            try:
+                _put(target, name, part, raw, t.ggml_type, t.shape, halves)
+            except (ValueError, KeyError) as exc:
+                raise ValueError(f"{exc.args[0] if exc.args else exc} (GGUF tensor {t.name!r})") from exc
     return target.finish()
 
 
-def config_of(reader, path: str):
+def config_of(header):
     """The transformers config of the file's hyperparameters (``ARCHS``)."""
     from transformers import Qwen3MoeConfig
 
-    arch = _field(reader, "general.architecture", path)
+    path = header.path
+    arch = _field(header, "general.architecture")
     if arch not in ARCHS:
         raise ValueError(f"moe_compile.load: {path} is a {arch!r} GGUF; this loader reads {ARCHS} (convert the model "
                          f"from its safetensors checkpoint instead: moe_compile.load(directory, ...))")
 
     def get(key, default=None):
-        return _field(reader, f"{arch}.{key}", path, default)
+        return _field(header, f"{arch}.{key}", default)
 
-    vocab = next(int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight")
-    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    shapes = {t.name: t.shape for t in header.tensors}
+    if "token_embd.weight" not in shapes:
+        raise ValueError(f"moe_compile.load: {path} has no token_embd.weight")
+    vocab, tied = shapes["token_embd.weight"][0], "output.weight" not in shapes
     return Qwen3MoeConfig(
         vocab_size=vocab, hidden_size=get("embedding_length"), intermediate_size=get("feed_forward_length", 1),
         moe_intermediate_size=get("expert_feed_forward_length"), num_hidden_layers=get("block_count"),
@@ -92,13 +87,11 @@ def config_of(reader, path: str):
         rope_parameters={"rope_type": "default", "rope_theta": float(get("rope.freq_base", 1e6))})
 
 
-def _field(reader, key: str, path: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        if default is None:
-            raise ValueError(f"moe_compile.load: {path} lacks the metadata key {key!r}")
-        return default
-    return field.contents()
+def _field(header, key: str, default=None):
+    value = header.fields.get(key, default)
+    if value is None:
+        raise ValueError(f"moe_compile.load: {header.path} lacks the metadata key {key!r}")
+    return value
 
 
 _LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -187,9 +180,12 @@ def _as_quant(raw, kind: str, shape: tuple, wanted: str | None, name: str):
 def _dequantized(raw, kind: str, E: int, N: int, K: int, name: str):
     """Each expert's [N, K] fp32 of a quantized type we do not keep as it is (the gguf package's
     own dequantization)."""
-    import gguf
-    from gguf.quants import dequantize
-
+    try:
+        import gguf
+        from gguf.quants import dequantize
+    except ImportError as exc:
+        raise ValueError(f"moe_compile.load: tensor {name!r} is stored as {kind}: converting it needs the gguf package "
+                         f"(pip install gguf)") from exc
     qtype = gguf.GGMLQuantizationType[kind]
     block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     rows = raw.numpy().reshape(E, N, K // block * nbytes)
