@@ -78,6 +78,7 @@ def run_proof(region_fn, x_real, ids_like, weights_like, params, sizes, hypothes
     T = x_rows.shape[0]
     if T == 0:
         return None, math.inf, 0.0
+    params, hypotheses = _dequantized_once(params, hypotheses)
     gen = torch.Generator().manual_seed(0)
     tol = PROOF_TOLERANCE.get(op_dtype or _compute_dtype(x_real), 3e-2)
     x_op = x_rows if op_dtype is None else x_rows.to(op_dtype)
@@ -110,6 +111,32 @@ def run_proof(region_fn, x_real, ids_like, weights_like, params, sizes, hypothes
                 best, best_err = hyp, worst
             closest = min(closest, worst)
     return best, (best_err if best is not None else closest), tol
+
+
+_WEIGHT_ROLES = ("fc1", "fc1_up", "fc2", "fc1_bias", "fc1_up_bias", "fc2_bias")
+
+
+def _dequantized_once(params, hypotheses):
+    """(params, hypotheses) with every packed weight (``quant/packed.py``) dequantized once for the
+    whole proof: its meaning, as a plain tensor.  Without this each op of the region and of the
+    reference on a packed stack would dequantize all of it again (every expert is reached)."""
+    from moe_compile.quant.packed import is_packed
+
+    plain: dict[int, torch.Tensor] = {}
+
+    def of(t):
+        if not is_packed(t):
+            return t
+        if id(t) not in plain:
+            plain[id(t)] = t.dequantize()
+        return plain[id(t)]
+
+    params = [of(p) for p in params]
+    if not plain and not any(is_packed(t) for h in hypotheses for r in _WEIGHT_ROLES for t in getattr(h.weights, r)):
+        return params, hypotheses
+    swapped = [dataclasses.replace(h, weights=dataclasses.replace(
+        h.weights, **{r: tuple(of(t) for t in getattr(h.weights, r)) for r in _WEIGHT_ROLES})) for h in hypotheses]
+    return params, swapped
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -13,8 +13,11 @@ does with it:
   operation                                      result
   detach / alias / clone                         the same packed bytes (what ``nn.Parameter`` needs)
   ``w[e]`` (select on the expert dim)            expert e's [N, K] PackedWeight, no copy
+  ``w[ids]`` (an integer index tensor)           those experts' PackedWeight (their bytes copied)
   ``.to(dtype)``                                 the same bytes, another logical dtype
+  ``w.transpose(-2, -1)`` / ``w.t()``            the same bytes as a transposed view (flagged)
   ``F.embedding(ids, w)``                        only the rows asked for, dequantized
+  transformers' ``grouped_mm_fallback``          each expert with tokens dequantized alone
   the fused MoE ops / ``dense_linear``           the packed kernels on the bytes themselves
                                                  (``packed_ops.py``), also inside compiled graphs
   anything else                                  run on the dequantized weight: the format's exact
@@ -48,16 +51,19 @@ class PackedWeight(torch.Tensor):
     qscale: torch.Tensor  # its scale (shape per format).  panels: qgemm's panels of both (PACKINGS)
 
     @staticmethod
-    def __new__(cls, qdata, qscale, fmt: str, group: int, shape: tuple, dtype: torch.dtype, packing: str = "rows"):
+    def __new__(cls, qdata, qscale, fmt: str, group: int, shape: tuple, dtype: torch.dtype, packing: str = "rows",
+                transposed: bool = False):
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=qdata.device,
                                                    requires_grad=False)
 
-    def __init__(self, qdata, qscale, fmt: str, group: int, shape: tuple, dtype: torch.dtype, packing: str = "rows"):
+    def __init__(self, qdata, qscale, fmt: str, group: int, shape: tuple, dtype: torch.dtype, packing: str = "rows",
+                 transposed: bool = False):
         if len(shape) not in (2, 3):
             raise ValueError(f"PackedWeight: a [E, N, K] expert stack or an [N, K] weight, got shape {tuple(shape)}")
         if packing not in PACKINGS:
             raise ValueError(f"PackedWeight: packing must be one of {PACKINGS}, got {packing!r}")
         self.qdata, self.qscale, self.fmt, self.group, self.packing = qdata, qscale, fmt, int(group), packing
+        self.transposed = bool(transposed)  # a view with the last two dims swapped (what a graph's .t() makes)
 
     @classmethod
     def of(cls, qw: QuantWeight, dtype: torch.dtype = torch.float32, linear: bool = False,
@@ -80,11 +86,12 @@ class PackedWeight(torch.Tensor):
     @property
     def logical_shape(self) -> tuple:
         """[E, N, K] ([1, N, K] for a linear): the QuantWeight's shape."""
-        return tuple(self.shape) if self.dim() == 3 else (1, *self.shape)
+        shape = (*self.shape[:-2], self.shape[-1], self.shape[-2]) if self.transposed else tuple(self.shape)
+        return shape if self.dim() == 3 else (1, *shape)
 
     def quant_weight(self) -> QuantWeight:
         """The canonical QuantWeight [E, N, K] ([1, N, K] for a linear): sharing these bytes (rows), a
-        new tensor (panels: the reference path's only)."""
+        new tensor (panels: the reference path's only).  Of the weight under a transposed view."""
         if self.packing == "panels":
             from moe_compile.kernels.cpu import qgemm
 
@@ -95,7 +102,8 @@ class PackedWeight(torch.Tensor):
         """The weight as a plain tensor of its logical shape and dtype (the format's exact meaning)."""
         from moe_compile.quant.formats import dequantize
 
-        return dequantize(self.quant_weight()).reshape(self.shape).to(self.dtype)
+        w = dequantize(self.quant_weight()).reshape(self.logical_shape[-self.dim():]).to(self.dtype)
+        return w.transpose(-2, -1) if self.transposed else w
 
     @property
     def packed_nbytes(self) -> int:
@@ -103,23 +111,23 @@ class PackedWeight(torch.Tensor):
 
     def __repr__(self) -> str:  # never the dequantized values: printing a 60 GB stack must not build it
         return (f"PackedWeight({self.fmt}, group={self.group}, shape={tuple(self.shape)}, dtype={self.dtype}, "
-                f"packing={self.packing})")
+                f"packing={self.packing}{', transposed' if self.transposed else ''})")
 
     def __tensor_flatten__(self):
-        return ["qdata", "qscale"], (self.fmt, self.group, tuple(self.shape), self.dtype, self.packing)
+        return ["qdata", "qscale"], (self.fmt, self.group, tuple(self.shape), self.dtype, self.packing, self.transposed)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         return PackedWeight(inner["qdata"], inner["qscale"], *meta)
 
-    def _like(self, qdata, qscale, shape=None, dtype=None) -> "PackedWeight":
+    def _like(self, qdata, qscale, shape=None, dtype=None, transposed=None) -> "PackedWeight":
         return PackedWeight(qdata, qscale, self.fmt, self.group, tuple(shape or self.shape), dtype or self.dtype,
-                            self.packing)
+                            self.packing, self.transposed if transposed is None else transposed)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        special = _SPECIAL.get(func)
+        special = _SPECIAL.get(func) or _BY_NAME.get(func.name())
         if special is not None:
             out = special(*args, **kwargs)
             if out is not NotImplemented:
@@ -150,6 +158,27 @@ def _select(w, dim, index):
     return w._like(w.qdata[index:index + 1], w.qscale[index:index + 1], shape=w.shape[1:])
 
 
+def _index(w, indices):
+    """``w[ids]`` of an expert stack with one integer index tensor (``stack[expert_idx]`` in an
+    experts loop): those experts' bytes, a PackedWeight [N, K] (0-d ids) or [n, N, K]."""
+    if w.dim() != 3 or len(indices) != 1 or indices[0] is None or indices[0].dtype not in (torch.int64, torch.int32) \
+            or indices[0].dim() > 1:
+        return NotImplemented
+    ids = indices[0].reshape(-1).to(torch.int64)
+    data, scale = w.qdata.index_select(0, ids), w.qscale.index_select(0, ids)
+    shape = tuple(w.shape[1:]) if indices[0].dim() == 0 else (ids.numel(), *w.shape[1:])
+    return w._like(data, scale, shape=shape)
+
+
+def _transpose(w, dim0, dim1):
+    """``w.transpose(-2, -1)``: the same bytes, the view flagged (any other pair: NotImplemented)."""
+    pair = {dim0 % w.dim(), dim1 % w.dim()}
+    if pair != {w.dim() - 2, w.dim() - 1}:
+        return NotImplemented
+    shape = (*w.shape[:-2], w.shape[-1], w.shape[-2])
+    return w._like(w.qdata, w.qscale, shape=shape, transposed=not w.transposed)
+
+
 def _to_copy(w, *, dtype=None, device=None, layout=None, pin_memory=None, non_blocking=False, memory_format=None):
     """``.to(dtype)``: the same packed bytes under another logical dtype (a float dtype only)."""
     if (device is not None and torch.device(device) != w.device) or not (dtype is None or dtype.is_floating_point):
@@ -159,7 +188,7 @@ def _to_copy(w, *, dtype=None, device=None, layout=None, pin_memory=None, non_bl
 
 def _embedding(w, ids, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     """Rows ``ids`` of an [N, K] weight, dequantized (an embedding table is never built whole)."""
-    if w.dim() != 2 or w.packing != "rows":
+    if w.dim() != 2 or w.packing != "rows" or w.transposed:
         return NotImplemented
     from moe_compile.quant.formats import dequantize
 
@@ -174,9 +203,38 @@ def _embedding(w, ids, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
 _SPECIAL = {
     **{f: _same_bytes(f) for f in _SAME_BYTES},
     aten.select.int: _select,
+    aten.index.Tensor: _index,
+    aten.transpose.int: _transpose,
+    aten.t.default: lambda w: _transpose(w, 0, 1) if w.dim() == 2 else NotImplemented,
     aten._to_copy.default: _to_copy,
     aten.embedding.default: _embedding,
 }
+
+
+def _grouped_mm(x, w, offs):
+    """transformers' ``grouped_mm_fallback`` (its experts' loop as one op: x [S, K] sorted by
+    expert, w [E, K, N], offs [E] cumulative rows) on a packed stack: each expert with rows
+    dequantized alone, the op's own mm on it (what it computes on the plain weight)."""
+    if not isinstance(w, PackedWeight) or isinstance(x, PackedWeight) or w.dim() != 3 or _traced(offs):
+        return NotImplemented
+    out = x.new_zeros(x.shape[0], w.shape[2])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            torch.mm(x[start:end], w[e].dequantize(), out=out[start:end])
+        start = end
+    return out
+
+
+def _traced(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a tracer's stand-in (a fake tensor under Dynamo / AOTAutograd): its values
+    are unknown, so the op's own fake kernel must answer."""
+    return isinstance(t, torch._subclasses.FakeTensor) or torch._C._get_dispatch_mode(
+        torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
+# ops of other libraries, by name (they exist only once the library is imported)
+_BY_NAME = {"transformers::grouped_mm_fallback": _grouped_mm}
 
 
 def is_packed(t) -> bool:
