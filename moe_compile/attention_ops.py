@@ -35,8 +35,11 @@ def _decode_attention(q, k, v, mask, scale):
 
 
 def _decode_attention_general(q, k, v, mask, scale):
+    # contiguous, as the fake says: torch's CPU flash kernel returns [B, L, H, D] memory permuted to
+    # [B, H, L, D] once L > 1 (seen at 32 heads of 128, L = 16), which a compiled graph's stride
+    # checks reject
     return torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]).contiguous()
 
 
 def _decode_attention_fake(q, k, v, mask, scale):

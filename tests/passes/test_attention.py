@@ -132,3 +132,15 @@ def test_decode_attention_with_a_symbolic_cache_length():
         got, report = run_compiled(fn, q, k, v, m)
     torch.testing.assert_close(got, _reference(q, k, v, m), atol=1e-5, rtol=1e-5)  # fp32 rounding, as above
     assert any("1 decode SDPA call(s)" in n.line() for n in report.notes)
+
+
+def test_decode_attention_output_is_contiguous_as_its_fake_says():
+    """torch's CPU SDPA returns a permuted layout for several query rows (32 heads of 128, L = 16);
+    a compiled graph checks the op's strides against the fake's contiguous ones."""
+    import moe_compile.attention_ops  # noqa: F401  (registers the op)
+
+    q, k, v = torch.randn(1, 32, 16, 128), torch.randn(1, 4, 40, 128), torch.randn(1, 4, 40, 128)
+    out = torch.ops.moe_compile.decode_attention(q, k, v, None, 128 ** -0.5)
+    assert out.is_contiguous()
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=128 ** -0.5, enable_gqa=True)
+    assert torch.allclose(out, want, atol=1e-6)
