@@ -358,6 +358,15 @@ def parse_args():
     p.add_argument("--profile", nargs="*", default=[], choices=list(RECIPES),
                    help="after timing these recipes, profile their decode steps (HF generate's and, with --loop, "
                         "moe_compile.generate's): where a step's time goes")
+    p.add_argument("--from-gguf", default=None, metavar="GGUF",
+                   help="the rows of a model loaded quantized instead: this GGUF through moe_compile.load (each "
+                        "--load-recipes entry) and llama.cpp, each row a fresh process: peak resident memory and "
+                        "time to first token beside tokens/s (needs --llama-bench and --llama-greedy)")
+    p.add_argument("--random-30b", action="store_true",
+                   help="with --from-gguf: first write there (if missing) a random-weight q4_0 GGUF of "
+                        "Qwen3-30B-A3B's shapes, streamed block by block (~17 GB; no fp32 anywhere)")
+    p.add_argument("--load-recipes", nargs="*", default=["stored", "a8w4"],
+                   help="with --from-gguf: 'stored' (every tensor as the file stores it) and/or RECIPES names")
     p.add_argument("--work", default=None, help="where the GGUFs go (default: a temporary directory)")
     p.add_argument("--out", default=None, help="directory for e2e_cpu.json")
     a = p.parse_args()
@@ -369,6 +378,8 @@ def main() -> None:
     a = parse_args()
     torch.set_num_threads(a.threads)
     print(harness.machine_line(harness.machine_info()))
+    if a.from_gguf:
+        return main_from_gguf(a)
     bw = harness.best_read_bandwidth()
     print(f"read bandwidth {bw / 1e9:.1f} GB/s (torch.sum over 1 GiB, best of 5); load {os.getloadavg()[0]:.2f}; "
           f"last-level cache {_llc_mib()} MiB")
@@ -410,6 +421,64 @@ def main() -> None:
         with open(os.path.join(a.out, "e2e_cpu.json"), "w") as f:
             json.dump(dict(machine=harness.machine_info(), bandwidth_GBps=bw / 1e9, args=vars(a), rows=keep,
                            checks=checks), f, indent=1)
+
+
+def main_from_gguf(a) -> None:
+    """The --from-gguf rows: see the module docstring of ``e2e_load.py``."""
+    import e2e_load  # benchmarks/e2e_load.py
+
+    if a.random_30b and not os.path.exists(a.from_gguf):
+        t = time.time()
+        size = llamacpp.write_random_q4_0(llamacpp.qwen3_30b_a3b_config(), a.from_gguf)
+        print(f"wrote {a.from_gguf}: {size / 1e9:.2f} GB of random q4_0 in {time.time() - t:.0f} s")
+    bw = harness.best_read_bandwidth()
+    print(f"read bandwidth {bw / 1e9:.1f} GB/s; load {os.getloadavg()[0]:.2f}; file {os.path.getsize(a.from_gguf) / 1e9:.2f} GB; "
+          f"page cache dropped before each row: {_drop_caches()}")
+    from moe_compile.loading.gguf_file import read_header
+
+    vocab = next(t.shape[0] for t in read_header(a.from_gguf).tensors if t.name == "token_embd.weight")
+    prompt = torch.randint(1, vocab, (1, a.prompt), generator=torch.Generator().manual_seed(1))  # as the worker's
+    _drop_caches()
+    llama = e2e_load.llama_first_token(a.llama_greedy, a.from_gguf, prompt[0].numpy(), a.threads, 16)
+    llama.update(llama_bench(a, a.from_gguf))
+    rows = []
+    for recipe in a.load_recipes:
+        quant, dense = (None, None) if recipe == "stored" else RECIPES[recipe]
+        _drop_caches()
+        with tempfile.TemporaryDirectory() as tmp:
+            logits = os.path.join(tmp, "first.npy")
+            row = e2e_load.run_worker(a.from_gguf, quant, dense, a.prompt, a.gen, a.reps, a.threads, logits)
+            row.update(recipe=recipe, logits_sqnr_db=e2e_load.sqnr_db(llama["first_logits"], np.load(logits)))
+        row["same_tokens"] = next((i for i, (x, y) in enumerate(zip(row["tokens"], llama["tokens"])) if x != y),
+                                  len(llama["tokens"]))
+        rows.append(row)
+        print(row.pop("load_report"))
+    print(f"\n{'engine':10s} {'format':8s} {'peak GiB':>8s} {'1st tok s':>9s} {'load s':>6s} {'prefill':>8s} "
+          f"{'decode':>7s} {'mem vs':>6s} {'dec vs':>6s} {'pf vs':>6s} {'tokens=':>7s} {'dB':>5s}")
+    print(f"{'llama.cpp':10s} {'stored':8s} {llama['peak_GiB']:8.2f} {llama['first_token_s']:9.1f} {'':>6s} "
+          f"{llama['prefill_tok_s']:8.1f} {llama['decode_tok_s']:7.2f}")
+    for r in rows:
+        print(f"{'moe-load':10s} {r['recipe']:8s} {r['peak_GiB']:8.2f} {r['first_token_s']:9.1f} {r['load_s']:6.1f} "
+              f"{r['prefill_tok_s']:8.1f} {r['decode_tok_s']:7.2f} {r['peak_GiB'] / llama['peak_GiB']:6.2f} "
+              f"{r['decode_tok_s'] / llama['decode_tok_s']:6.2f} {r['prefill_tok_s'] / llama['prefill_tok_s']:6.2f} "
+              f"{r['same_tokens']:4d}/16 {r['logits_sqnr_db']:5.1f}")
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        llama.pop("first_logits")
+        with open(os.path.join(a.out, "e2e_cpu_gguf.json"), "w") as f:
+            json.dump(dict(machine=harness.machine_info(), bandwidth_GBps=bw / 1e9, args=vars(a), llama=llama,
+                           rows=rows), f, indent=1)
+
+
+def _drop_caches() -> bool:
+    """Empty the page cache (time to first token from a cold file), where this user may."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return True
+    except OSError:
+        return False
 
 
 def _llc_mib() -> str:
