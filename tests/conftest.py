@@ -37,6 +37,7 @@ def run_compiled(model, *inputs, inner="eager", dynamic=None, **options):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+    moe_compile.last_report()  # a test's last_report() holds its own graphs, not those an earlier test left unasked
     yield
     torch._dynamo.reset()
 
