@@ -39,6 +39,7 @@ import torch
 # cache would mean fresh tensors, and the compiled step guards on the cache's tensors
 _caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 WARMUP_STEPS = 2  # decode steps with every guard evaluated: a graph the loop needs is compiled here
+CACHE_STEP = 256  # the shortest static cache generate allocates (cache_length)
 CHECK_EVERY = 16  # later, one step in CHECK_EVERY evaluates every guard (and refuses to recompile)
 
 
@@ -55,7 +56,8 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_i
         raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
     eos = _eos_ids(model, eos_token_id, input_ids.device) if stop_at_eos else None
     pad = _pad_id(model, pad_token_id, eos)
-    kwargs = _call_kwargs(model, _static_cache(model, input_ids, input_ids.shape[1] + max_new_tokens))
+    kwargs = _call_kwargs(model, _static_cache(model, input_ids, cache_length(input_ids.shape[1] + max_new_tokens,
+                                                                      _positions(model))))
     tokens, ids = [input_ids], input_ids
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     with torch.no_grad():
@@ -72,6 +74,23 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_i
             if eos is not None and bool(done.all()):
                 break
     return torch.cat(tokens, dim=1)
+
+
+def cache_length(tokens: int, positions: int | None = None) -> int:
+    """The static cache's length for a call that ends at ``tokens``: CACHE_STEP, or the power-of-two
+    multiple of it that holds them, but no more than the model's ``positions`` when they hold them.  A cache of another length is another set of tensors, so the
+    compiled steps compile again (minutes for a 48-layer model); rounded up, calls of other lengths
+    reuse the cache and its graphs, and at most a few lengths are ever compiled.  The unused
+    positions are masked, which costs the decode's attention, not its weights' reads."""
+    length = CACHE_STEP
+    while length < tokens:
+        length *= 2
+    return min(length, positions) if positions and tokens <= positions else length
+
+
+def _positions(model) -> int | None:
+    value = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def _guards_for(step: int, check_guards: bool):

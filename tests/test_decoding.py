@@ -69,6 +69,18 @@ def test_a_second_call_compiles_no_new_graph():
     assert compiled >= 2  # a prefill and a decode graph
     assert torch.equal(moe_compile.generate(model, ids, 4, stop_at_eos=False), first)
     assert len(graphs) == compiled
+    # another length within the same cache (decoding.cache_length): the same graphs, and the
+    # longer run's first tokens are the shorter one's
+    longer = moe_compile.generate(model, ids, 9, stop_at_eos=False)
+    assert len(graphs) == compiled and torch.equal(longer[:, :first.shape[1]], first)
+
+
+def test_cache_length_is_rounded_up_and_held_to_the_models_positions():
+    step = moe_compile.decoding.CACHE_STEP
+    assert moe_compile.decoding.cache_length(9) == step
+    assert moe_compile.decoding.cache_length(step + 1) == 2 * step
+    assert moe_compile.decoding.cache_length(9, positions=64) == 64  # a model of 64 positions
+    assert moe_compile.decoding.cache_length(100, positions=64) == step  # past them: the model decides
 
 
 class _Drifting(torch.nn.Module):

@@ -310,6 +310,7 @@ class GraphValues:
         self.inputs = dict(zip(placeholders, example_inputs))
         self._interp = fx.Interpreter(gm, garbage_collect_values=False)
         self._interp.env = dict(self.inputs)
+        self.proofs: dict = {}  # prove.proof_key -> (index of the hypothesis that passed or None, error, tol)
 
     def __getitem__(self, node: fx.Node):
         return self._interp.env[node]
@@ -332,7 +333,7 @@ def lift(family, graph, deps, candidate, roles: Roles, values: GraphValues, top_
     region = region_mod.cut_region(
         graph, deps, candidate.topk, [c.down for c in candidate.clusters], params, top_k, num_experts, hidden_sizes
     )
-    values.compute([region.x, region.ids, region.weights, *region.extra_inputs])
+    routing_inputs = [region.x, region.ids, region.weights, *region.extra_inputs]
     op_dtype = op_dtype_of(candidate.clusters, region.x, params)
     hyps = hypotheses(deps, region, candidate.clusters, roles, values, op_dtype)
     if not hyps:
@@ -347,15 +348,28 @@ def lift(family, graph, deps, candidate, roles: Roles, values: GraphValues, top_
     for group in (uniform, [h for h in hyps if h.flipped]):
         if not group or best is not None:
             continue
-        try:
-            best, group_err, tol = prove.run_proof(
-                region_fn, values[region.x], values[region.ids], values[region.weights],
-                [values[p] for p in params], [values[s] for s in region.extra_inputs], group, top_k, num_experts,
-                dense_mode, op_dtype,
-            )
-        except Exception as exc:  # the region itself failed on synthetic routing: not provable
-            raise Refusal(f"running the region on synthetic routing failed ({type(exc).__name__}: {exc})",
-                          candidate.clusters[0].down) from exc
+        like = [_recorded(n) for n in routing_inputs]
+        if any(v is None for v in like):  # nothing recorded to key on: the real values
+            like = [values.compute(routing_inputs)[n] for n in routing_inputs]
+        key = prove.proof_key(region_fn, [*like[:3], *(values[p] for p in params), *like[3:]], group, top_k,
+                              num_experts, dense_mode, op_dtype)
+        if key in values.proofs:  # the same region as an earlier layer's: its outcome, for these roles
+            at, group_err, tol = values.proofs[key]
+            best = group[at] if at is not None else None
+        else:
+            # the real x of this layer: every layer before it runs (once per graph, kept in values)
+            real = [values.compute(routing_inputs)[n] for n in routing_inputs]
+            try:
+                best, group_err, tol = prove.run_proof(
+                    region_fn, real[0], real[1], real[2], [values[p] for p in params], real[3:], group, top_k,
+                    num_experts, dense_mode, op_dtype,
+                )
+            except Exception as exc:  # the region itself failed on synthetic routing: not provable
+                raise Refusal(f"running the region on synthetic routing failed ({type(exc).__name__}: {exc})",
+                              candidate.clusters[0].down) from exc
+            # the proof may hand back a copy (packed weights swapped for their values): found by its roles
+            at = next((i for i, h in enumerate(group) if best is not None and h.roles is best.roles), None)
+            values.proofs[key] = (at, group_err, tol)
         err = group_err if best is not None else min(err, group_err)
     if best is None:
         raise Refusal(
@@ -372,6 +386,12 @@ def lift(family, graph, deps, candidate, roles: Roles, values: GraphValues, top_
         unflattened=best.unflattened,
     )
     return Match(spec, region, err, op_dtype)
+
+
+def _recorded(node: fx.Node):
+    """The value Dynamo recorded for a node (a fake tensor, a SymInt or an int), or None."""
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return value if isinstance(value, (torch.Tensor, torch.SymInt, int)) else None
 
 
 def _source_of(fc2_nodes) -> str:

@@ -170,3 +170,46 @@ def lowest_precision(dtypes) -> torch.dtype | None:
     """The floating dtype with the fewest mantissa bits among dtypes (None if there is none)."""
     floats = [d for d in dtypes if d is not None and d.is_floating_point]
     return max(floats, key=lambda d: torch.finfo(d).eps, default=None)
+
+
+def proof_key(region_fn: torch.fx.GraphModule, inputs, hypotheses, K: int, E: int, dense_mode, op_dtype):
+    """What a proof's outcome depends on besides the values: the region's ops and how they connect,
+    its inputs' shapes, dtypes and kinds, and the hypotheses' attributes, in order.  The layers of
+    one model are one region repeated with other weights: equal keys are one function, proven once
+    per graph (``lift``), where a 48-layer model of packed experts spent minutes dequantizing every
+    layer's stacks to prove each copy again."""
+    index: dict = {}
+    ops = []
+    for node in region_fn.graph.nodes:
+        index[node] = len(index)
+        ops.append((node.op, _target_key(node), _arg_key(node.args, index), _arg_key(node.kwargs, index)))
+    shapes = tuple(_value_key(v) for v in inputs)
+    hyps = tuple((h.attrs, h.flipped, tuple(r for r, _ in h.unflattened),
+                  tuple(len(r) for r in h.roles)) for h in hypotheses)
+    return (tuple(ops), shapes, hyps, K, E, dense_mode, op_dtype)
+
+
+def _target_key(node) -> str:
+    target = node.target
+    if node.op in ("placeholder", "output"):
+        return node.op
+    return target if isinstance(target, str) else f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', target)!s}"
+
+
+def _arg_key(value, index):
+    if isinstance(value, torch.fx.Node):
+        return ("node", index[value])
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_arg_key(v, index) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((k, _arg_key(v, index)) for k, v in value.items()))
+    return (type(value).__name__, repr(value))
+
+
+def _value_key(value):
+    from moe_compile.quant.packed import is_packed
+
+    if isinstance(value, torch.Tensor):
+        kind = (value.fmt, value.group, value.packing) if is_packed(value) else type(value).__name__
+        return (tuple(value.shape), value.dtype, tuple(value.stride()) if not is_packed(value) else (), kind)
+    return (type(value).__name__, repr(value))

@@ -1,10 +1,13 @@
 """passes/prove: which hypothesis a proof keeps when more than one fits the region."""
 
+import pytest
 import torch
 
+import moe_compile
 from moe_compile.ir import ExpertWeights, FFNAttrs
 from moe_compile.kernels.reference import fused_moe_reference
 from moe_compile.passes import prove
+from tests.conftest import rel_err
 from tests.test_ops import make_case
 
 E, K = 6, 2
@@ -51,3 +54,40 @@ def test_nothing_fits():
     true = FFNAttrs("interleaved", True, "gptoss", 0.5, 1.25)
     chosen, err, tol = _proof(true, [FFNAttrs("interleaved", True, "relu")], torch.float32)
     assert chosen is None and err > tol
+
+
+def _three_layer_qwen3_moe():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, 0.5)  # real scores: from_config's near-zero router ties
+    return model
+
+
+@pytest.mark.parametrize("odd_layer", [False, True])
+def test_repeated_layers_are_proven_once(monkeypatch, odd_layer):
+    """Layers that are one region repeated are proven once per graph; a layer whose experts compute
+    something else (here GELU for SiLU) is a different region, proven on its own and so rewritten
+    as what it computes: a memo keyed too loosely would give it SiLU and the logits would differ."""
+    from moe_compile.passes import prove
+
+    model = _three_layer_qwen3_moe()
+    if odd_layer:
+        model.model.layers[1].mlp.experts.act_fn = torch.nn.GELU()
+    proofs = []
+    real = prove.run_proof
+    monkeypatch.setattr(prove, "run_proof", lambda *a, **k: proofs.append(1) or real(*a, **k))
+    ids = torch.randint(0, 128, (2, 5))
+    with torch.no_grad():
+        want = model(ids).logits
+        torch._dynamo.reset()
+        got = torch.compile(model, backend="moe")(ids).logits
+    report = moe_compile.last_report()
+    assert len(proofs) == (2 if odd_layer else 1)
+    assert len(report.rewritten) == 3
+    assert [r.activation for r in report.rewritten] == ["silu", "gelu" if odd_layer else "silu", "silu"]
+    assert rel_err(got, want) < 1e-4  # fp32: summation order only
