@@ -57,16 +57,16 @@ def worker(argv: list[str]) -> None:
     model.compile(backend="moe")
     vocab = model.config.vocab_size
     prompt = torch.randint(1, vocab, (1, a.prompt), generator=torch.Generator().manual_seed(1))
-    stamps: list[float] = []
-    first = _timed(model, prompt, a.gen, stamps)
-    first_token_s = stamps[0] - start
-    runs = [_timed(model, prompt, a.gen, []) for _ in range(a.reps)]
+    stamped = _Stamped(model)
+    first = _timed(stamped, prompt, a.gen)
+    first_token_s = first["first_stamp"] - start
+    runs = [_timed(stamped, prompt, a.gen) for _ in range(a.reps)]
     pre = sorted(r["prefill_s"] for r in runs)[len(runs) // 2]
     dec = sorted(r["decode_s"] for r in runs)[len(runs) // 2]
     with torch.no_grad():
-        check = moe_compile.generate(model, prompt, a.check, stop_at_eos=False)[0, a.prompt:].tolist()
-        if a.logits:
-            np.save(a.logits, model(prompt).logits[0, -1].float().numpy())
+        check = moe_compile.generate(stamped, prompt, a.check, stop_at_eos=False)[0, a.prompt:].tolist()
+    if a.logits:  # the prefill's last position, from the compiled generate's own first step
+        np.save(a.logits, stamped.first_logits)
     print(json.dumps(dict(engine="moe-load", quant=a.quant, quant_dense=a.quant_dense, load_s=load_s,
                           load_peak_GiB=load_rss, peak_GiB=_peak_rss(), first_token_s=first_token_s,
                           first_call_s=first["call_s"], prefill_tok_s=a.prompt / pre, decode_tok_s=a.gen / dec,
@@ -78,26 +78,37 @@ def _peak_rss() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
 
 
-def _timed(model, prompt, gen: int, stamps: list) -> dict:
+def _timed(stamped: _Stamped, prompt, gen: int) -> dict:
     """moe_compile.generate of gen + 1 tokens, stamped as each forward returns (stamp 0: the prompt's
     prefill and the first token)."""
     import moe_compile
 
-    forward = model.forward
+    stamped.stamps = []
+    t0 = time.time()
+    moe_compile.generate(stamped, prompt, gen + 1, stop_at_eos=False)
+    t1 = time.time()
+    first = stamped.stamps[0]
+    return dict(prefill_s=first - t0, decode_s=t1 - first, call_s=t1 - t0, first_stamp=first)
 
-    def stamped(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        stamps.append(time.time())
+
+class _Stamped:
+    """The model as generate calls it, each call's end stamped outside the compiled forward (a
+    wrapper inside it would be traced, and its Python state would make every step recompile); one
+    object for every call, as generate keeps its static cache per model object.  ``first_logits``:
+    the very first call's last-position logits (the compiled prefill's)."""
+
+    def __init__(self, model):
+        self._model, self.stamps, self.first_logits = model, [], None
+
+    def __call__(self, *args, **kwargs):
+        out = self._model(*args, **kwargs)
+        self.stamps.append(time.time())
+        if self.first_logits is None:
+            self.first_logits = out.logits[0, -1].float().numpy().copy()
         return out
 
-    model.forward = stamped
-    try:
-        t0 = time.time()
-        moe_compile.generate(model, prompt, gen + 1, stop_at_eos=False)
-        t1 = time.time()
-    finally:
-        model.forward = forward
-    return dict(prefill_s=stamps[0] - t0, decode_s=t1 - stamps[0], call_s=t1 - t0)
+    def __getattr__(self, name):
+        return getattr(self._model, name)
 
 
 def run_worker(gguf: str, quant, quant_dense, prompt: int, gen: int, reps: int, threads: int,
