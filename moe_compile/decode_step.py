@@ -32,6 +32,11 @@ import torch
 import torch.fx as fx
 
 ENV = "MOE_COMPILE_CPP_WRAPPER"
+# The C++ wrapper of a graph is one source file that g++ compiles on one core, in time growing
+# with the graph: seconds for a 4-layer model, over 8 minutes for a 48-layer one (Qwen3-30B-A3B's
+# shapes, 2-core EPYC), where the ~1 ms a step it saves is under 1% of that model's step.  Graphs
+# writing more cache tensors than this (K and V per layer) keep the Python wrapper.
+CPP_WRAPPER_MAX_WRITES = 32
 # Inductor splits a CPU kernel across the threads when each gets at least cpp.min_chunk_size
 # elements (512 by default).  A decode step's kernels (a norm over 2048, rotary over 32 x 128) are
 # then two OpenMP regions of ~1 us work each, and the fork and join cost more than the work: at
@@ -97,10 +102,15 @@ def inductor_patches(gm: fx.GraphModule, example_inputs, patches: dict | None) -
     write = cache_write(gm)
     if write is None:
         return patches or None, None
-    added = []
+    added, writes = [], sum(1 for node in gm.graph.nodes if _writes_input(node))
     if "cpp_wrapper" not in patches and os.environ.get(ENV) != "0":
-        patches["cpp_wrapper"] = True
-        added.append(f"Inductor's C++ wrapper, no Python between kernels ({ENV}=0 turns it off)")
+        if writes <= CPP_WRAPPER_MAX_WRITES:
+            patches["cpp_wrapper"] = True
+            added.append(f"Inductor's C++ wrapper, no Python between kernels ({ENV}=0 turns it off)")
+        else:
+            added.append(f"Inductor's Python wrapper: {writes} cache writes (layers x K, V) are more than "
+                         f"{CPP_WRAPPER_MAX_WRITES}, whose C++ wrapper would take minutes to build "
+                         f"(options={{'cpp_wrapper': True}} builds it anyway)")
     if MIN_CHUNK_KEY not in patches and MIN_CHUNK_ENV not in os.environ:
         patches[MIN_CHUNK_KEY] = DECODE_MIN_CHUNK
         added.append(f"its small kernels on one thread ({MIN_CHUNK_KEY}={DECODE_MIN_CHUNK})")

@@ -119,3 +119,17 @@ def test_hf_static_cache_decode_with_cpp_wrapper_equal_to_eager():
     assert torch.equal(got, want)
     notes = [n.line() for n in moe_compile.last_report().notes]
     assert any("C++ wrapper, no Python between kernels" in line for line in notes), notes
+
+
+def test_cpp_wrapper_left_off_for_a_graph_of_many_cache_writes(monkeypatch):
+    """A deep model's step (more cache writes than CPP_WRAPPER_MAX_WRITES) keeps the Python wrapper,
+    whose build is seconds where the C++ one's is minutes; the report says why."""
+    monkeypatch.delenv(decode_step.MIN_CHUNK_ENV, raising=False)
+    monkeypatch.setattr(decode_step, "CPP_WRAPPER_MAX_WRITES", 0)  # the one write of _IndexCopyCache is "many"
+    with torch.no_grad():
+        patches, line = _patches(_IndexCopyCache)
+        assert patches == CHUNK and "Python wrapper: 1 cache writes" in line
+        assert _patches(_IndexCopyCache, cpp_wrapper=True)[0]["cpp_wrapper"] is True  # asked for: built anyway
+    monkeypatch.setattr(decode_step, "CPP_WRAPPER_MAX_WRITES", 1)
+    with torch.no_grad():
+        assert _patches(_IndexCopyCache)[0] == {"cpp_wrapper": True, **CHUNK}
