@@ -203,7 +203,7 @@ def _arg_key(value, index):
         return (type(value).__name__, tuple(_arg_key(v, index) for v in value))
     if isinstance(value, dict):
         return ("dict", tuple((k, _arg_key(v, index)) for k, v in value.items()))
-    return (type(value).__name__, repr(value))
+    return (type(value).__name__, str(value))
 
 
 def _value_key(value):
@@ -211,5 +211,6 @@ def _value_key(value):
 
     if isinstance(value, torch.Tensor):
         kind = (value.fmt, value.group, value.packing) if is_packed(value) else type(value).__name__
-        return (tuple(value.shape), value.dtype, tuple(value.stride()) if not is_packed(value) else (), kind)
-    return (type(value).__name__, repr(value))
+        strides = () if is_packed(value) else tuple(map(str, value.stride()))
+        return (tuple(map(str, value.shape)), value.dtype, strides, kind)  # str: a SymInt does not hash
+    return (type(value).__name__, str(value))
