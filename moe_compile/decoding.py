@@ -56,8 +56,8 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_i
         raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
     eos = _eos_ids(model, eos_token_id, input_ids.device) if stop_at_eos else None
     pad = _pad_id(model, pad_token_id, eos)
-    kwargs = _call_kwargs(model, _static_cache(model, input_ids, cache_length(input_ids.shape[1] + max_new_tokens,
-                                                                      _positions(model))))
+    length = cache_length(input_ids.shape[1] + max_new_tokens, _positions(model))
+    kwargs = _call_kwargs(model, _static_cache(model, input_ids, length))
     tokens, ids = [input_ids], input_ids
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     with torch.no_grad():
@@ -78,10 +78,11 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_i
 
 def cache_length(tokens: int, positions: int | None = None) -> int:
     """The static cache's length for a call that ends at ``tokens``: CACHE_STEP, or the power-of-two
-    multiple of it that holds them, but no more than the model's ``positions`` when they hold them.  A cache of another length is another set of tensors, so the
-    compiled steps compile again (minutes for a 48-layer model); rounded up, calls of other lengths
-    reuse the cache and its graphs, and at most a few lengths are ever compiled.  The unused
-    positions are masked, which costs the decode's attention, not its weights' reads."""
+    multiple of it that holds them, but no more than the model's ``positions`` when they hold them.
+    A cache of another length is another set of tensors, so the compiled steps compile again
+    (minutes for a 48-layer model); rounded up, calls of other lengths reuse the cache and its
+    graphs, and at most a few lengths are ever compiled.  The unused positions are masked, which
+    costs the decode's attention, not its weights' reads."""
     length = CACHE_STEP
     while length < tokens:
         length *= 2

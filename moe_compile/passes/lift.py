@@ -315,6 +315,11 @@ class GraphValues:
     def __getitem__(self, node: fx.Node):
         return self._interp.env[node]
 
+    def real(self, wanted) -> list:
+        """The real values of the wanted nodes, in order (computed as ``compute`` does)."""
+        self.compute(wanted)
+        return [self[n] for n in wanted]
+
     def compute(self, wanted) -> GraphValues:
         env = self._interp.env
         needed = self.deps.ancestors(wanted, stop=lambda n: n in env)
@@ -350,7 +355,7 @@ def lift(family, graph, deps, candidate, roles: Roles, values: GraphValues, top_
             continue
         like = [_recorded(n) for n in routing_inputs]
         if any(v is None for v in like):  # nothing recorded to key on: the real values
-            like = [values.compute(routing_inputs)[n] for n in routing_inputs]
+            like = values.real(routing_inputs)
         key = prove.proof_key(region_fn, [*like[:3], *(values[p] for p in params), *like[3:]], group, top_k,
                               num_experts, dense_mode, op_dtype)
         if key in values.proofs:  # the same region as an earlier layer's: its outcome, for these roles
@@ -358,7 +363,7 @@ def lift(family, graph, deps, candidate, roles: Roles, values: GraphValues, top_
             best = group[at] if at is not None else None
         else:
             # the real x of this layer: every layer before it runs (once per graph, kept in values)
-            real = [values.compute(routing_inputs)[n] for n in routing_inputs]
+            real = values.real(routing_inputs)
             try:
                 best, group_err, tol = prove.run_proof(
                     region_fn, real[0], real[1], real[2], [values[p] for p in params], real[3:], group, top_k,

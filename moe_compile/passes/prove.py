@@ -193,7 +193,9 @@ def _target_key(node) -> str:
     target = node.target
     if node.op in ("placeholder", "output"):
         return node.op
-    return target if isinstance(target, str) else f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', target)!s}"
+    if isinstance(target, str):
+        return target
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', target)!s}"
 
 
 def _arg_key(value, index):

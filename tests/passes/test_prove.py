@@ -7,7 +7,7 @@ import moe_compile
 from moe_compile.ir import ExpertWeights, FFNAttrs
 from moe_compile.kernels.reference import fused_moe_reference
 from moe_compile.passes import prove
-from tests.conftest import rel_err
+from tests.conftest import rel_err, tiny_qwen3_moe_lm
 from tests.test_ops import make_case
 
 E, K = 6, 2
@@ -57,11 +57,8 @@ def test_nothing_fits():
 
 
 def _three_layer_qwen3_moe():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                      num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    pytest.importorskip("transformers")
+    model = tiny_qwen3_moe_lm(num_hidden_layers=3)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.mlp.gate.weight.normal_(0, 0.5)  # real scores: from_config's near-zero router ties
@@ -73,8 +70,6 @@ def test_repeated_layers_are_proven_once(monkeypatch, odd_layer):
     """Layers that are one region repeated are proven once per graph; a layer whose experts compute
     something else (here GELU for SiLU) is a different region, proven on its own and so rewritten
     as what it computes: a memo keyed too loosely would give it SiLU and the logits would differ."""
-    from moe_compile.passes import prove
-
     model = _three_layer_qwen3_moe()
     if odd_layer:
         model.model.layers[1].mlp.experts.act_fn = torch.nn.GELU()
