@@ -1,6 +1,6 @@
 """Compile time: ``backend="moe"`` against default ``torch.compile`` (inductor) on a 4-layer MoE model.
 
-Model: 4 x [RMSNorm -> ``moe_compile.zoo.ModuleListMoE(hidden=256, ffn=128, experts=64, top_k=6)``
+Model: 4 x [RMSNorm -> ``moe_compile.models.zoo.ModuleListMoE(hidden=256, ffn=128, experts=64, top_k=6)``
 -> residual add] (family A: HF v4 per-expert loop with ``torch.where`` / ``index_add_``), input
 [1, 128, 256] fp32, inference (``torch.no_grad``), 2 threads.
 
@@ -10,7 +10,7 @@ does not clear inductor's on-disk caches).  Measured: the first call (Dynamo tra
 compile + one run) inside ``moe_compile.api.capture_flags()``, the steady-state call time after it,
 and, for ``moe``, how many MoE regions the backend rewrote.  Variants alternate across repeats.
 
-    python benchmarks/bench_compile_time.py --out results/compile_time
+    python benchmarks/bench_compile_time.py            # results/compile_time/<machine>-<date>.{md,json,png}
     python benchmarks/bench_compile_time.py --quick --out /tmp/ct      # one subprocess per variant
 """
 
@@ -35,7 +35,7 @@ def build_model():
     import torch
     import torch.nn as nn
 
-    from moe_compile.zoo import ModuleListMoE
+    from moe_compile.models.zoo import ModuleListMoE
 
     class Layer(nn.Module):
         def __init__(self):
@@ -104,7 +104,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one subprocess per variant")
     ap.add_argument("--repeats", type=int, default=3, help="subprocesses per variant (full run)")
-    ap.add_argument("--out", default=None, help="directory for compile_time.md and compile_time.json")
+    ap.add_argument("--out", default=None,
+                    help="path prefix of the .md / .json / .png (default: results/compile_time/<machine>-<date>; "
+                         "an existing directory gets compile_time.*)")
     ap.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -136,7 +138,7 @@ def main(argv=None):
     info = harness.machine_info()
     info["torch_threads"] = 2
     data = dict(machine=info, model=dict(layers=LAYERS, hidden=HIDDEN, ffn=FFN, experts=EXPERTS, top_k=TOP_K,
-                                         tokens=TOKENS, block="moe_compile.zoo.ModuleListMoE"),
+                                         tokens=TOKENS, block="moe_compile.models.zoo.ModuleListMoE"),
                 repeats=repeats, runs=runs, summary=summary, moe_over_default=ratio,
                 load_at_start=load0, load_at_end=harness.load_average())
     headers = ["backend", "first call (compile + run) s, median (min..max)", "steady call ms", "eager call ms",
@@ -155,7 +157,7 @@ def main(argv=None):
           + f"\nmoe / default first-call time: **{ratio:.2f}x** (target <= 0.5x: "
           + ("met" if ratio <= 0.5 else f"MISSED by {ratio / 0.5:.2f}x") + ")\n")
     print(md)
-    harness.write_outputs(args.out, "compile_time", md, data)
+    harness.write_outputs(args.out or harness.result_stem("compile_time"), "compile_time", md, data)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,9 @@ Side by side, timed round-robin in one process (fp32, 2 threads, under ``torch.n
 
 "warm": calls back to back.  "cold": 64 MiB of unrelated memory read before each call, as in a
 model whose layers' weights stream through the caches between two calls of this op.  The target
-(issue 16) is <= 40 us for one warm op call at H=64, E=8.
+is <= 40 us for one warm op call at H=64, E=8.
 
-    python benchmarks/bench_cpu_fixed_cost.py [--llama-lib /path/libmoe_peer.so] [--out DIR]
+    python benchmarks/bench_cpu_fixed_cost.py [--llama-lib /path/libmoe_peer.so] [--out PREFIX]
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def run(H, F, E, K, T, rounds, llama_lib) -> dict:
     with torch.no_grad():
         from moe_compile.kernels.cpu import decode as cpu_decode
 
-        fast_path = getattr(cpu_decode, "decode_args", None)  # absent before issue 16 (A/B against older code)
+        fast_path = getattr(cpu_decode, "decode_args", None)  # absent in older trees (A/B against older code)
         fast = fast_path is not None and fast_path(args, torch.get_num_threads()) is not None
     flush = harness.cache_flush(64)
     return dict(machine=harness.machine_info(), shape=dict(H=H, F=F, E=E, K=K, T=T), fast_path=fast,
@@ -126,12 +126,14 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=2000, help="warm rounds (cold: a tenth, at least 50)")
     ap.add_argument("--llama-lib", default=os.environ.get("MOE_COMPILE_LLAMACPP_PEER"),
                     help="libmoe_peer.so of the llama.cpp peer tool (default $MOE_COMPILE_LLAMACPP_PEER)")
-    ap.add_argument("--out", default=None, help="directory for cpu_fixed_cost.md and .json")
+    ap.add_argument("--out", default=None,
+                    help="path prefix of the .md / .json (default: results/cpu_fixed_cost/<machine>-<date>; an "
+                         "existing directory gets cpu_fixed_cost.*)")
     a = ap.parse_args(argv)
     data = run(*a.shape, a.rounds, a.llama_lib)
     md = to_markdown(data)
     print(md)
-    harness.write_outputs(a.out, "cpu_fixed_cost", md, data)
+    harness.write_outputs(a.out or harness.result_stem("cpu_fixed_cost"), "cpu_fixed_cost", md, data)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ read --flush-mib MiB of unrelated memory before every timed call (default: twice
 cache, at least 256): 64 MiB did not evict a 50 MB working set on a VM reporting a 480 MiB L3
 (1.14 ms against 2.23 ms after 256 MiB for the same Mixtral-like T=1 call).  2 threads on both sides.
 
-    python benchmarks/bench_cpu_llamacpp.py --llama-lib /path/libmoe_peer.so --out DIR
+    python benchmarks/bench_cpu_llamacpp.py --llama-lib /path/libmoe_peer.so   # results/cpu_llamacpp/<machine>-<date>.*
 """
 
 from __future__ import annotations
@@ -186,7 +186,9 @@ def main(argv=None):
     ap.add_argument("--flush-mib", type=int, default=None,
                     help="MiB read before each decode call (evicts the weights; default twice the last-level cache, "
                          "at least 256)")
-    ap.add_argument("--out", default=None, help="directory for cpu_llamacpp.md and .json")
+    ap.add_argument("--out", default=None,
+                    help="path prefix of the .md / .json / .png (default: results/cpu_llamacpp/<machine>-<date>; "
+                         "an existing directory gets cpu_llamacpp.*)")
     a = ap.parse_args(argv)
     import moe_compile.ops  # noqa: F401  torch's libgomp first, then the peer library
 
@@ -196,7 +198,7 @@ def main(argv=None):
     data = run(a.shapes, a.tokens, lib, a.decode_rounds, a.prefill_rounds, a.flush_mib or max(256, harness.flush_mib()))
     md = to_markdown(data)
     print(md)
-    harness.write_outputs(a.out, "cpu_llamacpp", md, data)
+    harness.write_outputs(a.out or harness.result_stem("cpu_llamacpp"), "cpu_llamacpp", md, data)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ All blocks share the same parameter tensors.  Every output is checked against ``
 (max |y - ref| / max |ref|).  Ratios: ``moe vs best peer`` = best peer time / moe time (> 1: moe
 faster); ``roof/moe`` = roof time / moe time (1.0 = at the roof).
 
-    python benchmarks/bench_cpu_moe.py --out results/cpu_moe          # full run (< 10 min, 2 cores)
+    python benchmarks/bench_cpu_moe.py            # full run (< 10 min, 2 cores): results/cpu_moe/<machine>-<date>.*
     python benchmarks/bench_cpu_moe.py --quick --out /tmp/cpu_moe     # smoke run
     python benchmarks/bench_cpu_moe.py --shapes fine-grained --tokens 512  # one cell
 """
@@ -205,7 +205,7 @@ def to_markdown(data: dict) -> str:
                      f"{e['hf_gmm']:.1e} / {e['inductor']:.1e} / {e['moe']:.1e}",
                      "yes" if r["rewritten_regions"] >= 1 else "NO (moe = fallback)"])
     body = harness.markdown_table(headers, rows)
-    notes = ["", "Targets (issue): prefill moe >= 1.0x best peer and roof/moe >= 0.85; "
+    notes = ["", "Targets: prefill moe >= 1.0x best peer and roof/moe >= 0.85; "
              "decode moe >= 1.2x best peer and moe within 1.3x of the weight-streaming roof (roof/moe >= 0.77).", ""]
     for r in data["results"]:
         decode = r["roof"]["kind"] == "weight-stream"
@@ -224,7 +224,9 @@ def to_markdown(data: dict) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repeats, T in {4, 512}")
-    ap.add_argument("--out", default=None, help="directory for cpu_moe.md and cpu_moe.json")
+    ap.add_argument("--out", default=None,
+                    help="path prefix of the .md / .json / .png (default: results/cpu_moe/<machine>-<date>; an "
+                         "existing directory gets cpu_moe.*)")
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), help="only these shapes")
     ap.add_argument("--tokens", nargs="+", type=int, help="only these token counts")
     args = ap.parse_args(argv)
@@ -234,7 +236,7 @@ def main(argv=None):
     md = to_markdown(data)
     print(md)
     print(f"# total {data['wall_s']:.0f} s", file=sys.stderr)
-    harness.write_outputs(args.out, "cpu_moe", md, data)
+    harness.write_outputs(args.out or harness.result_stem("cpu_moe"), "cpu_moe", md, data)
 
 
 if __name__ == "__main__":

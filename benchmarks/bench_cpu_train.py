@@ -24,7 +24,7 @@ the stacked gradients' memory that ``kernels/cpu_grad_cache`` keeps between step
 Weights are per-expert tensors (HF v4 ``ModuleList`` of Linears) for op / loop / compiled and stacked
 3-D tensors for hf_gmm / moe.  Gradients (x and weights) are part of the peak.
 
-    python benchmarks/bench_cpu_train.py --quick --out results/cpu_train
+    python benchmarks/bench_cpu_train.py [--quick]      # results/cpu_train/<machine>-<date>.{json,md}
 """
 
 from __future__ import annotations
@@ -289,7 +289,8 @@ def main() -> None:
         print(json.dumps(memory_worker(variant, *map(int, nums))))
         return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="results/bench_cpu_train")
+    p.add_argument("--out", default=None,
+                   help="path prefix of the .json / .md (default: results/cpu_train/<machine>-<date>)")
     p.add_argument("--quick", action="store_true", help="one warm-up step, 5 timed steps")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
@@ -303,6 +304,9 @@ def main() -> None:
                 print(json.dumps(r), flush=True)
                 rows.append(r)
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "warmup": warmup, "repeats": repeats}
+    import harness  # benchmarks/harness.py
+
+    args.out = args.out or harness.result_stem("cpu_train")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -3,7 +3,7 @@ attention.c) beside torch's SDPA, the cache exactly as long as its written keys 
 unwritten tail masked (what HF's static cache, sized prompt + max_new_tokens, and a reused
 ``moe_compile.generate`` cache look like).
 
-    python benchmarks/bench_decode_attention.py [--threads 2] [--written 512 2048] [--cache 4096] [--out DIR]
+    python benchmarks/bench_decode_attention.py [--threads 2] [--written 512 2048] [--cache 4096] [--out PREFIX]
 
 Shapes: one query row, H query heads sharing G key/value heads of dim D (default the Qwen3-MoE
 model of bench_e2e_cpu.py: 32 / 4 heads of 128), fp32.  Rows, for each written length W:
@@ -50,7 +50,7 @@ def main(argv=None) -> None:
     ap.add_argument("--written", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--cache", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=50)
-    ap.add_argument("--out")
+    ap.add_argument("--out", help="path prefix of the .md / .json (default: results/decode_attention/<machine>-<date>)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     import moe_compile.ops  # noqa: F401  registers moe_compile::decode_attention
@@ -70,7 +70,7 @@ def main(argv=None) -> None:
         names = list(fns)
     md = harness.markdown_table(["written keys", "cache keys"] + [f"{k} us" for k in names], table)
     print(md)
-    harness.write_outputs(a.out, "decode_attention", md, data)
+    harness.write_outputs(a.out or harness.result_stem("decode_attention"), "decode_attention", md, data)
 
 
 if __name__ == "__main__":

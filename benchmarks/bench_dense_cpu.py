@@ -1,9 +1,9 @@
 """Dense linears on CPU: moe_compile's dense_linear in each format beside torch's own CPU paths and
 torchao's (if installed), on a Qwen3-30B-A3B-shaped model's non-expert weights, at T = 1, 4, 512.
 
-    python benchmarks/bench_dense_cpu.py [--threads 2] [--repeats 15] [--out DIR]
+    python benchmarks/bench_dense_cpu.py [--threads 2] [--repeats 15] [--out PREFIX]
 
-The question it answers (issue: "dense layers at the roof"): is a well-kept library within 5% of
+The question it answers (dense layers at the roof): is a well-kept library within 5% of
 our kernels, so that we should compose it rather than route dense linears to our own?  Rows:
   torch fp32          F.linear (MKL / oneDNN)
   torch int8 / int4   aten._weight_int8pack_mm / _weight_int4pack_mm_for_cpu (what torchao's
@@ -137,7 +137,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 512])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
-    p.add_argument("--out", default=None, help="directory for dense_cpu.json")
+    p.add_argument("--out", default=None,
+                   help="path prefix of the .json (default: results/dense_cpu/<machine>-<date>; an existing "
+                        "directory gets dense_cpu.json)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     print(harness.machine_line(harness.machine_info()))
@@ -152,10 +154,8 @@ def main() -> None:
         fp32 = next(q["ms"] for q in results if (q["shape"], q["T"], q["row"]) == (r["shape"], r["T"], "torch fp32"))
         print(f"{r['shape']:8s} {r['T']:4d} {r['row']:18s} {r['ms']:9.3f} {r['weight_GBps']:6.1f} "
               f"{r['weight_GBps'] * 1e9 / bw:5.2f} {fp32 / r['ms']:7.2f}")
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "dense_cpu.json"), "w") as f:
-            json.dump(dict(bandwidth_GBps=bw / 1e9, load1=os.getloadavg()[0], results=results), f, indent=1)
+    with open(harness.output_path(a.out or harness.result_stem("dense_cpu"), "dense_cpu", ".json"), "w") as f:
+        json.dump(dict(bandwidth_GBps=bw / 1e9, load1=os.getloadavg()[0], results=results), f, indent=1)
 
 
 if __name__ == "__main__":

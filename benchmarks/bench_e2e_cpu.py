@@ -3,7 +3,7 @@ backend="moe" at each format, prefill and decode tokens/s, on the same random-we
 
     python benchmarks/bench_e2e_cpu.py [--llama-bench PATH --llama-quantize PATH]
         [--llama-greedy PATH] [--recipes fp32 w16 w8 w4 a8w4] [--engines eager inductor] [--loop]
-        [--hidden 2048 --experts 64 --ffn 768 --topk 8 --layers 4 ...] [--out DIR]
+        [--hidden 2048 --experts 64 --ffn 768 --topk 8 --layers 4 ...] [--out PREFIX]
 
 The model: a Qwen3-MoE causal LM (default: Qwen3-30B-A3B's layer shapes, 4 layers, vocab 32000,
 untied lm_head; 1.4 B parameters, fixed seed), built from its config with random weights.  Its
@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 import harness  # benchmarks/harness.py
-from moe_compile import llamacpp
+from moe_compile.models import llamacpp
 
 # recipe -> (quant, quant_dense): every weight of the decode step in one format
 RECIPES = {"fp32": ("none", "none"), "w16": ("w16", "w16"), "w8": ("w8-int", "w8-int"), "a8w8": ("a8w8-int", "a8w8-int"),
@@ -368,7 +368,10 @@ def parse_args():
     p.add_argument("--load-recipes", nargs="*", default=["stored", "a8w4"],
                    help="with --from-gguf: 'stored' (every tensor as the file stores it) and/or RECIPES names")
     p.add_argument("--work", default=None, help="where the GGUFs go (default: a temporary directory)")
-    p.add_argument("--out", default=None, help="directory for e2e_cpu.json")
+    p.add_argument("--out", default=None,
+                   help="path prefix of the .json (default: results/e2e_cpu/<machine>-<date>, with --from-gguf "
+                        "results/e2e_load/<machine>-<date>; an existing directory gets e2e_cpu.json / "
+                        "e2e_cpu_gguf.json)")
     a = p.parse_args()
     a.llama_depth = not a.llama_empty_context
     return a
@@ -415,12 +418,10 @@ def main() -> None:
             if eager is not None and fmt != "f32":
                 checks[f"llama.cpp:{fmt} weights"] = _gguf_weights_sqnr(model, path, prompt, eager["first_logits"])
     _print(rows, bw, checks)
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        keep = [{k: v for k, v in r.items() if k not in ("tokens", "first_logits")} for r in rows]
-        with open(os.path.join(a.out, "e2e_cpu.json"), "w") as f:
-            json.dump(dict(machine=harness.machine_info(), bandwidth_GBps=bw / 1e9, args=vars(a), rows=keep,
-                           checks=checks), f, indent=1)
+    keep = [{k: v for k, v in r.items() if k not in ("tokens", "first_logits")} for r in rows]
+    with open(harness.output_path(a.out or harness.result_stem("e2e_cpu"), "e2e_cpu", ".json"), "w") as f:
+        json.dump(dict(machine=harness.machine_info(), bandwidth_GBps=bw / 1e9, args=vars(a), rows=keep,
+                       checks=checks), f, indent=1)
 
 
 def main_from_gguf(a) -> None:
@@ -462,12 +463,10 @@ def main_from_gguf(a) -> None:
               f"{r['prefill_tok_s']:8.1f} {r['decode_tok_s']:7.2f} {r['peak_GiB'] / llama['peak_GiB']:6.2f} "
               f"{r['decode_tok_s'] / llama['decode_tok_s']:6.2f} {r['prefill_tok_s'] / llama['prefill_tok_s']:6.2f} "
               f"{r['same_tokens']:4d}/16 {r['logits_sqnr_db']:5.1f}")
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        llama.pop("first_logits")
-        with open(os.path.join(a.out, "e2e_cpu_gguf.json"), "w") as f:
-            json.dump(dict(machine=harness.machine_info(), bandwidth_GBps=bw / 1e9, args=vars(a), llama=llama,
-                           rows=rows), f, indent=1)
+    llama.pop("first_logits")
+    with open(harness.output_path(a.out or harness.result_stem("e2e_load"), "e2e_cpu_gguf", ".json"), "w") as f:
+        json.dump(dict(machine=harness.machine_info(), bandwidth_GBps=bw / 1e9, args=vars(a), llama=llama,
+                       rows=rows), f, indent=1)
 
 
 def _drop_caches() -> bool:

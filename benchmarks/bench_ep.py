@@ -34,14 +34,14 @@ those bytes / the measured shared-memory copy bandwidth (``shm_bw``, one 64 MiB 
 /dev/shm, one thread), "GB/s" = the bytes / comm_a2a.  Ratios: fused_a2a / (compute + comm_a2a),
 fused_a2a / (compute + model), eager_gloo / fused_a2a, fused_a2a / (kernel + model).  The a2a
 table's rows are timed interleaved (one repeat of each in turn).
-Overlap figure: fused_symm / max(comm_symm, compute) (the issue's target: <= 1.15).
+Overlap figure: fused_symm / max(comm_symm, compute) (target: <= 1.15).
 Every run records ``uptime``'s load beside its figures: the CI machine is shared.  ``--pin`` puts
 rank r on core r: unpinned, gloo's wake-ups can leave both ranks on one core (the 2-core VM: a
 decode exchange 0.49 ms unpinned, 0.23 ms pinned, load ~2).
 
-Usage: python benchmarks/bench_ep.py --out benchmarks/results/ep_cpu [--worlds 2 4] [--tokens 512] [--quick]
+Usage: python benchmarks/bench_ep.py [--worlds 2 4] [--tokens 512] [--quick]   (results/ep/<machine>-<date>.*)
        python benchmarks/bench_ep.py --out /dev/null --exchange-only --worlds 2 --tokens 8 --repeats 200
-       python benchmarks/bench_ep.py --out OUT --a2a-only --worlds 2 --tokens 8 512   (the a2a rows alone)
+       python benchmarks/bench_ep.py --a2a-only --worlds 2 --tokens 8 512   (the a2a rows alone: ...-<date>-a2a.*)
        python benchmarks/bench_ep.py --out /dev/null --overlap --worlds 2 --tokens 8 512 --repeats 20
        python benchmarks/bench_ep.py --out /dev/null --backward-bytes --worlds 2 --tokens 64   (measured bytes)
 """
@@ -512,7 +512,9 @@ def _table(all_results, cfg, bw: float, loads: dict) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="path prefix: writes OUT.md and OUT.json")
+    ap.add_argument("--out", default=None,
+                    help="path prefix: writes OUT.md and OUT.json (default: results/ep/<machine>-<date>, -a2a with "
+                         "--a2a-only)")
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--tokens", type=int, nargs="+", default=[8, 512], help="T per rank: decode and prefill rows")
     ap.add_argument("--repeats", type=int, default=5)
@@ -533,6 +535,11 @@ def main(argv=None):
                     help="bytes one backward's dispatch sends, per transport: fused_moe_ep (keeps nothing) vs the "
                          "training op, eager and compiled (AOTAutograd); measured, no timing")
     args = ap.parse_args(argv)
+    if args.out is None:
+        import harness  # benchmarks/harness.py
+
+        tag = "backward-bytes" if args.backward_bytes else "a2a" if args.a2a_only else None
+        args.out = harness.result_stem("ep", tag)
     cfg = {"repeats": 2 if args.quick else args.repeats, "warmup": 1, "chunks": [1, 2, 4], "shapes": SHAPES,
            "worlds": args.worlds, "exchange_only": args.exchange_only, "a2a_only": args.a2a_only,
            "layers": args.layers, "pin": args.pin, "barrier": args.barrier, "overlap": args.overlap,
@@ -546,6 +553,7 @@ def main(argv=None):
                 results[(world, T)] = run_world(world, dict(cfg, tokens=T))
         md = "\n".join(_backward_bytes_table(results, loads)) + "\n"
         if args.out != "/dev/null":
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out + ".md", "w") as f:
                 f.write(md)
         print(md)

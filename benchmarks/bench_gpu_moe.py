@@ -18,7 +18,7 @@ forward's FLOPs.  Its rows are labelled ``deepseek_v3_ep8_train`` ("triton" ther
 
 Time: ``triton.testing.do_bench`` (L2 flushed before every run) median and p20..p80 spread.
 
-    python benchmarks/bench_gpu_moe.py --out results/bench_gpu_moe      # writes .md and .json
+    python benchmarks/bench_gpu_moe.py          # writes results/gpu_moe/<gpu>-<date>.md and .json
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def run_train(name, T, H, F_, E, K, args):
     against autograd through the grouped_mm path; gradients to x, routing weights and both weights.
     roof_train: three dense cuBLAS GEMMs of the forward's FLOPs (forward, dgrad, wgrad)."""
     from moe_compile.ir import ExpertWeights, FFNAttrs
-    from moe_compile.ops import call_fused_moe
+    from moe_compile.ops.fused_moe import call_fused_moe
 
     x, ids, weights, w13, w2 = make_inputs(T, H, F_, E, K)
     leaves = [t.detach().clone().requires_grad_() for t in (x, weights, w13, w2)]
@@ -269,7 +269,8 @@ def markdown(rows, meta) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="path prefix: writes OUT.md and OUT.json")
+    parser.add_argument("--out", default=None,
+                        help="path prefix: writes OUT.md and OUT.json (default: results/gpu_moe/<gpu>-<date>)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {METHODS}")
     parser.add_argument("--budget-s", type=float, default=300.0, help="skip the remaining shapes after this")
     parser.add_argument("--train-methods", default=",".join(TRAIN_METHODS), help=f"comma list of {TRAIN_METHODS}")
@@ -282,6 +283,9 @@ def main(argv=None):
         return 2
     import triton
 
+    import harness  # benchmarks/harness.py
+
+    args.out = args.out or harness.result_stem("gpu_moe", gpu=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     start = time.time()
     bandwidth = hbm_bandwidth()

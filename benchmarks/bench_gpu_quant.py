@@ -10,10 +10,10 @@ and prefill T = 512.
   roof       decode: the touched experts' bytes at the format / the measured copy bandwidth
 
 Every cell is the median of ``triton.testing.do_bench``; "x bf16" is bf16 time / the variant's.
-The issue's targets: 4-bit decode >= 2.5x bf16, a8w8-fp8 prefill >= 1.6x (a8w8-fp8 has no Triton
+The targets: 4-bit decode >= 2.5x bf16, a8w8-fp8 prefill >= 1.6x (a8w8-fp8 has no Triton
 kernel yet: absent from the table).
 
-    python benchmarks/bench_gpu_quant.py --out DIR        (on a CUDA machine; gpu_check.sh runs it)
+    python benchmarks/bench_gpu_quant.py [--out PREFIX]   (on a CUDA machine; gpu_check.sh runs it)
 """
 
 from __future__ import annotations
@@ -85,7 +85,9 @@ def markdown(rows, meta) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None,
+                    help="path prefix of the .md / .json (default: results/gpu_quant/<gpu>-<date>; an existing "
+                         "directory gets bench_gpu_quant.*)")
     ap.add_argument("--budget-s", type=float, default=80, help="stop starting new cells after this long")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -106,7 +108,8 @@ def main(argv=None):
             "date": time.strftime("%Y-%m-%d"), "bandwidth_GBps": bandwidth / 1e9}
     md = markdown(rows, meta)
     print(md)
-    harness.write_outputs(a.out, "bench_gpu_quant", md, {"meta": meta, "rows": rows})
+    out = a.out or harness.result_stem("gpu_quant", gpu=True)
+    harness.write_outputs(out, "bench_gpu_quant", md, {"meta": meta, "rows": rows})
     return 0
 
 

@@ -47,7 +47,7 @@ after reading ``--flush-mib`` of unrelated memory (default: twice the last-level
 64 MiB: weights come from DRAM, as in a model larger than the L3).  ms = median of the rounds.  Errors: each qdecode side against ``quant.reference_moe``, each
 llama.cpp side against the fp32 reference MoE (max |diff| / max |ref|).
 
-    python benchmarks/bench_quant_decode.py --peer-lib PEER_BUILD/libmoe_peer.so --out results/qdecode.jsonl
+    python benchmarks/bench_quant_decode.py --peer-lib PEER/libmoe_peer.so   # results/quant_decode/<machine>-<date>.jsonl
     MOE_COMPILE_FUSED_ISA=avx2 python benchmarks/bench_quant_decode.py --peer-lib PEER_AVX2_BUILD/libmoe_peer.so
 
 Without ``--peer-lib`` (or ``$MOE_PEER_LIB``) the llama.cpp sides are skipped.  One JSON line per
@@ -191,7 +191,10 @@ def main(argv=None):
     ap.add_argument("--others-limit", type=float, default=0.3,
                     help="before each cell wait until other processes use at most this many cores")
     ap.add_argument("--max-wait-s", type=float, default=600, help="all waiting for quiet together stops after this")
-    ap.add_argument("--out", help="append the JSON lines to this file")
+    ap.add_argument("--out",
+                    help="append the JSON lines to this file (default: "
+                         "results/quant_decode/<machine>-<date>.jsonl, with -avx2-switch under "
+                         "MOE_COMPILE_FUSED_ISA=avx2)")
     a = ap.parse_args(argv)
     if a.flush_mib is None:
         import harness  # benchmarks/harness.py
@@ -216,7 +219,9 @@ def main(argv=None):
             "ggml": lib.peer_system_info().decode() if lib else None, "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "load": os.getloadavg(),
             "flush_mib": a.flush_mib}
-    out_f = open(a.out, "a") if a.out else None
+    import harness  # benchmarks/harness.py
+
+    out_f = open(a.out or harness.output_path(harness.result_stem("quant_decode"), "", ".jsonl"), "a")
     print(json.dumps(meta), flush=True)
     if out_f:
         out_f.write(json.dumps(meta) + "\n")

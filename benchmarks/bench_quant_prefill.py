@@ -24,7 +24,7 @@ Inputs as the llama.cpp peer's driver draws them: W ~ normal(0, 0.02), x ~ norma
 distinct random experts per token, softmax weights.  Each variant's error is reported against the
 fp32 op (max |y - ref| / max |ref|).  Ratios: ``x fp32`` = fp32 time / variant time (> 1: faster).
 
-    python benchmarks/bench_quant_prefill.py --peer-lib PEER/libmoe_peer.so --out benchmarks/results/quant_prefill
+    python benchmarks/bench_quant_prefill.py --peer-lib PEER/libmoe_peer.so   # results/quant_prefill/<machine>-<date>.*
     MOE_COMPILE_FUSED_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \\
         ATEN_CPU_CAPABILITY=avx2 python benchmarks/bench_quant_prefill.py \\
         --peer-lib PEER_AVX2/libmoe_peer.so                                # AVX2 emulated
@@ -179,7 +179,10 @@ def main(argv=None):
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: this process's CPU time per call (time.process_time, all its threads): on a "
                          "loaded machine, with --threads 1, what each variant costs a core, free of time slicing")
-    ap.add_argument("--out", help="directory for quant_prefill_<date>.md / .json")
+    ap.add_argument("--out",
+                    help="path prefix of the .md / .json / .png (default: results/quant_prefill/<machine>-<date>, "
+                         "with -avx2-switch under MOE_COMPILE_FUSED_ISA=avx2 and the clock and threads when not "
+                         "wall and 2)")
     a = ap.parse_args(argv)
     harness.setup_threads(a.threads)
     import moe_compile.ops  # noqa: F401  registers torch.ops.moe_compile.*
@@ -204,7 +207,9 @@ def main(argv=None):
     table = harness.markdown_table(headers, [[r["shape"], r["T"], r["variant"], r["ms"], r["spread_ms"], r["x_fp32"],
                                               r["x_best_llama"], r["rel_err_vs_fp32"], r["packed_MiB"]] for r in rows])
     print(table)
-    harness.write_outputs(a.out, f"quant_prefill_{info['date']}{'_avx2' if avx2 else ''}_{a.clock}{a.threads}t",
+    tag = None if (a.clock, a.threads) == ("wall", 2) else f"{a.clock}{a.threads}t"
+    default = harness.result_stem("quant_prefill", tag)
+    harness.write_outputs(a.out or default, f"quant_prefill_{info['date']}{'_avx2' if avx2 else ''}_{a.clock}{a.threads}t",
                           f"{info}\n\n{table}", {"machine": info, "rows": rows})
 
 

@@ -15,7 +15,7 @@ Python of the op), each pass over all experts timed round-robin with the roof in
 
 The sum forward + dgrad + wgrad against the roof bounds what the training step can reach.
 
-    python benchmarks/bench_train_gemms.py --out benchmarks/results/train_gemms
+    python benchmarks/bench_train_gemms.py       # results/train_gemms/<machine>-<date>.{md,json,png}
 """
 
 from __future__ import annotations
@@ -88,12 +88,14 @@ def main(argv=None) -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--ffn", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default=None, help="directory for train_gemms.md and .json")
+    ap.add_argument("--out", default=None,
+                    help="path prefix of the .md / .json / .png (default: results/train_gemms/<machine>-<date>; an "
+                         "existing directory gets train_gemms.*)")
     args = ap.parse_args(argv)
     data = run(args.experts, args.rows, args.hidden, args.ffn, args.repeats)
     md = to_markdown(data)
     print(md)
-    harness.write_outputs(args.out, "train_gemms", md, data)
+    harness.write_outputs(args.out or harness.result_stem("train_gemms"), "train_gemms", md, data)
 
 
 if __name__ == "__main__":

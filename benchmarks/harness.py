@@ -216,6 +216,61 @@ def machine_line(m: dict) -> str:
             f"{m['date']}")
 
 
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def _cpuinfo() -> dict:
+    """The first processor's fields of /proc/cpuinfo (what lscpu reads), {} where there is none."""
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                info[key.strip()] = value.strip()
+    except OSError:
+        pass
+    return info
+
+
+def machine_kind(gpu: bool = False) -> str:
+    """The machine a result is measured on, as ``results/<bench>/<kind>-<date>.*`` names it.
+
+    ``gpu``: the CUDA device's model (``h200``, ``h100``). Otherwise the CPU's, from its vendor, cpuid
+    family / model and flags: ``epyc-zen3-avx2`` (no AVX-512), ``epyc-zen4``, ``epyc-zen5``,
+    ``xeon-amx`` (AMX tiles), ``xeon-avx512``, ``xeon-avx2``; another CPU is named by its architecture.
+    """
+    if gpu:
+        name = torch.cuda.get_device_name(0).split()
+        return (name[1] if name[0] == "NVIDIA" and len(name) > 1 else name[0]).lower()
+    cpu = _cpuinfo()
+    flags, model_name = cpu.get("flags", "").split(), cpu.get("model name", "").lower()
+    isa = "amx" if "amx_tile" in flags else "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else ""
+    if cpu.get("vendor_id") == "AuthenticAMD":
+        family = int(cpu.get("cpu family", "0"))
+        zen = {23: "zen2", 25: "zen4" if "avx512f" in flags else "zen3", 26: "zen5"}.get(family, f"family{family}")
+        line = "epyc" if "epyc" in model_name else "ryzen" if "ryzen" in model_name else "amd"
+        return f"{line}-{zen}" + ("" if "avx512f" in flags else f"-{isa}" if isa else "")
+    if cpu.get("vendor_id") == "GenuineIntel":
+        return ("xeon" if "xeon" in model_name else "intel") + (f"-{isa}" if isa else "")
+    return platform.machine() or "cpu"
+
+
+def result_stem(bench: str, tag: str | None = None, gpu: bool = False) -> str:
+    """The default ``--out`` of a benchmark: ``benchmarks/results/<bench>/<machine kind>-<date>[-<tag>]``.
+
+    A run under the AVX2 switch (``MOE_COMPILE_FUSED_ISA=avx2`` on a CPU with AVX-512) gets the tag
+    ``avx2-switch`` too: the same machine, running the AVX2 kernels.
+    """
+    tags = [tag] if tag else []
+    avx2_switch = os.environ.get("MOE_COMPILE_FUSED_ISA", "").lower() == "avx2"
+    if not gpu and avx2_switch and "avx512f" in _cpuinfo().get("flags", "").split():
+        tags.append("avx2-switch")
+    name = "-".join([machine_kind(gpu), time.strftime("%Y-%m-%d"), *tags])
+    return os.path.join(RESULTS, bench, name)
+
+
 def markdown_table(headers: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     for r in rows:
@@ -223,17 +278,27 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(out_dir: str | None, stem: str, markdown: str, data: dict) -> None:
-    """Write ``{stem}.md``, ``{stem}.json`` and (with matplotlib) the plot ``{stem}.png`` into ``out_dir``."""
-    if not out_dir:
+def output_path(out: str, stem: str, ext: str) -> str:
+    """Where a script writes its ``ext`` file for ``--out out``: ``out/{stem}{ext}`` when ``out`` is an
+    existing directory, else ``out{ext}`` (``out`` a path prefix, such as ``result_stem``'s), its
+    folder made."""
+    if os.path.isdir(out):
+        return os.path.join(out, stem + ext)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    return out + ext
+
+
+def write_outputs(out: str | None, stem: str, markdown: str, data: dict) -> None:
+    """Write the table (``.md``), every raw sample (``.json``) and, with matplotlib, the plot (``.png``)
+    at ``output_path(out, stem, ...)``; nothing when ``out`` is empty."""
+    if not out:
         return
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
+    with open(output_path(out, stem, ".md"), "w") as f:
         f.write(markdown)
-    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+    with open(output_path(out, stem, ".json"), "w") as f:
         json.dump(data, f, indent=2, default=str)
     try:  # the table and JSON are the record; a plot that cannot be drawn never loses them
-        plot_results(json.loads(json.dumps(data, default=str)), os.path.join(out_dir, f"{stem}.png"), stem)
+        plot_results(json.loads(json.dumps(data, default=str)), output_path(out, stem, ".png"), stem)
     except Exception as err:  # noqa: BLE001
         print(f"# no plot for {stem}: {type(err).__name__}: {err}")
 
@@ -243,7 +308,7 @@ def write_outputs(out_dir: str | None, stem: str, markdown: str, data: dict) -> 
 # One picture per results file: moe against its peers and the roof, per shape, across T (or across
 # ranks for expert parallel, or as bars where a benchmark has no T axis).  The panels are read from
 # the JSON every script already writes, so old results can be plotted too:
-#     python benchmarks/harness.py plot benchmarks/results/.../cpu_moe.json
+#     python benchmarks/harness.py plot benchmarks/results/cpu_moe/epyc-zen4-2026-11-30.json
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 4 examples/expert_parallel.py --tokens 64
 
 Each rank builds the same global model from one seed and keeps its slice of the experts
-(moe_compile/zoo_ep.py):
+(moe_compile/models/zoo_ep.py):
 
 * torchtitan / Megatron style — local routing, per-expert counts and tokens exchanged with
   ``all_to_all_single``, local experts, reverse all-to-all, weighted combine.  The backend rewrites
@@ -27,7 +27,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from moe_compile import zoo_ep
+from moe_compile.models import zoo_ep
 
 
 def main(argv=None) -> int:

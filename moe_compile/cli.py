@@ -27,7 +27,7 @@ def _ep_rank(rank: int, world: int, store_path: str, tokens: int, results) -> No
     import torch
     import torch.distributed as dist
 
-    from moe_compile import zoo_ep
+    from moe_compile.models import zoo_ep
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
@@ -38,7 +38,7 @@ def _ep_rank(rank: int, world: int, store_path: str, tokens: int, results) -> No
 
 
 def demo_ep(args) -> int:
-    """``demo --world-size N``: N gloo ranks on this host run both EP blocks (moe_compile/zoo_ep.py)."""
+    """``demo --world-size N``: N gloo ranks on this host run both EP blocks (moe_compile/models/zoo_ep.py)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -115,11 +115,10 @@ def _version() -> str:
     return f"moe-compile {__version__}"
 
 
-DEMO_MODELS = ("qwen3-moe", "deepseek-v3")  # demo.MODELS: here, so that --help need not import torch
 
 
 def build_parser() -> argparse.ArgumentParser:
-    MODELS = DEMO_MODELS
+    from moe_compile.models import DEMO_MODELS as MODELS  # no torch: --help stays instant
 
     parser = argparse.ArgumentParser(prog="moe-compile", description=DESCRIPTION,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)

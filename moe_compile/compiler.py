@@ -149,9 +149,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs, config: MoEConfig, inducto
 
 def _compile_rewritten(gm: fx.GraphModule, example_inputs, config: MoEConfig, inductor_options: dict | None,
                        report: Report):
-    """inner_compile, with Inductor's C++ wrapper for a decode step (decode_step.py); where that
+    """inner_compile, with Inductor's C++ wrapper for a decode step (decoding/step.py); where that
     wrapper fails to build, the same graph again with the Python wrapper."""
-    from moe_compile import decode_step
+    from moe_compile.decoding import step as decode_step
 
     patches, line = (decode_step.inductor_patches(gm, example_inputs, inductor_options) if config.inner == "inductor"
                      else (inductor_options, None))

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from moe_compile.cli import DEMO_MODELS as MODELS  # one list; kept in cli.py so that --help needs no torch
+from moe_compile.models import DEMO_MODELS as MODELS
 
 # fp32 paths differ from eager only in summation order (Inductor's fusions, the fused op's sorted
 # segments); logits of a 4-layer model at H=512 stay within ~1e-5 of their scale.
@@ -187,7 +187,7 @@ def print_llama_speeds(model, name: str, llama_bench: str, prompt_len: int, toke
     generated tokens), beside backend="moe"'s decode tokens/s."""
     import tempfile
 
-    from moe_compile import llamacpp
+    from moe_compile.models import llamacpp
 
     if name != "qwen3-moe":
         print(f"  llama.cpp: the demo writes GGUFs for qwen3-moe only (not {name})\n", flush=True)

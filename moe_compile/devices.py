@@ -6,6 +6,8 @@ import dataclasses
 
 import torch
 
+from moe_compile.kernels.cpu.isa import cpu_flags  # noqa: F401  (here too: what the device table reads)
+
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
@@ -110,18 +112,6 @@ ASCEND_KINDS = tuple(
                reference_only=True, note="the seed operator's product table")
     for product, vs in ASCEND_VARIANTS.items()
 )
-
-
-def cpu_flags() -> set:
-    """The CPU's feature flags (Linux /proc/cpuinfo), or torch's capability string's words elsewhere."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return {torch.backends.cpu.get_cpu_capability().lower()}
 
 
 def cpu_kind() -> DeviceKind:

@@ -7,7 +7,7 @@ import moe_compile
 from moe_compile.ir import FFNAttrs
 from moe_compile.kernels.cpu import decode as cpu_decode, grad_cache as cpu_grad_cache, prepack as cpu_prepack
 from moe_compile.kernels.reference import fused_moe_reference
-from moe_compile.ops import call_fused_moe
+from moe_compile.ops.fused_moe import call_fused_moe
 from tests.test_ops import make_case
 
 

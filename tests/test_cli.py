@@ -10,7 +10,7 @@ from moe_compile.cli import build_parser, main
 
 SCRIPT = """
 import torch
-from moe_compile import zoo
+from moe_compile.models import zoo
 from moe_compile.api import capture_flags
 
 with torch.no_grad(), capture_flags():

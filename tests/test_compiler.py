@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.fx as fx
 
-from moe_compile import compiler, zoo
+from moe_compile import compiler
+from moe_compile.models import zoo
 from moe_compile.api import capture_flags
 from moe_compile.config import split_options
 from moe_compile.passes import lift, pipeline

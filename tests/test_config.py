@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import moe_compile
-from moe_compile import zoo
+from moe_compile.models import zoo
 from moe_compile.config import MoEConfig
 
 

@@ -1,12 +1,12 @@
 """Decode steps (graphs that write a static KV cache in place) compile with Inductor's C++
-wrapper (moe_compile/decode_step.py), unless MOE_COMPILE_CPP_WRAPPER=0 or the user's own
+wrapper (moe_compile/decoding/step.py), unless MOE_COMPILE_CPP_WRAPPER=0 or the user's own
 ``cpp_wrapper`` option says otherwise."""
 
 import pytest
 import torch
 import torch.fx as fx
 
-from moe_compile import decode_step
+from moe_compile.decoding import step as decode_step
 from tests.conftest import tiny_qwen3_moe_lm
 
 

@@ -40,7 +40,7 @@ def test_compiled_with_moe_backend_equal_to_eager_tokens():
     # checking step (decoding.CHECK_EVERY) all run; every one must give eager's token
     model = _model()
     ids = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(3))
-    n = moe_compile.decoding.CHECK_EVERY + 2
+    n = moe_compile.decoding.greedy.CHECK_EVERY + 2
     want = moe_compile.generate(model, ids, n, stop_at_eos=False)
     torch._dynamo.reset()
     model.forward = torch.compile(model.forward, backend="moe", options={"inner": "eager"})
@@ -76,11 +76,11 @@ def test_a_second_call_compiles_no_new_graph():
 
 
 def test_cache_length_is_rounded_up_and_held_to_the_models_positions():
-    step = moe_compile.decoding.CACHE_STEP
-    assert moe_compile.decoding.cache_length(9) == step
-    assert moe_compile.decoding.cache_length(step + 1) == 2 * step
-    assert moe_compile.decoding.cache_length(9, positions=64) == 64  # a model of 64 positions
-    assert moe_compile.decoding.cache_length(100, positions=64) == step  # past them: the model decides
+    step = moe_compile.decoding.greedy.CACHE_STEP
+    assert moe_compile.decoding.greedy.cache_length(9) == step
+    assert moe_compile.decoding.greedy.cache_length(step + 1) == 2 * step
+    assert moe_compile.decoding.greedy.cache_length(9, positions=64) == 64  # a model of 64 positions
+    assert moe_compile.decoding.greedy.cache_length(100, positions=64) == step  # past them: the model decides
 
 
 class _Drifting(torch.nn.Module):
@@ -104,15 +104,15 @@ def test_python_state_changing_during_generation_is_refused_not_decoded_on():
     # the flip comes after the warm-up steps: steps that skip guard evaluation would run the
     # unflipped graph, so the next checking step must raise and say what to pass instead
     ids = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(4))
-    model = _Drifting(_model(), turn=moe_compile.decoding.WARMUP_STEPS + 3)
+    model = _Drifting(_model(), turn=moe_compile.decoding.greedy.WARMUP_STEPS + 3)
     torch._dynamo.reset()
     model.forward = torch.compile(model.forward, backend="eager")
     with pytest.raises(RuntimeError, match="check_guards=True"):
-        moe_compile.generate(model, ids, moe_compile.decoding.CHECK_EVERY + 1, stop_at_eos=False)
+        moe_compile.generate(model, ids, moe_compile.decoding.greedy.CHECK_EVERY + 1, stop_at_eos=False)
     model.calls = 0  # with every guard checked the same model decodes, flipping where eager does
-    got = moe_compile.generate(model, ids, moe_compile.decoding.CHECK_EVERY + 1, stop_at_eos=False, check_guards=True)
+    got = moe_compile.generate(model, ids, moe_compile.decoding.greedy.CHECK_EVERY + 1, stop_at_eos=False, check_guards=True)
     eager = _Drifting(model.lm, model.turn)
-    assert torch.equal(got, moe_compile.generate(eager, ids, moe_compile.decoding.CHECK_EVERY + 1, stop_at_eos=False))
+    assert torch.equal(got, moe_compile.generate(eager, ids, moe_compile.decoding.greedy.CHECK_EVERY + 1, stop_at_eos=False))
 
 
 def test_bad_input_says_what_to_change():

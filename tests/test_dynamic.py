@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moe_compile import zoo
+from moe_compile.models import zoo
 from moe_compile.api import capture_flags
 from tests.conftest import TOL, rel_err
 

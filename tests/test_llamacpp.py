@@ -1,4 +1,4 @@
-"""moe_compile/llamacpp.py: the GGUF written for llama.cpp holds the HF model's own tensors, under
+"""moe_compile/models/llamacpp.py: the GGUF written for llama.cpp holds the HF model's own tensors, under
 Qwen3-MoE's GGUF names, in llama.cpp's layouts (so llama.cpp runs the same model)."""
 
 import numpy as np
@@ -8,7 +8,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-from moe_compile import llamacpp  # noqa: E402
+from moe_compile.models import llamacpp  # noqa: E402
 
 
 def test_gguf_holds_the_model(tmp_path):

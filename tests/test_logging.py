@@ -8,7 +8,7 @@ from tests.conftest import run_python
 
 COMPILE = """
 import torch, moe_compile
-from moe_compile import zoo
+from moe_compile.models import zoo
 torch.manual_seed(0)
 with torch.no_grad():
     moe_compile.optimize(zoo.ModuleListMoE(experts=4), inner="eager", verify={verify})(torch.randn(1, 5, 64))

@@ -8,7 +8,7 @@ import torch
 from moe_compile.ir import ExpertWeights, FFNAttrs
 from moe_compile.kernels.cpu import rows as cpu_rows
 from moe_compile.kernels.reference import fused_moe_reference
-from moe_compile.ops import call_fused_moe
+from moe_compile.ops.fused_moe import call_fused_moe
 
 
 def make_case(T, H, F, E, K, gate_up="concat", transposed=False, stacked=True, dtype=torch.float32, bias=False):
@@ -85,7 +85,7 @@ def force_cpu_path(monkeypatch, path: str) -> list:
         if path == "packed_torch_rows":
             monkeypatch.setattr(cpu_rows, "available", lambda: False)
         return calls
-    monkeypatch.setattr(cpu_prepack, "lookup", lambda *args: None)
+    monkeypatch.setattr(cpu_prepack, "lookup", lambda *args, **kwargs: None)
     if path == "mkl":
         monkeypatch.setenv(cpu_onednn.ENV, "0")
     return calls

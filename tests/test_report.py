@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import moe_compile
-from moe_compile import zoo
+from moe_compile.models import zoo
 from moe_compile.api import capture_flags
 from moe_compile.compiler import collecting_reports
 from moe_compile.passes.pipeline import NO_TOKENS

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from moe_compile import zoo
+from moe_compile.models import zoo
 from moe_compile.api import capture_flags
 from moe_compile.compiler import collecting_reports
 from tests.conftest import rel_err

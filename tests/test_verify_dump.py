@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import moe_compile
-from moe_compile import zoo
+from moe_compile.models import zoo
 from moe_compile.dump import collapse_paths
 from moe_compile.api import capture_flags
 from moe_compile.compiler import VerifyFirstCall

@@ -41,19 +41,12 @@ import socket
 import torch
 
 from moe_compile.ep import keep as keep_mod
-from moe_compile.ep.overlap import piece_bounds, piece_counts
-from moe_compile.ep.plan import check_bound
+from moe_compile.ep.plan import auto_chunks, check_bound, piece_bounds, piece_counts
 from moe_compile.quant.int8 import dequantize, quantize
 from moe_compile.symm import allocate
 from moe_compile.symm.cpu_shm import backoff
 
 CMAX = 16  # flag slots per (peer, direction): the most chunks a call can use
-# Auto chunking: a piece (one source's rows to one dest, 1/C of them) should keep >= ROWS_PER_PIECE
-# rows, else per-expert GEMMs get too small to pay for the finer overlap.  Sweep (bench_ep.py on a
-# 16-core x86 host, fp32, 1 thread per rank, T=512, H=1024): E=64/K=8 world 2 (4096 rows per rank)
-# c1/c2/c4 = 204/184/157 ms, world 4 188/221/250 ms; E=8/K=2 world 2 (1024 rows) 147/147/176 ms.
-# per_rank // (R * 1024) picks 2, 1 and 1 there (near the best of each, with the run's noise).
-ROWS_PER_PIECE = 1024
 _A = 64  # byte alignment of the regions inside a segment
 
 
@@ -151,13 +144,6 @@ class _State:
 def _grow(n: int) -> int:
     """Round a row capacity up (multiples of 256, +25%) so that a growing T resizes rarely."""
     return max(256, (int(n * 1.25) + 255) // 256 * 256)
-
-
-def auto_chunks(matrix: torch.Tensor) -> int:
-    """Chunks per block from the whole counts matrix (the same on every rank, so no exchange)."""
-    R = matrix.shape[0]
-    per_rank = int(matrix.sum()) // max(R, 1)
-    return max(1, min(4, per_rank // (R * ROWS_PER_PIECE)))
 
 
 def exchange(ctx, plan, base, gpay, compute, q_width: int, q_dtype, *, chunks: int, timeout_s: float,

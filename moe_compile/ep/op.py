@@ -25,7 +25,7 @@ Contract (the graph matcher rewrites expert-parallel regions into exactly this c
   where ``resolve_auto`` says it takes the call, else symm when every rank is on this host and the
   tensors are on CPU, else collectives).
 * ``chunks``: pieces per destination block for the compute/transfer overlap; 0 = auto
-  (``dispatch.auto_chunks``).  ``timeout_s``: a missing peer raises ``TimeoutError`` naming it.
+  (``plan.auto_chunks``).  ``timeout_s``: a missing peer raises ``TimeoutError`` naming it.
 * Backward (``register_autograd``): dispatch and combine are each other's transpose — the backward
   sends dy rows (+ g) to the experts' ranks, runs the single-device backward
   (``kernels/cpu/backward.py``) on them, and returns [dx | dg] rows; local weight gradients stay
@@ -50,8 +50,8 @@ from moe_compile.ir import ExpertWeights, FFNAttrs
 from moe_compile.kernels.cpu.backward import ROLES
 from moe_compile.kernels.cpu.ep import experts_backward_on_rows, experts_on_rows
 from moe_compile.kernels.reference import compute_dtype
-from moe_compile.ops import attrs_from_args, check_inputs, weights_from_args
-from moe_compile.autograd import (flat_grads, flat_inputs, needs_by_role, pack_grads, save_inputs, saved_kept,
+from moe_compile.ops.fused_moe import attrs_from_args, check_inputs, weights_from_args
+from moe_compile.ops.autograd import (flat_grads, flat_inputs, needs_by_role, pack_grads, save_inputs, saved_kept,
                                   unpack_saved)
 
 OP_NAME = "moe_compile::fused_moe_ep"

@@ -25,22 +25,7 @@ import torch.distributed as dist
 
 from moe_compile.ep import keep as keep_mod
 from moe_compile.ep.context import EPContext, timedelta
-from moe_compile.ep.plan import check_bound
-
-
-def piece_bounds(n: int, chunks: int) -> list[int]:
-    """Row boundaries of C near-equal pieces of a block of n rows."""
-    return [n * j // chunks for j in range(chunks + 1)]
-
-
-def piece_counts(block_counts, a: int, b: int) -> list[int]:
-    """Per-local-expert rows of rows [a, b) of a block whose experts have ``block_counts`` rows."""
-    out, lo = [], 0
-    for c in block_counts:
-        hi = lo + c
-        out.append(max(0, min(b, hi) - max(a, lo)))
-        lo = hi
-    return out
+from moe_compile.ep.plan import auto_chunks, check_bound, piece_bounds, piece_counts
 
 
 class _Deadline:
@@ -92,8 +77,6 @@ def exchange(ctx: EPContext, plan, base, gpay, compute, q_width: int, q_dtype, *
         base, kept = keep_mod.backward_rows(base, kept, resend, all(int(c[-1]) == 1 for c in allc), recv_c,
                                             ctx.rank)
     if chunks <= 0:  # auto: the heap transport's rule (the same sweep), from the same matrix
-        from moe_compile.ep.dispatch import auto_chunks
-
         chunks = auto_chunks(matrix)
     C = max(1, chunks)
     send_off, recv_off = [0], [0]

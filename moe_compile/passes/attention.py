@@ -20,7 +20,7 @@ order of sums).
 
 2. An SDPA call of at most ``MAX_ROWS`` fp32 query rows (a decode step), no dropout, not causal,
    mask None / bool / fp32 -> ``moe_compile::decode_attention(q, k, v, mask, scale)``
-   (``attention_ops.py``, the same result): torch's CPU flash kernel blocks over query rows, of which
+   (``ops/decode_attention.py``, the same result): torch's CPU flash kernel blocks over query rows, of which
    decode has one, and takes ~0.3 ms a layer for what reading the cache costs ~0.1 ms (576 cached
    positions, 32/4 heads of 128).
 
@@ -218,7 +218,7 @@ def run_attention_pass(gm: fx.GraphModule) -> str | None:
     repeated = find_repeated_kv(gm.graph)
     for match in repeated:
         match.replace()
-    import moe_compile.attention_ops  # noqa: F401  registers moe_compile::decode_attention
+    import moe_compile.ops.decode_attention  # noqa: F401  registers moe_compile::decode_attention
 
     decode = find_decode_attention(gm.graph)
     for match in decode:

@@ -25,7 +25,7 @@ from collections import Counter
 import torch
 import torch.fx as fx
 
-from moe_compile.packed_ops import run_format
+from moe_compile.ops.packed import run_format
 from moe_compile.passes.clusters import is_topk
 from moe_compile.quant.packed import is_packed
 

@@ -248,7 +248,7 @@ def _rewritten_entry(match, plan) -> Rewritten:
 
 def _variant(spec, plan) -> str:
     """What the op runs: the plan's format, or the format experts loaded packed (PackedWeight) run in."""
-    from moe_compile.packed_ops import run_format
+    from moe_compile.ops.packed import run_format
     from moe_compile.quant.packed import is_packed
 
     w = spec.fc1[0].meta.get("example_value") if spec.fc1 else None

@@ -43,14 +43,13 @@ from __future__ import annotations
 import torch
 
 from moe_compile.quant import wint
-from moe_compile.quant.a8w8_int import MAX_K, int_matmul
-from moe_compile.quant.common import (ACT_BLOCK, QuantWeight, check_a8_group, check_group, group_view, pack_nibbles,
-                                      quantize_per_block_int8, quantize_per_token_int8, search_scales,
+from moe_compile.quant.common import (ACT_BLOCK, MAX_K, QuantWeight, block_scales, block_sums,  # noqa: F401
+                                      check_a8_group, check_group, group_view, grouped_int_matmul, int_matmul,
+                                      pack_nibbles, quantize_per_block_int8, quantize_per_token_int8, search_scales,
                                       unpack_nibbles)
 
 QMAX, QMIN = 7, -8
 DEFAULT_GROUP = 32  # the CPU default: q4_0's block, 4.5 bits per weight
-_REFERENCE_ROWS = 64  # the grouped reference works on this many rows of x at a time ([rows, N, B] sums)
 
 
 def check_group_size(K: int, group: int) -> None:
@@ -110,31 +109,10 @@ def dequantize(qw: QuantWeight) -> torch.Tensor:
     return integers(qw).float() * qw.scale
 
 
-def block_sums(qx: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """int8 [T, K] x int [N, K] -> acc [T, N, B] fp32: each 32-block's integer dot product, exact
-    (every partial sum is an integer below 32 * 127 * 8 < 2^24, so fp32 holds it in any order)."""
-    T, K = qx.shape
-    N, B = q.shape[0], K // ACT_BLOCK
-    a = qx.float().reshape(T, B, ACT_BLOCK).transpose(0, 1)  # [B, T, 32]
-    w = q.float().reshape(N, B, ACT_BLOCK).permute(1, 2, 0)  # [B, 32, N]
-    return torch.bmm(a, w).permute(1, 2, 0)  # [T, N, B]
-
-
-def block_scales(qw: QuantWeight, e: int) -> torch.Tensor:
-    """Expert e's weight scale of each activation block: fp32 [N, B] (s_w of the group holding it)."""
-    return qw.scale[e].float().repeat_interleave(qw.group // ACT_BLOCK, dim=-1)
-
-
 def grouped_matmul(x: torch.Tensor, qw: QuantWeight, e: int) -> torch.Tensor:
     """x [T, K] float -> [T, N] fp32: activations per block of 32, int32 block sums, each scaled
     once: y = sum_b (acc_b * s_x_b) * s_w."""
-    sw = block_scales(qw, e)  # [N, B]
-    q = integers(qw)[e]  # [N, K]
-    out = []
-    for t0 in range(0, x.shape[0], _REFERENCE_ROWS):
-        qx, sx = quantize_per_block_int8(x[t0: t0 + _REFERENCE_ROWS])  # [t, K], [t, B]
-        out.append(((block_sums(qx, q) * sx[:, None, :]) * sw[None]).sum(-1))
-    return torch.cat(out) if out else x.new_zeros(0, qw.shape[1], dtype=torch.float32)
+    return grouped_int_matmul(x, integers(qw)[e], block_scales(qw, e))
 
 
 def msd_digits(qx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,10 +37,10 @@ import os
 import torch
 
 from moe_compile.quant import wint
-from moe_compile.quant.common import (INT8_QMAX, QuantWeight, check_a8_group, group_view, quantize_per_block_int8,
+from moe_compile.quant.common import (INT8_QMAX, MAX_K, QuantWeight, block_scales, check_a8_group,  # noqa: F401
+                                      group_view, grouped_int_matmul, int_matmul, quantize_per_block_int8,
                                       quantize_per_token_int8)
 
-MAX_K = 1 << 17  # 127 * 127 * K must fit int32
 GROUP = 32  # the group-wise form's group on CPU: q8_0's block, 8.5 bits per weight
 GROUP_ENV = "MOE_COMPILE_A8W8_GROUP"  # "32" / "64" / a multiple of 128 / "grouped" (= GROUP); unset: per channel
 
@@ -108,25 +108,11 @@ def dequantize(qw: QuantWeight) -> torch.Tensor:
     return qw.data.float() * qw.scale
 
 
-def int_matmul(qx: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """int8 [T, K] x int [N, K] -> exact int32 [T, N] (int64 inside, then checked narrowing)."""
-    acc = qx.long() @ q.long().t()
-    return acc.to(torch.int32)
-
-
 def grouped_matmul(x: torch.Tensor, qw: QuantWeight, e: int) -> torch.Tensor:
-    """x [T, K] float -> [T, N] fp32 of a group-wise weight: y = sum_b (acc_b * s_x_b) * s_w, the
-    block sums and block scales of group-wise a8w4-int (``a8w4_int.block_sums``: exact in fp32
-    for int8 weights too, every partial sum an integer below 32 * 127^2 < 2^24)."""
-    from moe_compile.quant import a8w4_int  # it imports this module: imported here, no cycle
-
-    sw = a8w4_int.block_scales(qw, e)  # [N, B]
-    q = qw.data[e]  # [N, K] int8
-    out = []
-    for t0 in range(0, x.shape[0], a8w4_int._REFERENCE_ROWS):
-        qx, sx = quantize_per_block_int8(x[t0: t0 + a8w4_int._REFERENCE_ROWS])  # [t, K], [t, B]
-        out.append(((a8w4_int.block_sums(qx, q) * sx[:, None, :]) * sw[None]).sum(-1))
-    return torch.cat(out) if out else x.new_zeros(0, qw.shape[1], dtype=torch.float32)
+    """x [T, K] float -> [T, N] fp32 of a group-wise weight: the block sums and block scales of
+    group-wise a8w4-int (``common.grouped_int_matmul``: exact in fp32 for int8 weights too, every
+    partial sum an integer below 32 * 127^2 < 2^24)."""
+    return grouped_int_matmul(x, qw.data[e], block_scales(qw, e))
 
 
 def matmul(x: torch.Tensor, qw: QuantWeight, e: int) -> torch.Tensor:

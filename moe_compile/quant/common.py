@@ -250,3 +250,41 @@ def search_scales(wg: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
 def group_view(w: torch.Tensor, group: int) -> torch.Tensor:
     """[..., K] -> [..., K/group, group] (the caller has checked the group divides K)."""
     return w.reshape(*w.shape[:-1], w.shape[-1] // group, group)
+
+
+# The integer block arithmetic of the int8-activation formats (a8w8-int and a8w4-int): the
+# references both formats' kernels are checked against.
+
+MAX_K = 1 << 17  # 127 * 127 * K must fit int32
+REFERENCE_ROWS = 64  # the grouped reference works on this many rows of x at a time ([rows, N, B] sums)
+
+
+def int_matmul(qx: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """int8 [T, K] x int [N, K] -> exact int32 [T, N] (int64 inside, then checked narrowing)."""
+    acc = qx.long() @ q.long().t()
+    return acc.to(torch.int32)
+
+
+def block_sums(qx: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """int8 [T, K] x int [N, K] -> acc [T, N, B] fp32: each 32-block's integer dot product, exact
+    (every partial sum is an integer below 32 * 127 * 8 < 2^24, so fp32 holds it in any order)."""
+    T, K = qx.shape
+    N, B = q.shape[0], K // ACT_BLOCK
+    a = qx.float().reshape(T, B, ACT_BLOCK).transpose(0, 1)  # [B, T, 32]
+    w = q.float().reshape(N, B, ACT_BLOCK).permute(1, 2, 0)  # [B, 32, N]
+    return torch.bmm(a, w).permute(1, 2, 0)  # [T, N, B]
+
+
+def block_scales(qw: QuantWeight, e: int) -> torch.Tensor:
+    """Expert e's weight scale of each activation block: fp32 [N, B] (s_w of the group holding it)."""
+    return qw.scale[e].float().repeat_interleave(qw.group // ACT_BLOCK, dim=-1)
+
+
+def grouped_int_matmul(x: torch.Tensor, q: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
+    """x [T, K] float, q [N, K] integer weights, sw [N, B] fp32 block scales -> [T, N] fp32:
+    activations per block of 32, int32 block sums, each scaled once: y = sum_b (acc_b * s_x_b) * s_w."""
+    out = []
+    for t0 in range(0, x.shape[0], REFERENCE_ROWS):
+        qx, sx = quantize_per_block_int8(x[t0: t0 + REFERENCE_ROWS])  # [t, K], [t, B]
+        out.append(((block_sums(qx, q) * sx[:, None, :]) * sw[None]).sum(-1))
+    return torch.cat(out) if out else x.new_zeros(0, q.shape[0], dtype=torch.float32)

@@ -19,7 +19,7 @@ does with it:
   ``F.embedding(ids, w)``                        only the rows asked for, dequantized
   transformers' ``grouped_mm_fallback``          each expert with tokens dequantized alone
   the fused MoE ops / ``dense_linear``           the packed kernels on the bytes themselves
-                                                 (``packed_ops.py``), also inside compiled graphs
+                                                 (``ops/packed.py``; ``route`` below), also inside compiled graphs
   anything else                                  run on the dequantized weight: the format's exact
                                                  meaning (``quant.dequantize``), the reference path
 
@@ -132,9 +132,7 @@ class PackedWeight(torch.Tensor):
             out = special(*args, **kwargs)
             if out is not NotImplemented:
                 return out
-        from moe_compile import packed_ops
-
-        routed = packed_ops.route(func, args, kwargs)
+        routed = route(func, args, kwargs)
         if routed is not NotImplemented:
             return routed
         return func(*tree_map(_plain, args), **tree_map(_plain, kwargs))
@@ -239,3 +237,62 @@ _BY_NAME = {"transformers::grouped_mm_fallback": _grouped_mm}
 
 def is_packed(t) -> bool:
     return isinstance(t, PackedWeight)
+
+
+# ---- routing of the fused ops called on PackedWeight weights to the ops that read the bytes ----
+
+def _moe_ops() -> dict:
+    """The fused MoE op overloads -> the index of their ``quant`` argument (None: no quant argument)."""
+    import moe_compile.ops  # noqa: F401  registers them
+
+    m = torch.ops.moe_compile
+    return {m.fused_moe_infer.default: None, m.fused_moe.default: None, m.fused_moe_quant.default: 15}
+
+
+def route(func, args, kwargs):
+    """The packed op for ``func`` called on PackedWeight weights, or NotImplemented (the caller then
+    runs ``func`` on the dequantized weights)."""
+    if kwargs or getattr(func, "namespace", None) != "moe_compile":
+        return NotImplemented
+    import moe_compile.ops.packed  # noqa: F401  registers the packed ops
+
+    if func is torch.ops.moe_compile.dense_linear.default:
+        return _route_linear(*args)
+    quant_at = _moe_ops().get(func, NotImplemented)
+    if quant_at is NotImplemented:
+        return NotImplemented
+    return _route_moe(args, args[quant_at] if quant_at is not None else "none")
+
+
+def _route_linear(x, weight, bias, fmt, group):
+    from moe_compile.ops import packed as packed_ops
+
+    if not is_packed(weight) or is_packed(bias) or is_packed(x) or weight.dim() != 2:
+        return NotImplemented
+    return torch.ops.moe_compile.dense_linear_packed(x, weight.qdata, weight.qscale, bias,
+                                                     packed_ops.run_format(weight.fmt, fmt), weight.group, list(weight.shape),
+                                                     weight.packing)
+
+
+def packed_layout_refusal(fc1, fc1_up, fc2, biases, gate_up, transposed, activation, weight_on) -> str | None:
+    """Why packed experts cannot run on the packed kernels as the op is called, or None."""
+    if len(fc1) != 1 or len(fc2) != 1 or fc1_up or not (is_packed(fc1[0]) and is_packed(fc2[0])):
+        return "the packed kernels take one stacked packed FC1 [E, 2F, H] and FC2 [E, H, F]"
+    if any(biases) or gate_up != "concat" or transposed or activation != "silu" or weight_on == "input":
+        return "the packed kernels run SwiGLU experts without biases, gate and up concatenated, [out, in]"
+    if fc1[0].fmt != fc2[0].fmt or fc1[0].packing != fc2[0].packing:
+        return f"FC1 is packed in {fc1[0].fmt} ({fc1[0].packing}) and FC2 in {fc2[0].fmt} ({fc2[0].packing})"
+    return None
+
+
+def _route_moe(args, asked: str):
+    from moe_compile.ops import packed as packed_ops
+
+    x, ids, weights, fc1, fc1_up, fc2, b1, b1u, b2, gate_up, transposed, activation, limit, _alpha, weight_on = args[:15]
+    if packed_layout_refusal(fc1, fc1_up, fc2, (b1, b1u, b2), gate_up, transposed, activation, weight_on):
+        return NotImplemented
+    w1, w2 = fc1[0], fc2[0]
+    E, F2, H = w1.shape
+    return torch.ops.moe_compile.fused_moe_packed(x, ids, weights, w1.qdata, w1.qscale, w2.qdata, w2.qscale,
+                                                  packed_ops.run_format(w1.fmt, asked), [w1.group, w2.group], [E, H, F2 // 2],
+                                                  weight_on, float(limit), w1.packing)

@@ -21,7 +21,7 @@ import uuid
 import numpy as np
 import torch
 
-from moe_compile.symm import SymmetricHeap
+from moe_compile.symm.heap import SymmetricHeap
 
 SHM_DIR = "/dev/shm"
 _ALIGN = 4096

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_compile.symm import SymmetricHeap
+from moe_compile.symm.heap import SymmetricHeap
 
 
 class CudaSymmHeap(SymmetricHeap):

@@ -25,7 +25,7 @@ def groups(rank: int, world: int, tp: int):
 
 def build(rank: int, world: int, case: dict):
     """(model, the seed of this rank's tokens) for one case."""
-    from moe_compile import zoo_ep
+    from moe_compile.models import zoo_ep
 
     kwargs = dict(case.get("kwargs", {}))
     kind, tp = case["kind"], case.get("tp", 1)
@@ -44,7 +44,7 @@ def build(rank: int, world: int, case: dict):
 
 
 def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
-    from moe_compile import zoo_ep
+    from moe_compile.models import zoo_ep
     from moe_compile.api import capture_flags
     from moe_compile.compiler import collecting_reports
     from tests.conftest import rel_err
@@ -126,7 +126,7 @@ def simulated_vs_real(rank: int, world: int) -> dict:
 def refused(rank: int, world: int) -> dict:
     """Gathered blocks the matcher must leave alone, each with its reason: experts that gate with
     tanh (no FFN hypothesis fits), weights from a gathered softmax taken before the top-k."""
-    from moe_compile import zoo_ep
+    from moe_compile.models import zoo_ep
     from moe_compile.api import capture_flags
     from moe_compile.compiler import collecting_reports
     from tests.conftest import rel_err
@@ -168,7 +168,7 @@ def reduced_single_device(rank: int, world: int) -> dict:
     sums: left to its own family, rewritten there, the all_reduce kept."""
     import torch.distributed._functional_collectives as funcol
 
-    from moe_compile import zoo
+    from moe_compile.models import zoo
     from moe_compile.api import capture_flags
     from moe_compile.compiler import collecting_reports
     from tests.conftest import rel_err

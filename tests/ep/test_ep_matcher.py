@@ -33,7 +33,7 @@ def _skewed(world: int) -> list[float]:
 
 
 def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
-    from moe_compile import zoo_ep
+    from moe_compile.models import zoo_ep
     from moe_compile.api import capture_flags
     from moe_compile.compiler import collecting_reports
     from tests.conftest import rel_err
@@ -118,7 +118,8 @@ def test_all_reduce_style_rewritten_and_equal(world):
 
 def report_only(rank: int, world: int) -> dict:
     """explain() text on rank 0 names the family, the world size and the local experts."""
-    from moe_compile import explain, zoo_ep
+    from moe_compile import explain
+    from moe_compile.models import zoo_ep
 
     model = zoo_ep.AllToAllEPMoE(top_k=2)
     x = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(rank))
@@ -133,7 +134,7 @@ def test_explain_names_world_size_and_local_experts():
 
 
 def _tanh_experts_model():
-    from moe_compile import zoo_ep
+    from moe_compile.models import zoo_ep
 
     class TanhExperts(zoo_ep.AllToAllEPMoE):
         """Local experts with tanh gating: no FFN hypothesis of the op fits."""

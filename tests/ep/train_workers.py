@@ -50,7 +50,7 @@ def _reference(rank: int, world: int, Ts, top_k: int, bias, dtype):
     """y and the gradients of sum_r <ref(x_r), cot_r> on the global model: this rank's x and its
     local experts' w1 / w3 / w2 slices (every rank's tokens reach them); the router's from this
     rank's tokens only (each rank trains its own copy of the router)."""
-    from moe_compile import zoo_ep
+    from moe_compile.models import zoo_ep
 
     E = 8
     el = E // world
@@ -77,7 +77,7 @@ def _reference(rank: int, world: int, Ts, top_k: int, bias, dtype):
 def compiled_training(rank: int, world: int, cases: list) -> dict:
     """Per (name, Ts, route, dtype): the errors of y and of every gradient against the reference,
     the row width of each backward dispatch, and the EP ops the rewritten graph calls."""
-    from moe_compile import zoo_ep
+    from moe_compile.models import zoo_ep
     from moe_compile.api import capture_flags
     from tests.ep.a2a_workers import _DispatchBytes, rel
 

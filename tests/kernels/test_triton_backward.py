@@ -199,7 +199,7 @@ def test_gpu_op_backward_uses_triton(monkeypatch, tmp_path):
     import warnings
 
     from moe_compile.kernels.cpu import backward as cpu_backward
-    from moe_compile.ops import call_fused_moe
+    from moe_compile.ops.fused_moe import call_fused_moe
 
     def no_torch_backward(*args, **kwargs):
         raise AssertionError("the torch segment backward ran instead of the Triton backward")

@@ -149,7 +149,7 @@ def test_op_dispatches_to_triton_on_cuda():
     """torch.ops.moe_compile.fused_moe on CUDA tensors goes through the Triton kernel."""
     from moe_compile.ir import FFNAttrs
     from moe_compile.kernels.reference import fused_moe_reference
-    from moe_compile.ops import call_fused_moe
+    from moe_compile.ops.fused_moe import call_fused_moe
 
     x, ids, weights, w = make_case(33, 2, 8, 128, 64)
     with warnings.catch_warnings():

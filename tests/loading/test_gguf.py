@@ -8,7 +8,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 import moe_compile  # noqa: E402
-from moe_compile import llamacpp  # noqa: E402
+from moe_compile.models import llamacpp  # noqa: E402
 from moe_compile.quant.packed import PackedWeight  # noqa: E402
 from tests.conftest import rel_err  # noqa: E402
 from tests.loading.conftest import tiny_config, transformers  # noqa: E402

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 SCRIPT = r"""
 import json, resource, sys
 import torch, transformers, moe_compile
-from moe_compile import llamacpp
+from moe_compile.models import llamacpp
 cfg = transformers.Qwen3MoeConfig(vocab_size=8192, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
     num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2, head_dim=64, num_experts=32,
     num_experts_per_tok=4, norm_topk_prob=True, tie_word_embeddings=False, max_position_embeddings=128)

@@ -137,7 +137,7 @@ def test_decode_attention_with_a_symbolic_cache_length():
 def test_decode_attention_output_is_contiguous_as_its_fake_says():
     """torch's CPU SDPA returns a permuted layout for several query rows (32 heads of 128, L = 16);
     a compiled graph checks the op's strides against the fake's contiguous ones."""
-    import moe_compile.attention_ops  # noqa: F401  (registers the op)
+    import moe_compile.ops.decode_attention  # noqa: F401  (registers the op)
 
     q, k, v = torch.randn(1, 32, 16, 128), torch.randn(1, 4, 40, 128), torch.randn(1, 4, 40, 128)
     out = torch.ops.moe_compile.decode_attention(q, k, v, None, 128 ** -0.5)

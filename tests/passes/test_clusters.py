@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from moe_compile import zoo
+from moe_compile.models import zoo
 from moe_compile.passes.clusters import find_clusters, group_by_topk
 from moe_compile.passes.graph import Deps
 from tests.conftest import TOL, rel_err, run_compiled

@@ -4,7 +4,7 @@ model's own eager."""
 import pytest
 import torch
 
-from moe_compile import zoo
+from moe_compile.models import zoo
 from tests.conftest import TOL, rel_err, run_compiled
 
 CASES = [

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from moe_compile import zoo
+from moe_compile.models import zoo
 from moe_compile.api import capture_flags
 from moe_compile.passes.pipeline import run_moe_pass
 from tests.conftest import rel_err, run_compiled

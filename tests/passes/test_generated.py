@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import moe_compile
-from moe_compile import zoo
+from moe_compile.models import zoo
 from moe_compile.api import capture_flags
 from moe_compile.compiler import collecting_reports
 from moe_compile.passes.clusters import inside_router, is_id_source

@@ -3,7 +3,7 @@
 import torch
 
 import moe_compile
-from moe_compile import zoo
+from moe_compile.models import zoo
 from tests.conftest import run_compiled
 
 

@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moe_compile import zoo
+from moe_compile.models import zoo
 from tests.conftest import TOL, rel_err, run_compiled
 
 

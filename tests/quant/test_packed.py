@@ -1,11 +1,12 @@
-"""quant/packed.py's PackedWeight and packed_ops.py: a packed parameter means exactly its
+"""quant/packed.py's PackedWeight and ops/packed.py: a packed parameter means exactly its
 format's dequantized values, keeps its bytes through the ops a model applies to parameters, and
 the packed kernels (canonical rows or panels alone) compute the format's reference MoE."""
 
 import pytest
 import torch
 
-from moe_compile import packed_ops, quant
+from moe_compile import quant
+from moe_compile.ops import packed as packed_ops
 from moe_compile.ir import FFNAttrs
 from moe_compile.kernels.cpu import qgemm
 from moe_compile.quant.packed import PackedWeight

@@ -2,7 +2,7 @@
 ``attention_op.cpp`` (the C++ CPU kernel of ``moe_compile::decode_attention``, no Python per call).
 
 Built and armed on the op's first CPU call, never at import.  ``MOE_COMPILE_ATTENTION=0`` turns it
-off (every call is torch's SDPA, ``moe_compile.attention_ops``); so does a CPU without AVX2 or a
+off (every call is torch's SDPA, ``moe_compile.ops.decode_attention``); so does a CPU without AVX2 or a
 machine without a C/C++ compiler, with one warning saying why.
 """
 

@@ -2,7 +2,8 @@
 kernel (``decode_op.cpp``) on first use.
 
 A kernel is compiled with the system C compiler into a cache directory (``$MOE_COMPILE_CACHE`` or
-``~/.cache/moe_compile``), under a name hashed from its source and flags, and loaded with ctypes.
+``~/.cache/moe_compile``), under a name hashed from its sources (``<stem>.c``, its ``<stem>_*.c`` parts,
+the folder's headers) and flags, and loaded with ctypes.
 Never at import: the caller builds when the kernel is first needed.  Linked with ``-fopenmp``, a
 kernel shares the OpenMP runtime torch has already loaded (same soname, libgomp.so.1), so its
 parallel loops run on torch's own intra-op threads.
@@ -38,9 +39,9 @@ def lacks_avx2() -> str | None:
 
 def _build(stem: str, source: bytes, headers: dict[str, bytes] | None = None, *, suffix: str = ".c",
            compiler: str | None = None, flags: tuple = FLAGS, link: tuple = ()) -> Path:
-    """Compile ``stem`` + ``suffix`` (with ``headers``, name -> text, beside it) into the cache unless
-    it is there.  Written to a temporary name then renamed, so concurrent processes never load half
-    a file."""
+    """Compile ``stem`` + ``suffix`` (with ``headers``, name -> text of the files it includes: headers
+    and parts, beside it) into the cache unless it is there.  Written to a temporary name then
+    renamed, so concurrent processes never load half a file."""
     headers = headers or {}
     text = source + b"".join(name.encode() + body for name, body in sorted(headers.items()))
     tag = hashlib.sha256(text + " ".join(flags + link).encode()).hexdigest()[:16]
@@ -105,12 +106,23 @@ def _prune(stem: str, keep: Path) -> None:
             pass  # another process pruned it first
 
 
+def _beside(stem: str, name: str) -> bool:
+    """Whether file ``name`` of the folder goes beside ``<stem>.c`` in its build: every header, and
+    the stem's parts ``<stem>_*.c``.  A large kernel (qdecode.c, qgemm.c) is split into parts that
+    its ``<stem>.c`` #includes, one translation unit rather than objects linked together: its
+    helpers stay static and inline across the parts as they did in one file (and GCC's FMA
+    contraction with them), so the split changes no instruction.  The parts are only ever compiled
+    through their stem (no kernel's stem is another's plus ``_...``: ``ep_copy.c`` has no ``ep.c``)."""
+    return name.endswith(".h") or (name.startswith(f"{stem}_") and name.endswith(".c"))
+
+
 def load(stem: str) -> ctypes.CDLL:
-    """The compiled ``moe_compile/kernels/<stem>.c``; raises OSError / RuntimeError when it cannot
-    be built or loaded (the caller keeps the reason and falls back to torch ops)."""
+    """The compiled ``moe_compile/kernels/cpu/<stem>.c``; raises OSError / RuntimeError when it cannot
+    be built or loaded (the caller keeps the reason and falls back to torch ops).  Its parts and the
+    headers are in the build's hash with it, so an edit of any of them rebuilds."""
     files = resources.files(__package__)
-    headers = {f.name: f.read_bytes() for f in files.iterdir() if f.name.endswith(".h")}
-    return ctypes.CDLL(str(_build(stem, files.joinpath(f"{stem}.c").read_bytes(), headers)))
+    beside = {f.name: f.read_bytes() for f in files.iterdir() if _beside(stem, f.name)}
+    return ctypes.CDLL(str(_build(stem, files.joinpath(f"{stem}.c").read_bytes(), beside)))
 
 
 class Kernel:

@@ -417,6 +417,7 @@ def fused_moe_cpu(
     w: ExpertWeights,
     attrs: FFNAttrs,
     fc1_out: torch.Tensor | None = None,  # [T*K, F2]: the training forward's FC1 output, sorted slots
+    inference: bool = False,  # no backward will train these weights: pack them at first sight
 ) -> torch.Tensor:
     """y [T, H].  With ``fc1_out`` (training), FC1's output of the i-th valid slot in expert order
     is written to row i, so the backward reads it instead of recomputing FC1."""
@@ -434,7 +435,7 @@ def fused_moe_cpu(
     gs = topk_weights.reshape(-1).index_select(0, valid).to(x.dtype)[:, None]  # [S', 1]
     if cpu_decode.fits(x, w, bounds):
         return _fused_decode(x, tokens, gs, w, attrs, bounds, fc1_out)
-    packed = cpu_prepack.lookup(x, w, attrs) if fc1_out is None else None
+    packed = cpu_prepack.lookup(x, w, attrs, first_sight=inference) if fc1_out is None else None
     if packed is not None and packed.fused:
         return cpu_experts.run(x, tokens, gs, packed, w, attrs, bounds, torch.get_num_threads())
     if packed is not None:

@@ -9,7 +9,10 @@ error where the CPU lacks it).
 
 from __future__ import annotations
 
+import functools
 import os
+
+import torch
 
 ISA_AVX2, ISA_AVX512 = 2, 512
 ISA_ENV = "MOE_COMPILE_FUSED_ISA"
@@ -33,3 +36,43 @@ def choose(native: int, lacking: str = "AVX-512") -> int:
     if _NAMES[value] > native:
         raise ValueError(f"{ISA_ENV}={value}: this CPU has no {lacking} (use avx2 or leave it unset)")
     return _NAMES[value]
+
+
+def cpu_flags() -> set:
+    """The CPU's feature flags (Linux /proc/cpuinfo), or torch's capability string's words elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return {torch.backends.cpu.get_cpu_capability().lower()}
+
+
+PREFILL_BF16_ENV = "MOE_COMPILE_PREFILL_BF16"
+
+
+def prefill_dtype(fmt: str) -> torch.dtype:
+    """A quantized dense linear's prefill GEMM dtype: bf16 where the CPU has AMX-BF16 or AVX-512 BF16
+    (oneDNN's bf16 GEMM there is 3-6x its fp32 one; rounding the activations to bf16, 2^-9 relative,
+    is far below the weights' own 4- or 8-bit error), fp32 for w16 (its fp16 weights hold ~70 dB,
+    which bf16 activations would cap near 50) and on other CPUs.  ``MOE_COMPILE_PREFILL_BF16=0``:
+    fp32 always.  ``MOE_COMPILE_FUSED_ISA=avx2`` (how an AVX2-only CPU runs) takes fp32 as such a
+    CPU does: oneDNN held to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``) has no bf16 multiply and converts
+    instead (a 4-layer Qwen3-MoE's 512-token w4-int prefill on Zen 4 held to AVX2: the dense
+    GEMMs 2.18 -> 0.49 s, the prefill 3.80 -> 1.59 s)."""
+    if fmt == "w16" or os.environ.get(PREFILL_BF16_ENV) == "0":
+        return torch.float32
+    return torch.bfloat16 if _native_bf16() else torch.float32
+
+
+def _native_bf16() -> bool:
+    """Whether this run multiplies bf16 natively: the CPU's flags, unless the ISA switch holds every
+    kernel to AVX2 (read per call: the switch is an environment variable)."""
+    return asked() != "avx2" and _bf16_flags()
+
+
+@functools.cache
+def _bf16_flags() -> bool:
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())

@@ -123,13 +123,11 @@ def _block_fits(p, isa: int) -> bool:
 def bf16_tiles(p: "QGemmPack", isa: int) -> bool:
     """Whether a call on ``p``'s panels runs the bf16 tiles: a float format other than w16 on the
     AVX-512 tile, a CPU with AVX-512 BF16 whose bf16 dot product outruns its fp32 FMA (not an AMX
-    CPU: ``_bf16_dot_pays``), and the dense prefill's policy saying bf16 (``dense.prefill_dtype``:
+    CPU: ``_bf16_dot_pays``), and the dense prefill's policy saying bf16 (``isa.prefill_dtype``:
     not with ``MOE_COMPILE_PREFILL_BF16=0`` nor under the AVX2 switch)."""
-    from moe_compile.kernels.cpu import dense
-
     if isa != ISA_AVX512 or not float_panels(p) or p.fmt == "w16":
         return False
-    return bool(_features() & 4) and _bf16_dot_pays() and dense.prefill_dtype(p.fmt) == torch.bfloat16
+    return bool(_features() & 4) and _bf16_dot_pays() and cpu_isa.prefill_dtype(p.fmt) == torch.bfloat16
 
 
 @functools.cache
@@ -141,9 +139,7 @@ def _bf16_dot_pays() -> bool:
     tiles w4-int 124 / 87 ms (Mixtral-like), 315 / 236 (Qwen3 shape), mxfp4 111 / 90, 321 / 233
     (BENCHMARKS.md, session 32).  On Zen 4 they pay: the experts' w4-int prefill 743 -> 462 ms
     (session 26).  (The dense linears' bf16 GEMMs are oneDNN's, on AMX there: kept.)"""
-    from moe_compile.devices import cpu_flags
-
-    return not ({"amx_bf16", "amx_tile"} & cpu_flags())
+    return not ({"amx_bf16", "amx_tile"} & cpu_isa.cpu_flags())
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import torch
 from moe_compile.ir import ExpertWeights, FFNAttrs
 from moe_compile.kernels.cpu import decode as cpu_decode, experts as cpu_experts, prepack as cpu_prepack
 from moe_compile.kernels.reference import fused_moe_reference
-from moe_compile.ops import call_fused_moe
+from moe_compile.ops.fused_moe import call_fused_moe
 from tests.test_ops import make_case
 
 pytestmark = pytest.mark.skipif(not cpu_experts.available(), reason=f"{cpu_experts.unavailable_reason()}")

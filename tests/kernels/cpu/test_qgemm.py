@@ -337,11 +337,11 @@ def test_bf16_tiles_not_where_the_cpu_has_amx(monkeypatch):
     # An AMX CPU (Intel Sapphire Rapids and later) issues vdpbf16ps on one port, at the fp32 FMA's
     # product rate: the bf16 tiles would only add rounding (measured 1.2-1.4x slower there), so the
     # float formats keep fp32 tiles; AVX-512 BF16 without AMX (Zen 4) takes them.
-    from moe_compile import devices
+    from moe_compile.kernels.cpu import isa
 
-    monkeypatch.setattr(devices, "cpu_flags", lambda: {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+    monkeypatch.setattr(isa, "cpu_flags", lambda: {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
     assert not qgemm._bf16_dot_pays.__wrapped__()
-    monkeypatch.setattr(devices, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    monkeypatch.setattr(isa, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     assert qgemm._bf16_dot_pays.__wrapped__()
     monkeypatch.setattr(qgemm, "_bf16_dot_pays", lambda: False)
     assert not qgemm.bf16_tiles(qgemm.pack(make_weight("w4-int", 1, 32, 64, torch.Generator().manual_seed(0))),

@@ -144,7 +144,7 @@ def test_builds_into_a_fresh_cache(tmp_path):
 
 def test_turned_off_by_env_and_op_still_correct():
     # MOE_COMPILE_SKINNY=0: the kernel is unavailable and decode falls back to the MKL path.
-    code = ("import torch; from moe_compile.kernels import reference; from moe_compile.kernels.cpu import skinny as cpu_skinny; from moe_compile.ops import call_fused_moe; "
+    code = ("import torch; from moe_compile.kernels import reference; from moe_compile.kernels.cpu import skinny as cpu_skinny; from moe_compile.ops.fused_moe import call_fused_moe; "
             "from moe_compile.ir import ExpertWeights, FFNAttrs; "
             "assert not cpu_skinny.available() and 'MOE_COMPILE_SKINNY' in cpu_skinny.unavailable_reason(); "
             "w = ExpertWeights((torch.randn(4, 16, 8),), (), (torch.randn(4, 8, 8),)); x = torch.randn(3, 8); "
