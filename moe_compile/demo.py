@@ -33,7 +33,7 @@ from moe_compile.models import DEMO_MODELS as MODELS
 # fp32 paths differ from eager only in summation order (Inductor's fusions, the fused op's sorted
 # segments); logits of a 4-layer model at H=512 stay within ~1e-5 of their scale.
 LOGITS_TOL = 1e-4
-# Measured (issue 25, 2-core VM, caches empty): each variant's first, compiling generate call took
+# Measured (2-core VM, caches empty): each variant's first, compiling generate call took
 # 152-208 s (66-92 s of it CPU time this process saw); later runs reuse Inductor's on-disk caches.
 FIRST_CALL_NOTE = (" compiles the prefill and decode graphs (about 2.5-3.5 min on 2 cores with cold compile "
                    "caches, less once they are warm)")

@@ -85,7 +85,7 @@ def test_demo_small_model_matches_eager(capsys):
     assert "generated tokens same" in out and "demo passed" in out
 
 
-# ---- issue 25: the CLI's own words (each in a fresh process: what a user sees)
+# ---- the CLI's own words (each in a fresh process: what a user sees)
 
 
 def _cli(*argv, env=None, timeout=300):
@@ -134,7 +134,7 @@ def test_dump_without_graphviz_says_so_once(tmp_path):
 
 
 def test_demo_first_call_estimate_is_a_cold_figure():
-    # The first compiling call measured 152-208 s cold on 2 cores (issue 25), not "~30 s".
+    # The first compiling call measured 152-208 s cold on 2 cores, not "~30 s".
     from moe_compile import demo
 
     assert "~30 s" not in demo.FIRST_CALL_NOTE and "min" in demo.FIRST_CALL_NOTE and "cold" in demo.FIRST_CALL_NOTE

@@ -125,3 +125,14 @@ def test_architecture_tree_lists_every_package_file():
     assert sorted(set(listed) - present) == [], "listed in docs/architecture.md but not in the package"
     assert sorted(present - set(listed)) == [], "in the package but not in docs/architecture.md's folder tree"
     assert len(listed) == len(set(listed))
+
+
+def test_no_file_names_a_work_session_or_an_issue():
+    # The repo speaks of the project: its history is in git, not in its files' words or names.
+    pattern = re.compile(r"session [0-9]|issue [0-9]|\bs[0-9]{2}_", re.IGNORECASE)
+    roots = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *(ROOT / d for d in ("docs", "benchmarks", "moe_compile", "tests"))]
+    files = [p for r in roots for p in ([r] if r.is_file() else r.rglob("*"))
+             if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".png", ".so", ".pyc", ".gguf")]
+    found = [f"{p.relative_to(ROOT)}: {m.group(0)!r}" for p in files
+             for m in [pattern.search(p.read_text(errors="replace")) or pattern.search(str(p.relative_to(ROOT)))] if m]
+    assert found == []

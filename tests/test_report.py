@@ -123,7 +123,7 @@ def test_last_report_is_the_latest_compile():
     assert moe_compile.last_report() is first  # nothing compiled since: the same answer
 
 
-# ---- issue 25: what the report says is true (explain -> compile -> last_report, quant, nothing found)
+# ---- what the report says is true (explain -> compile -> last_report, quant, nothing found)
 
 
 def test_last_report_after_explain_counts_only_the_compile():

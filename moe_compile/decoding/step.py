@@ -10,11 +10,11 @@ writes a tensor it was given in place through an index (``index_copy_``, ``index
 step looks like (HF ``cache_implementation="static"``, gpt-fast-style caches).  Training graphs and
 graphs without such a write never get it.
 
-Measured on a 4-layer Qwen3-MoE LM (2-core Xeon, 2026-12-02, session 16, one process each way,
+Measured on a 4-layer Qwen3-MoE LM (2-core Xeon, 2026-12-02, one process each way,
 A then B): a8w4-int decode 113.5 -> 121.3 tok/s through ``moe_compile.generate`` and 105.9 -> 114.0
 through HF ``generate``; fp32 and w16 level (22.4 / 22.3, 38.7 / 39.1 tok/s).  Its four
 alternating plain-loop runs: 7.4-8.2 ms a step with the Python wrapper, 6.9-7.3 with this one.
-Earlier sessions measured no gain (when the 4-bit kernels' own fixed costs hid it) and once,
+Earlier runs measured no gain (when the 4-bit kernels' own fixed costs hid it) and once,
 through HF generate, a 3x slowdown that was not reproduced since.
 
 ``options={"cpp_wrapper": False}`` (an Inductor option, passed through) or

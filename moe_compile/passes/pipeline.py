@@ -58,7 +58,7 @@ def find_matches(gm: fx.GraphModule, example_inputs, min_experts: int = 1):
     values = GraphValues(gm, deps, concrete_inputs(example_inputs))
     clusters = find_clusters(graph)
     candidates, unrouted = group_by_topk(graph, deps, clusters)
-    # One outcome per top-k (issue 23): a proven Match, or a Skipped naming the step that refused it.
+    # One outcome per top-k: a proven Match, or a Skipped naming the step that refused it.
     outcomes: dict[fx.Node, object] = {}
     for candidate in candidates:
         outcomes[candidate.topk] = lift_candidate(graph, deps, candidate, values, min_experts)

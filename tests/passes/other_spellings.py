@@ -1,4 +1,4 @@
-"""MoE layers spelled the way other codebases spell them (issue 23's set), as general mechanisms.
+"""MoE layers spelled the way other codebases spell them, as general mechanisms.
 
 Shapes:  B batch, S sequence, T = B*S tokens, H hidden, F expert FFN width, E experts, K top-k.
 

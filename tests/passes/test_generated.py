@@ -95,7 +95,7 @@ def test_zoo_every_topk_has_an_outcome(cls, dtype):
     assert rel_err(got, want) <= (BF16_TOL if dtype == torch.bfloat16 else FP32_TOL)
 
 
-# Issue 23's spellings (tests/passes/other_spellings.py): each is the op's semantics, so it is never
+# Other codebases' spellings (tests/passes/other_spellings.py): each is the op's semantics, so it is never
 # computed differently from eager, and is rewritten where the pass now proves it (REWRITTEN), else
 # refused with a reason.  Alone and in a 2-layer stack with attention; bf16 under -m slow.
 REWRITTEN = ("contiguous", "onehot_scatter", "dropout_eval", "top1_max", "top1_argmax", "sorted_gather", "all_mask_loop",

@@ -108,7 +108,7 @@ def block_tiles(p, isa: int) -> bool:
     multiply the stored codes (4 products a lane and instruction) where the float panels
     dequantize every weight first: one MoE layer's 512-token prefill a8w4-int 0.32-0.33 of the
     float panels' time on a 2-core Xeon (AVX-512 VNNI), 0.57-0.66 under the AVX2 switch
-    (BENCHMARKS.md, session 32).  Group-wise a8w8-int on AVX2 keeps its float panels (8-bit
+    (BENCHMARKS.md, bench_quant_prefill.py).  Group-wise a8w8-int on AVX2 keeps its float panels (8-bit
     products need vpmaddubsw's sign trick and a widening a step there: no faster than fp32)."""
     return _block_fits(p, isa) and os.environ.get(BLOCK_TILES_ENV, "1") != "0"
 
@@ -137,8 +137,7 @@ def _bf16_dot_pays() -> bool:
     issues on two, the same products a cycle, and the tiles only add the bf16 rounding and
     conversions: one MoE layer's 512-token prefill, 2-core Xeon with AMX, one process, bf16 / fp32
     tiles w4-int 124 / 87 ms (Mixtral-like), 315 / 236 (Qwen3 shape), mxfp4 111 / 90, 321 / 233
-    (BENCHMARKS.md, session 32).  On Zen 4 they pay: the experts' w4-int prefill 743 -> 462 ms
-    (session 26).  (The dense linears' bf16 GEMMs are oneDNN's, on AMX there: kept.)"""
+    (BENCHMARKS.md, bench_quant_prefill.py).  On Zen 4 they pay: the experts' w4-int prefill 743 -> 462 ms.  (The dense linears' bf16 GEMMs are oneDNN's, on AMX there: kept.)"""
     return not ({"amx_bf16", "amx_tile"} & cpu_isa.cpu_flags())
 
 

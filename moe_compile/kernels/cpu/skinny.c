@@ -134,7 +134,7 @@ DOT_ROWS(4, 2)
  * in flight.  One process, the two builds alternating, 2 threads, 600 MiB read before each call,
  * 2-core Xeon (family 6 model 207), fp32 decode step of one MoE layer, of the AVX2 loop's time in
  * two runs: Mixtral-like T = 1 0.98 / 0.93, fine-grained 0.97 / 0.97, Qwen3-like 0.95 / 0.94
- * (T = 4, mostly one row an expert: 0.92-1.03) (BENCHMARKS.md, session 35). */
+ * (T = 4, mostly one row an expert: 0.92-1.03) (BENCHMARKS.md, bench_quant_decode.py). */
 AVX512_TARGET static void dot_rows1_512(const float *w, const float *const *x, int64_t k, float *out) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     const float *x0 = x[0];
