@@ -20,7 +20,8 @@ What a stored type becomes (no round trip through fp32 where the meaning is the 
 
 The header is read by ``gguf_file.py``; tensor data with plain file reads into fresh buffers, one
 tensor at a time, never through a mapping of the file, so the process holds only what the model
-keeps plus one tensor in flight.  The ``gguf`` package is needed only for the converted types.
+keeps plus the tensor being packed and the next one, read by a second thread meanwhile (the read
+waits on the disk with the GIL released while the packing runs).  The ``gguf`` package is needed only for the converted types.
 Architectures: qwen3moe (Qwen3-MoE), whose GGUF names map one to one onto transformers' Qwen3-MoE
 (llama.cpp's converter does not permute its q / k rows for this architecture).
 """
@@ -28,6 +29,7 @@ Architectures: qwen3moe (Qwen3-MoE), whose GGUF names map one to one onto transf
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -49,9 +51,8 @@ def load_gguf(path: str, quant: str | None = None, quant_dense: str | None = Non
     target = Target(config_of(header), dtype, quant, quant_dense, os.path.basename(path))
     halves: dict[str, dict] = {}
     with open(path, "rb") as f:
-        for t in header.tensors:
+        for t, raw in _read_ahead(f, header.tensors):
             name, part = param_name(t.name, path)
-            raw = _read(f, t.offset, t.nbytes)
             try:
                 _put(target, name, part, raw, t.ggml_type, t.shape, halves)
             except (ValueError, KeyError) as exc:
@@ -115,6 +116,18 @@ def param_name(gguf_name: str, path: str) -> tuple[str, str]:
             leaf = "" if kind == "ffn_down_exps" else ".weight"
             return f"model.layers.{i}.{_LAYER[kind]}{leaf}", ""
     raise ValueError(f"moe_compile.load: {path}: tensor {gguf_name!r} has no place in a Qwen3-MoE model")
+
+
+def _read_ahead(f, tensors):
+    """(tensor info, its bytes) in file order, the next tensor read by a second thread while the
+    caller packs this one."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe_compile-gguf-read") as reader:
+        pending = reader.submit(_read, f, tensors[0].offset, tensors[0].nbytes) if tensors else None
+        for i, t in enumerate(tensors):
+            raw = pending.result()
+            if i + 1 < len(tensors):
+                pending = reader.submit(_read, f, tensors[i + 1].offset, tensors[i + 1].nbytes)
+            yield t, raw
 
 
 def _read(f, offset: int, nbytes: int) -> torch.Tensor:
@@ -199,13 +212,16 @@ def _dequantized(raw, kind: str, E: int, N: int, K: int, name: str):
 
 def _q4_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[R, B, 18] q4_0 blocks -> (w4-int codes uint8 [R, B * 16], fp16 scales [R, B]): byte j of
-    a block holds elements j (low nibble) and j + 16 (high); ours holds 2j and 2j + 1."""
+    a block holds elements j (low nibble) and j + 16 (high); ours holds 2j and 2j + 1.  So our
+    byte i < 8 is the low nibbles of their bytes 2i and 2i + 1, byte 8 + i their high nibbles:
+    two byte-wise expressions on the even and odd bytes, written straight into the codes."""
+    R, B = blocks.shape[:2]
     d = blocks[..., :2].contiguous().view(torch.float16)[..., 0]
-    qs = blocks[..., 2:]
-    elements = torch.cat([qs & 15, qs >> 4], dim=-1)  # [R, B, 32] in order
-    pairs = elements.reshape(*elements.shape[:-1], 16, 2)
-    codes = pairs[..., 0] | (pairs[..., 1] << 4)
-    return codes.reshape(blocks.shape[0], -1), d.contiguous()
+    even, odd = blocks[..., 2::2], blocks[..., 3::2]  # [R, B, 8] each: their bytes 2i, 2i + 1
+    codes = torch.empty(R, B, 16, dtype=torch.uint8)
+    torch.bitwise_or(even & 0x0F, (odd & 0x0F) << 4, out=codes[..., :8])
+    torch.bitwise_or(even >> 4, odd & 0xF0, out=codes[..., 8:])
+    return codes.reshape(R, -1), d.contiguous()
 
 
 def _q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
