@@ -75,8 +75,13 @@ def _root_buffer(node: fx.Node) -> fx.Node | None:
 
 def topk_indices(topk: fx.Node) -> fx.Node:
     """The [T, K] ids of a candidate's id source: a top-k's indices, or the source itself (a hash
-    lookup, concatenated picked indices)."""
-    if is_hash_lookup(topk) or is_concatenated_ids(topk) or target_name(topk) == "argmax":
+    lookup — through its integer casts, ``tid2eid[input_ids].long()`` —, concatenated picked indices)."""
+    if is_hash_lookup(topk):
+        ids = topk
+        while len(ids.users) == 1 and _integer_cast(next(iter(ids.users))):
+            ids = next(iter(ids.users))
+        return ids
+    if is_concatenated_ids(topk) or target_name(topk) == "argmax":
         return topk
     for user in topk.users:
         if user.op == "call_function" and user.args[1:] == (1,):
@@ -149,13 +154,22 @@ def _permutations(deps: Deps, ids: fx.Node) -> set:
 
 
 def _is_view_of(node: fx.Node, base: fx.Node) -> bool:
+    """A view of base, or an integer cast of it (``tid2eid[input_ids].long()``): the same ids."""
     for _ in range(6):
         if node is base:
             return True
-        if not (isinstance(node, fx.Node) and target_name(node) in ("view", "reshape", "flatten", "contiguous")):
+        if not (isinstance(node, fx.Node) and (target_name(node) in ("view", "reshape", "flatten", "contiguous")
+                                               or _integer_cast(node))):
             return False
         node = node.args[0]
     return node is base
+
+
+def _integer_cast(node: fx.Node) -> bool:
+    """``.long()`` / ``.int()`` / ``.to(<integer dtype>)`` with an integer result: ids kept as they are."""
+    dtype = dtype_of(node)
+    return (target_name(node) in ("long", "int", "to") and dtype is not None and not dtype.is_floating_point
+            and dtype != torch.bool)
 
 
 def _scattered_from(deps: Deps, ids: fx.Node) -> set:
@@ -321,8 +335,10 @@ def _token_list(node) -> bool:
 
 def cut_between(graph, deps: Deps, ids, weights, output, params, dense=False, dense_t=False,
                 what="the experts") -> Region:
-    """The closed region from (x, ids, weights, params) to output, or a Refusal."""
-    router = deps.ancestors([ids])
+    """The closed region from (x, ids, weights, params) to output, or a Refusal.  The router is what
+    the ids and the weights are computed from: a hash lookup's ids read no token state, its weights
+    (the scores at those ids) do, and the experts' x is where the router read it."""
+    router = deps.ancestors([ids, weights])
     stop = set(params) | {ids, weights}
     visited, frontier, nodes = _slice(deps, output, stop, router)
     reshaped = _reshaped_input(frontier, nodes, value_shape(output))
