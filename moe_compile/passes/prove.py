@@ -6,7 +6,9 @@ Structure tells the matchers *where* the experts are; this step decides *what* t
 each hypothesis (layout, activation, clamp, where the weight multiplies, gate/up order) it runs the
 original region and ``kernels/reference.py`` on the same synthetic routing — every expert receives
 tokens, weights are random — with the model's real expert weights, and keeps the first hypothesis
-whose relative error is inside the dtype's tolerance.  No hypothesis within tolerance means no
+whose relative error is inside the dtype's tolerance.  Packed weights (a model loaded quantized)
+stay packed, and the routing reaches a spread of their experts (``proof_experts``): each op then
+dequantizes only the experts that receive tokens.  No hypothesis within tolerance means no
 rewrite, with the closest error in the reason.
 """
 
@@ -63,7 +65,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def run_proof(region_fn, x_real, ids_like, weights_like, params, sizes, hypotheses, K, E, dense_mode,
-              op_dtype=None):
+              op_dtype=None, choices=None):
     """(best hypothesis, its worst error over the rounds, tolerance); best is None when none fits
     (the error is then the closest hypothesis's).
 
@@ -72,20 +74,28 @@ def run_proof(region_fn, x_real, ids_like, weights_like, params, sizes, hypothes
     ``weights_like`` are the real routing tensors: the synthetic [T, K] ones take their dtype and
     shape ([B, S, K] ids, a dense [T, E] matrix).  ``op_dtype``: the dtype the region's GEMMs run
     in when it is not x's (the region casts x or its weights); the hypotheses then run on x and
-    weights in that dtype, as the rewrite will, and the tolerance is that dtype's.
+    weights in that dtype, as the rewrite will, and the tolerance is that dtype's.  ``choices``: how
+    many ids the top-k picks among, where more than E (a router scoring zero-compute / identity
+    experts besides the E stacked ones): further rounds reach ids in [E, choices), which the op
+    ignores, so a region that computes anything for them (LongCat-Flash's identity experts add
+    w * x) is not proven.
     """
     x_rows = x_real.reshape(-1, x_real.shape[-1])  # [B, S, H] tokens (an unflattened region) as [T, H]
     T = x_rows.shape[0]
     if T == 0:
         return None, math.inf, 0.0
-    params, hypotheses = _dequantized_once(params, hypotheses)
+    experts = proof_experts(E, K, _any_packed(params, hypotheses))
     gen = torch.Generator().manual_seed(0)
     tol = PROOF_TOLERANCE.get(op_dtype or _compute_dtype(x_real), 3e-2)
     x_op = x_rows if op_dtype is None else x_rows.to(op_dtype)
     rounds = []  # (ids, weights, region output) per round, computed once and shared by hypotheses
-    for r in range(min(-(-E // (T * K)), 64)):
-        ids0, g0 = synthetic_routing(T, K, E, r, weights_like.dtype, x_real.device, gen)
-        rounds.append((ids0.to(ids_like.dtype), g0, None))
+    for r in range(min(-(-len(experts) // (T * K)), 64)):
+        ids0, g0 = synthetic_routing(T, K, len(experts), r, weights_like.dtype, x_real.device, gen)
+        rounds.append((experts[ids0].to(ids_like.dtype), g0, None))
+    if choices is not None and choices > E and dense_mode is None and len(experts) == E:
+        for r in range(min(-(-choices // (T * K)), 64)):  # ids past the stacked experts, among real ones
+            ids0, g0 = synthetic_routing(T, K, choices, r, weights_like.dtype, x_real.device, gen)
+            rounds.append((ids0.to(ids_like.dtype), g0, None))
     if T > 1:  # every token on experts 0..K-1: a region that caps an expert's tokens drops some here
         ids0, g0 = crowded_routing(T, K, E, weights_like.dtype, x_real.device, gen)
         rounds.append((ids0.to(ids_like.dtype), g0, None))
@@ -114,29 +124,29 @@ def run_proof(region_fn, x_real, ids_like, weights_like, params, sizes, hypothes
 
 
 _WEIGHT_ROLES = ("fc1", "fc1_up", "fc2", "fc1_bias", "fc1_up_bias", "fc2_bias")
+# Experts a proof on packed weights reaches (at least 2K): a spread over [0, E) with the first and
+# the last.  A packed stack is one [E, N, K] tensor the region indexes by expert id, so its experts
+# are slices of one tensor under one computation; what the proof decides (layout, activation,
+# gate/up order, where the weight multiplies) shows on any of them.  Reaching every expert would
+# dequantize the whole stack (a 128-expert layer of a 30B model: 2.4 GB of fp32) where the packed
+# weight dequantizes only the experts that receive tokens.
+PACKED_PROOF_EXPERTS = 16
 
 
-def _dequantized_once(params, hypotheses):
-    """(params, hypotheses) with every packed weight (``quant/packed.py``) dequantized once for the
-    whole proof: its meaning, as a plain tensor.  Without this each op of the region and of the
-    reference on a packed stack would dequantize all of it again (every expert is reached)."""
+def proof_experts(E: int, K: int, packed: bool) -> torch.Tensor:
+    """The expert ids the proof's synthetic routing reaches: all E, or (packed weights) a spread of
+    max(PACKED_PROOF_EXPERTS, 2K) of them, ascending, 0 and E - 1 among them."""
+    n = min(E, max(PACKED_PROOF_EXPERTS, 2 * K))
+    if not packed or n == E:
+        return torch.arange(E)
+    return torch.linspace(0, E - 1, n).round().long().unique()
+
+
+def _any_packed(params, hypotheses) -> bool:
     from moe_compile.quant.packed import is_packed
 
-    plain: dict[int, torch.Tensor] = {}
-
-    def of(t):
-        if not is_packed(t):
-            return t
-        if id(t) not in plain:
-            plain[id(t)] = t.dequantize()
-        return plain[id(t)]
-
-    params = [of(p) for p in params]
-    if not plain and not any(is_packed(t) for h in hypotheses for r in _WEIGHT_ROLES for t in getattr(h.weights, r)):
-        return params, hypotheses
-    swapped = [dataclasses.replace(h, weights=dataclasses.replace(
-        h.weights, **{r: tuple(of(t) for t in getattr(h.weights, r)) for r in _WEIGHT_ROLES})) for h in hypotheses]
-    return params, swapped
+    return any(is_packed(p) for p in params) or any(
+        is_packed(t) for h in hypotheses for r in _WEIGHT_ROLES for t in getattr(h.weights, r))
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -20,9 +20,9 @@ TOL_W = 1e-4
 TOL_A8 = 3e-2
 
 
-def reference(path: str) -> torch.nn.Module:
+def reference(path: str, **config) -> torch.nn.Module:
     """The file's model with every tensor dequantized by the gguf package into fp32 (plain eager)."""
-    cfg = tiny_config()
+    cfg = tiny_config(**config)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
     with torch.no_grad():
@@ -62,6 +62,35 @@ def test_logits_equal_reference_eager_and_compiled(gguf_file):
             assert rel_err(model(call).logits, ref(call).logits) < TOL_W
     report = moe_compile.last_report()
     assert report.rewritten and all("loaded packed" in r.variant for r in report.rewritten)
+
+
+def test_the_proof_dequantizes_only_the_experts_it_routes_to(tmp_path, monkeypatch):
+    # 40 experts: the proof of a packed stack reaches a spread of 16 of them (prove.proof_experts),
+    # each op dequantizing only the experts with tokens, never the whole [40, N, K] stack; the
+    # compiled model still equals the dequantized reference.
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(num_experts=40)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, 0.5)
+    path = str(tmp_path / "m40.gguf")
+    llamacpp.write_gguf(model, path, weights="Q4_0")
+    loaded, ref = moe_compile.load(path), reference(path, num_experts=40)
+    largest, dequantize = [0], PackedWeight.dequantize
+
+    def recording(self):
+        out = dequantize(self)
+        if not isinstance(out, torch._subclasses.FakeTensor):  # Dynamo's shape propagation holds no memory
+            largest[0] = max(largest[0], out.shape[0] if out.dim() == 3 else 1)
+        return out
+
+    monkeypatch.setattr(PackedWeight, "dequantize", recording)
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        loaded.compile(backend="moe")
+        assert rel_err(loaded(ids).logits, ref(ids).logits) < TOL_W
+    assert len(moe_compile.last_report().rewritten) == 2
+    assert 0 < largest[0] <= 16  # experts dequantized at once: the routed ones, not all 40
 
 
 def test_a8w4_runs_the_same_bytes_with_int8_activations(tiny_model, tmp_path):

@@ -86,3 +86,15 @@ def test_repeated_layers_are_proven_once(monkeypatch, odd_layer):
     assert len(report.rewritten) == 3
     assert [r.activation for r in report.rewritten] == ["silu", "gelu" if odd_layer else "silu", "silu"]
     assert rel_err(got, want) < 1e-4  # fp32: summation order only
+
+
+def test_packed_proofs_reach_a_spread_of_experts():
+    # Packed stacks are proven on max(16, 2K) experts, the first and last among them; plain ones
+    # (and stacks that small) on every expert.
+    from moe_compile.passes.prove import proof_experts
+
+    spread = proof_experts(128, 8, packed=True)
+    assert len(spread) == 16 and spread[0] == 0 and spread[-1] == 127 and bool((spread.diff() > 0).all())
+    assert len(proof_experts(128, 12, packed=True)) == 24
+    assert torch.equal(proof_experts(128, 8, packed=False), torch.arange(128))
+    assert torch.equal(proof_experts(12, 2, packed=True), torch.arange(12))
