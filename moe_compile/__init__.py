@@ -16,6 +16,7 @@ when the backend first runs.
 """
 
 import importlib
+import warnings
 
 __all__ = ["MoEConfig", "backend", "empty_cache", "explain", "generate", "last_report", "load", "optimize"]
 __version__ = "0.1.0"
@@ -26,7 +27,18 @@ _HOME = {"backend": "api", "empty_cache": "api", "explain": "api", "optimize": "
          "MoEConfig": "config", "generate": "decoding", "load": "loading"}
 
 
+# Modules that moved into subpackages: ``from moe_compile import zoo`` keeps working, with a
+# DeprecationWarning naming the new home (``import moe_compile.zoo`` does not: import the new path).
+_MOVED = {"zoo": "models.zoo", "zoo_ep": "models.zoo_ep", "llamacpp": "models.llamacpp", "decode_step": "decoding.step",
+          "autograd": "ops.autograd", "dense_ops": "ops.dense_linear", "attention_ops": "ops.decode_attention",
+          "packed_ops": "ops.packed"}
+
+
 def __getattr__(name: str):
+    if name in _MOVED:
+        warnings.warn(f"moe_compile.{name} moved to moe_compile.{_MOVED[name]}; import it from there",
+                      DeprecationWarning, stacklevel=2)
+        return importlib.import_module(f"moe_compile.{_MOVED[name]}")
     if name in _HOME:
         value = getattr(importlib.import_module(f"moe_compile.{_HOME[name]}"), name)
         globals()[name] = value

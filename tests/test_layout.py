@@ -136,3 +136,19 @@ def test_no_file_names_a_work_session_or_an_issue():
     found = [f"{p.relative_to(ROOT)}: {m.group(0)!r}" for p in files
              for m in [pattern.search(p.read_text(errors="replace")) or pattern.search(str(p.relative_to(ROOT)))] if m]
     assert found == []
+
+
+def test_moved_modules_keep_their_old_names_with_a_warning():
+    import importlib
+    import warnings
+
+    import moe_compile
+    from moe_compile.models import zoo
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from moe_compile import zoo as old  # noqa: F401  the name examples and user code imported
+    assert old is zoo
+    assert any(issubclass(w.category, DeprecationWarning) and "moe_compile.models.zoo" in str(w.message) for w in caught)
+    for target in moe_compile._MOVED.values():  # every old name leads to a module that exists
+        importlib.import_module(f"moe_compile.{target}")
