@@ -48,7 +48,7 @@ def make_args(H, F, E, K, T, seed=0):
 
 def noop_op():
     """An op with fused_moe_infer's schema whose CPU body returns x: the dispatcher's floor."""
-    from moe_compile import ops
+    from moe_compile.ops import fused_moe as ops
 
     lib = torch.library.Library("moe_compile_bench", "FRAGMENT")
     lib.define("noop" + ops.op_args_schema() + " -> Tensor")
@@ -83,7 +83,7 @@ def time_rounds(fns: dict, rounds: int, before=None) -> dict:
 
 
 def run(H, F, E, K, T, rounds, llama_lib) -> dict:
-    from moe_compile import ops
+    from moe_compile.ops import fused_moe as ops
 
     harness.setup_threads(2)
     args = make_args(H, F, E, K, T)

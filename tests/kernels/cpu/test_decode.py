@@ -4,7 +4,7 @@ and the calls it must leave to the general path."""
 import pytest
 import torch
 
-from moe_compile import ops
+from moe_compile.ops import fused_moe as ops
 from moe_compile.ir import ExpertWeights, FFNAttrs
 from moe_compile.kernels.cpu import decode as cpu_decode, skinny as cpu_skinny
 from moe_compile.kernels.reference import fused_moe_reference
