@@ -4,7 +4,6 @@ router's sqrt-softplus scores at those ids) and a top-k routed layer, each with 
 clamped SwiGLU experts; every MoE layer rewritten, eager's logits, and an 8-step training run equal
 to eager's."""
 
-import copy
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ if "deepseek_v4" not in transformers.models.auto.configuration_auto.CONFIG_MAPPI
     pytest.skip("this transformers has no DeepSeek-V4", allow_module_level=True)
 
 from tests.conftest import rel_err, run_compiled  # noqa: E402
-from tests.test_hf_causal_lm import _compiled_loss  # noqa: E402
+from tests.test_hf_causal_lm import train  # noqa: E402  (the same SGD run, lr 0.02, as the causal-LM test)
 
 E = 8
 LAYERS = ("hash_moe", "hash_moe", "moe")
@@ -72,7 +71,6 @@ STEPS = 8
 # its gradient, so the final weights differ from eager's by what the gradients differ (fp32
 # summation order, ~1e-7 relative per step); Adam would divide near-zero gradients by their own
 # magnitude and turn rounding noise into lr-sized steps.
-LR = 0.02
 LOSS_TOL = 1e-5  # relative, per step (measured 0: the losses agree to the last bit here)
 # Relative to each parameter's max magnitude.  The hyper-connections' bases start at zeros, so their
 # magnitude after 8 steps is the size of their updates alone and summation-order noise in the
@@ -80,32 +78,11 @@ LOSS_TOL = 1e-5  # relative, per step (measured 0: the losses agree to the last 
 PARAM_TOL = 1e-4
 
 
-def _train(model, batches, compiled: bool):
-    model = copy.deepcopy(model).train()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    fn = model
-    if compiled:
-        torch._dynamo.reset()
-        fn = torch.compile(model, backend="moe", options={"inner": "eager"})
-    losses, reports = [], []
-    for ids in batches:
-        if compiled:
-            loss, report = _compiled_loss(fn, ids)
-            reports.append(report)
-        else:
-            loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, dict(model.named_parameters()), reports
-
-
 def test_deepseek_v4_training_run_equals_eager():
     model = tiny_v4()
     batches = [torch.randint(0, 128, (2, 9)) for _ in range(STEPS)]
-    want_losses, want_params, _ = _train(model, batches, compiled=False)
-    got_losses, got_params, reports = _train(model, batches, compiled=True)
+    want_losses, want_params, _ = train(model, batches, compiled=False)
+    got_losses, got_params, reports = train(model, batches, compiled=True)
     assert_every_layer_rewritten(reports[0])  # the first call compiles the training graph
     assert all(r.graphs == 0 for r in reports[1:]), "a later step recompiled"
     start = dict(model.named_parameters())
