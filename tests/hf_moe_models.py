@@ -37,23 +37,52 @@ BASE = dict(hidden_size=H, intermediate_size=64, moe_intermediate_size=32, num_h
             v_head_dim=8, sliding_window=16, tie_word_embeddings=False)
 # Latent attention: as many kv heads as heads, the head dims its own (None: the BASE knob is not passed).
 _MLA = dict(num_key_value_heads=4, head_dim=None)
-_SEQ2SEQ = dict(d_model=H, d_ff=64, d_kv=16, num_heads=4, num_layers=LAYERS, num_decoder_layers=LAYERS,
-                encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_attention_heads=4, decoder_attention_heads=4,
-                encoder_ffn_dim=64, decoder_ffn_dim=64, num_sparse_encoder_layers=LAYERS,
-                num_sparse_decoder_layers=LAYERS, encoder_sparse_step=1, decoder_sparse_step=1, expert_capacity=64)
+# Encoder-decoder: one layer per stack (an MoE layer in each), the slowest of the table at two.
+_SEQ2SEQ = dict(d_model=H, d_ff=64, d_kv=16, num_heads=4, num_layers=1, num_decoder_layers=1,
+                encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
+                encoder_ffn_dim=64, decoder_ffn_dim=64, num_sparse_encoder_layers=1,
+                num_sparse_decoder_layers=1, encoder_sparse_step=1, decoder_sparse_step=1, expert_capacity=64)
 
 # Per type: its own names for the knobs above, and what its tiny config needs on top.
 EXTRA: dict[str, dict] = {
     **{t: dict(layer_types=["linear_attention", "full_attention"])  # linear-attention hybrids: one attention layer
-       for t in ("qwen3_next", "qwen3_5_moe_text", "granitemoehybrid", "kimi_linear", "bailing_hybrid")},
+       for t in ("qwen3_next", "qwen3_5_moe_text", "granitemoehybrid", "bailing_hybrid")},
+    **{t: dict(mlp_layer_types=["sparse", "sparse"]) for t in ("beam", "step3p5", "deepseek_ocr2_text")},
     "doge": dict(is_moe=True), "gemma4_text": dict(enable_moe_block=True, top_k_experts=K),
-    "dots3_note_text": dict(num_key_value_heads=4), "glm5_next_text": dict(num_key_value_heads=4),
-    "ernie4_5_vl_moe_text": dict(moe_intermediate_size=[32, 32], moe_num_shared_experts=1),
+    "dots3_note_text": dict(num_key_value_heads=4),
+    "ernie4_5_vl_moe_text": dict(moe_intermediate_size=[32, 32], moe_num_shared_experts=1,
+                                 mlp_layer_types=["sparse", "sparse"],
+                                 rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[3, 3, 2])),
+    "glm5_next_text": dict(num_key_value_heads=4, head_dim=None, qk_rope_head_dim=0, qk_nope_head_dim=16,
+                           v_head_dim=16, index_topk=4, index_kpool=2, index_head_dim=16, index_n_heads=2,
+                           linear_head_dim=16, linear_num_heads=4, hc_mult=2, hc_sinkhorn_iters=2,
+                           mlp_layer_types=["sparse", "sparse"], layer_types=["linear_attention", "indexed_attention"]),
+    "hy_v4_vl_text": dict(_MLA, index_topk=4, index_head_dim=16, index_n_heads=2, hc_mult=2,
+                          mlp_layer_types=["sparse", "sparse"],
+                          rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1])),
+    "kimi_linear": dict(_MLA, linear_head_dim=16, linear_num_heads=4, mlp_layer_types=["sparse", "sparse"],
+                        layer_types=["linear_attention", "full_attention"]),
+    "qwen4_exp_text": dict(layer_types=["linear_attention", "indexed_attention"], hc_count=2, hc_lowrank=16,
+                           indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                           indexer_compress_ratio=4),
+    "kolibri1_1": dict(layer_types=["sliding_attention", "indexed_attention"], index_num_heads=2, index_topk=8,
+                       index_pool_size=16, index_compression=4, index_num_local_tokens=4, index_num_sink_tokens=1),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=0),
+    # One layer of two attention sublayers (num_hidden_layers is twice num_layers).
+    "longcat_flash": dict(_MLA, head_dim=8, ffn_hidden_size=64, expert_ffn_hidden_size=32,
+                          moe_topk=K, zero_expert_num=2),
+    "minimax_m3_vl_text": dict(moe_layer_freq=None, rotary_dim=8, index_n_heads=2, index_head_dim=16,
+                               index_block_size=4, index_topk_blocks=2, dense_intermediate_size=64,
+                               shared_intermediate_size=32),
+    # One block: a graph break in its attention (a .tolist()) leaves the MoE in a resumed frame that
+    # every block would share, one rewrite for all.
+    "dots3_note_vision_encoder": dict(num_hidden_layers=1, pyramid_num_routed=[E], patch_size=2, adapter_in_dim=H,
+                                      adapter_out_dim=H),
     "glm4v_moe_text": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
                                                 mrope_section=[2, 1, 1])),
     "dbrx": dict(d_model=H, n_heads=4, n_layers=LAYERS, attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                  ffn_config=dict(ffn_hidden_size=32, moe_num_experts=E, moe_top_k=K)),
-    "zaya": dict(num_experts_per_tok=1), "sarvam_mla": _MLA, "longcat_flash": _MLA, "qwen4_exp_text": _MLA,
+    "zaya": dict(num_experts_per_tok=1), "sarvam_mla": _MLA,
     "diffusion_gemma_text": dict(enable_moe_block=True, top_k_experts=K),
     "axk1": _MLA, "axk2": _MLA, "bailing_hybrid": dict(_MLA, layer_types=["linear_attention", "full_attention"]),
     "switch_transformers": _SEQ2SEQ, "nllb-moe": _SEQ2SEQ, "mistral4": _MLA, "mistral_large4_text": _MLA,
@@ -131,23 +160,17 @@ OUTCOMES: dict[str, object] = {
                                "norms inside the experts module (pre/post expert norms) read other tensors"),
     "openai_privacy_filter": Refused("leave this graph with no experts",
                                      "Dynamo splits the block between the router and the experts"),
-    # No working tiny config yet: each of these is an expected failure until its EXTRA knobs are found.
-    "beam": NoTinyModel("the 2-layer config builds no MoE layer (its MoE layer knobs are not in EXTRA)"),
-    "step3p5": NoTinyModel("the 2-layer config builds no MoE layer (its MoE layer knobs are not in EXTRA)"),
-    "deepseek_ocr2_text": NoTinyModel("its text model class has no forward of its own (the OCR model drives it)"),
-    "unlimited_ocr_text": NoTinyModel("its text model class has no forward of its own (the OCR model drives it)"),
-    "qwen3_omni_moe_text": NoTinyModel("its text model class has no forward of its own (the thinker drives it)"),
-    "qwen3_omni_moe_talker_text": NoTinyModel("the talker's text model takes embeddings, not token ids"),
-    "dots3_note_vision_encoder": NoTinyModel("a vision encoder's MoE: needs image inputs, not built here"),
-    "ernie4_5_vl_moe_text": NoTinyModel("no auto class maps its text config"),
-    "glm5_next_text": NoTinyModel("its sparse-attention layers need NoPE head dims this table does not set"),
-    "hy_v4_vl_text": NoTinyModel("its mrope sections need head dims this table does not set"),
-    "kimi_linear": NoTinyModel("its attention layer pattern needs knobs this table does not set"),
-    "qwen4_exp_text": NoTinyModel("its attention layer pattern needs knobs this table does not set"),
-    "kolibri1_1": NoTinyModel("its indexer heads need knobs this table does not set"),
-    "lfm2_moe": NoTinyModel("its layer pattern needs knobs this table does not set"),
-    "longcat_flash": NoTinyModel("its latent attention needs head dims this table does not set"),
-    "minimax_m3_vl_text": NoTinyModel("its per-layer knobs need values this table does not set"),
+    "beam": REWRITTEN, "step3p5": REWRITTEN, "deepseek_ocr2_text": REWRITTEN, "unlimited_ocr_text": REWRITTEN,
+    "qwen3_omni_moe_text": REWRITTEN, "qwen3_omni_moe_talker_text": REWRITTEN, "glm5_next_text": REWRITTEN,
+    "hy_v4_vl_text": REWRITTEN, "kimi_linear": REWRITTEN, "qwen4_exp_text": REWRITTEN, "kolibri1_1": REWRITTEN,
+    "lfm2_moe": REWRITTEN, "minimax_m3_vl_text": REWRITTEN,
+    "dots3_note_vision_encoder": REWRITTEN,  # the vision tower's own MoE blocks, on image patches
+    "longcat_flash": Refused("zero-compute / identity experts", "its router also picks zero-compute experts, "
+                             "whose slots add weight * x (an identity): the op computes routed experts only"),
+    "ernie4_5_vl_moe_text": Refused("read tensors other than one [T, H] token input",
+                                    "text and image tokens go to separate experts through boolean-mask gathers "
+                                    "whose token count the graph reads from the gathered flat tensor (a batch "
+                                    "of text tokens only is rewritten)"),
     "switch_transformers": Refused("routes no MoE this pass recognised",
                                    "top-1 experts with an expert capacity, applied per boolean mask"),
     "aria": "via aria_text",
@@ -311,7 +334,7 @@ def _model_class(cfg):
     classes = [c for c in vars(module).values() if isinstance(c, type) and getattr(c, "config_class", None) is type(cfg)]
     for suffix in ("ForCausalLM", "Model"):
         for cls in classes:
-            if cls.__name__.endswith(suffix):
+            if cls.__name__.endswith(suffix) and not cls.__name__.endswith("PreTrainedModel"):
                 return cls
     raise LookupError(f"no model class for {type(cfg).__name__} in {module.__name__}")
 
@@ -323,9 +346,27 @@ def moe_layers(model) -> list[str]:
     return [n for n in names if not any(n != o and n.startswith(o + ".") for o in names)]
 
 
+# Types whose model takes other inputs than token ids: the talker of the omni model reads the
+# thinker's hidden states (embeddings), a vision encoder flattened patches and their [t, h, w] grid;
+# ERNIE-4.5-VL's text stack routes text and image tokens to separate experts (token types 0 / 1).
+EMBEDS_INPUT = {"qwen3_omni_moe_talker_text"}
+PATCHES_INPUT = {"dots3_note_vision_encoder"}
+TOKEN_TYPES_INPUT = {"ernie4_5_vl_moe_text": "moe_mm_token_type_ids"}
+
+
 def inputs(model, model_type: str, batch: int, seq: int) -> dict:
+    target = target_type(model_type)
+    if target in EMBEDS_INPUT:
+        return dict(inputs_embeds=torch.randn(batch, seq, model.config.hidden_size))
+    if target in PATCHES_INPUT:  # batch images of 2 x seq patches (spatial merge 2: an even grid)
+        cfg = model.config
+        width = 2 * ((seq + 1) // 2)
+        grid = torch.tensor([[1, 2, width]] * batch)
+        return dict(pixel_values=torch.randn(2 * width * batch, cfg.num_channels * cfg.patch_size ** 2), grid_thw=grid)
     vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else 128
     ids = torch.randint(3, min(vocab, 128), (batch, seq))
+    if target in TOKEN_TYPES_INPUT:  # the second half of each row image tokens
+        return {"input_ids": ids, TOKEN_TYPES_INPUT[target]: (torch.arange(seq) >= seq // 2).int().expand(batch, seq)}
     if model_kind(model_type) == "seq2seq":
         return dict(input_ids=ids, decoder_input_ids=torch.randint(3, min(vocab, 128), (batch, max(seq - 2, 1))))
     return dict(input_ids=ids)

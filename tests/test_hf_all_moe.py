@@ -42,8 +42,10 @@ def run(fn, kwargs):
     from moe_compile.api import capture_flags
     from moe_compile.compiler import collecting_reports
 
-    with torch.no_grad(), collecting_reports() as report, capture_flags():
-        out = fn(**kwargs)
+    # The wrapped form, as @optimize runs a model: where Dynamo fails under the capture flags on what
+    # plain torch.compile traces (a .tolist() of unbacked sizes), the call runs again without them.
+    with torch.no_grad(), collecting_reports() as report:
+        out = capture_flags(fn)(**kwargs)
     return out, report
 
 
@@ -61,7 +63,9 @@ def check_outcome(model_type: str, n_moe: int, report) -> None:
     if expected == hf.REWRITTEN:
         assert n_moe >= 1, f"the tiny {model_type} has no MoE layer: fix its knobs in EXTRA"
         assert len(report.rewritten) == n_moe, observed
-        assert len({r.source for r in report.rewritten}) == n_moe, observed
+        # one rewrite per layer: a frame Dynamo resumed after a graph break names its experts relative
+        # to the layer ("mlp.experts"), in one graph per layer
+        assert len({(r.source, r.graph) for r in report.rewritten}) == n_moe, observed
     else:
         assert not report.rewritten or len(report.rewritten) < n_moe, f"expected a refusal, {observed}"
         assert any(hf.reason_of(expected) in s for s in skips), f"expected {expected!r}; {observed}"

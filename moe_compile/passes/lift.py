@@ -311,6 +311,7 @@ class GraphValues:
         self._interp = fx.Interpreter(gm, garbage_collect_values=False)
         self._interp.env = dict(self.inputs)
         self.proofs: dict = {}  # prove.proof_key -> (index of the hypothesis that passed or None, error, tol)
+        self._vmap_spans = _vmap_spans(gm.graph)
 
     def __getitem__(self, node: fx.Node):
         return self._interp.env[node]
@@ -323,6 +324,12 @@ class GraphValues:
     def compute(self, wanted) -> GraphValues:
         env = self._interp.env
         needed = self.deps.ancestors(wanted, stop=lambda n: n in env)
+        # A vmap Dynamo inlined (HF's mask functions) runs only whole: its batched values live inside
+        # the nesting level its increment / decrement nodes open and close, which no data edge reaches.
+        spans = [span for span in self._vmap_spans if not needed.isdisjoint(span)]
+        if spans:
+            whole = [n for span in spans for n in span]
+            needed = set(needed) | set(self.deps.ancestors(whole, stop=lambda n: n in env)) | set(whole)
         with torch.no_grad():
             for node in sorted(needed, key=self.deps.order.get):
                 if node.op not in ("placeholder", "output") and node not in env:
@@ -349,6 +356,7 @@ def lift(family, graph, deps, candidate, roles: Roles, values: GraphValues, top_
     # One orientation for every role is proven first; roles in mixed orientations only if it fails
     # (square weights fit both, and the common case pays for no extra hypotheses).
     uniform = [h for h in hyps if not h.flipped]
+    choices = router_choices(candidate.topk)
     best, err, tol = None, float("inf"), 0.0
     for group in (uniform, [h for h in hyps if h.flipped]):
         if not group or best is not None:
@@ -367,7 +375,7 @@ def lift(family, graph, deps, candidate, roles: Roles, values: GraphValues, top_
             try:
                 best, group_err, tol = prove.run_proof(
                     region_fn, real[0], real[1], real[2], [values[p] for p in params], real[3:], group, top_k,
-                    num_experts, dense_mode, op_dtype,
+                    num_experts, dense_mode, op_dtype, choices,
                 )
             except Exception as exc:  # the region itself failed on synthetic routing: not provable
                 raise Refusal(f"running the region on synthetic routing failed ({type(exc).__name__}: {exc})",
@@ -376,6 +384,12 @@ def lift(family, graph, deps, candidate, roles: Roles, values: GraphValues, top_
             at = next((i for i, h in enumerate(group) if best is not None and h.roles is best.roles), None)
             values.proofs[key] = (at, group_err, tol)
         err = group_err if best is not None else min(err, group_err)
+    if best is None and choices is not None and choices > num_experts:
+        raise Refusal(
+            f"the router picks among {choices} choices for {num_experts} experts, and ids >= {num_experts} "
+            f"(zero-compute / identity experts) change the output: the op computes routed experts only "
+            f"(closest hypothesis erred by {err:.2e})", candidate.clusters[0].down,
+        )
     if best is None:
         raise Refusal(
             f"could not prove the experts compute a supported FFN (closest hypothesis erred by {err:.2e}, "
@@ -391,6 +405,34 @@ def lift(family, graph, deps, candidate, roles: Roles, values: GraphValues, top_
         unflattened=best.unflattened,
     )
     return Match(spec, region, err, op_dtype)
+
+
+def _vmap_spans(graph: fx.Graph) -> list[set]:
+    """The nodes of each outermost ``_vmap_increment_nesting`` .. ``_vmap_decrement_nesting`` span."""
+    spans, depth = [], 0
+    for node in graph.nodes:
+        name = target_name(node) if node.op == "call_function" else ""
+        if name == "_vmap_increment_nesting":
+            if depth == 0:
+                spans.append(set())
+            depth += 1
+        if depth:
+            spans[-1].add(node)
+        if name == "_vmap_decrement_nesting" and depth:
+            depth -= 1
+    return spans
+
+
+def router_choices(topk: fx.Node) -> int | None:
+    """How many ids a ``topk`` picks among (its scores' last dim, when static); None for an id source
+    that is not a top-k (a hash table lookup) or a symbolic width."""
+    if target_name(topk) != "topk" or not topk.args or not isinstance(topk.args[0], fx.Node):
+        return None
+    dim = topk.kwargs.get("dim", topk.args[2] if len(topk.args) > 2 else -1)
+    shape = shape_of(topk.args[0])
+    if not shape or dim not in (-1, len(shape) - 1) or not isinstance(shape[-1], int):
+        return None
+    return shape[-1]
 
 
 def _recorded(node: fx.Node):

@@ -92,10 +92,11 @@ def run_proof(region_fn, x_real, ids_like, weights_like, params, sizes, hypothes
     for r in range(min(-(-len(experts) // (T * K)), 64)):
         ids0, g0 = synthetic_routing(T, K, len(experts), r, weights_like.dtype, x_real.device, gen)
         rounds.append((experts[ids0].to(ids_like.dtype), g0, None))
-    if choices is not None and choices > E and dense_mode is None and len(experts) == E:
-        for r in range(min(-(-choices // (T * K)), 64)):  # ids past the stacked experts, among real ones
-            ids0, g0 = synthetic_routing(T, K, choices, r, weights_like.dtype, x_real.device, gen)
-            rounds.append((ids0.to(ids_like.dtype), g0, None))
+    if choices is not None and choices > E and dense_mode is None:
+        beyond = torch.cat([experts, torch.arange(E, choices)])  # ids past the stacked experts, among real ones
+        for r in range(min(-(-len(beyond) // (T * K)), 64)):
+            ids0, g0 = synthetic_routing(T, K, len(beyond), r, weights_like.dtype, x_real.device, gen)
+            rounds.append((beyond[ids0].to(ids_like.dtype), g0, None))
     if T > 1:  # every token on experts 0..K-1: a region that caps an expert's tokens drops some here
         ids0, g0 = crowded_routing(T, K, E, weights_like.dtype, x_real.device, gen)
         rounds.append((ids0.to(ids_like.dtype), g0, None))
