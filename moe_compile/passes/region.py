@@ -26,8 +26,8 @@ import torch
 import torch.fx as fx
 
 from moe_compile.passes.clusters import is_concatenated_ids, is_hash_lookup, squeezed_top1
-from moe_compile.passes.graph import (Deps, dtype_of, is_inplace, is_view_like, meta, shape_of, source_line,
-                                     target_name)
+from moe_compile.passes.graph import (Deps, dtype_of, is_inplace, is_matmul, is_view_like, meta, shape_of,
+                                     source_line, target_name)
 
 
 class Refusal(Exception):
@@ -297,7 +297,10 @@ def _constant_capacity(deps: Deps, nodes, ids, tokens) -> fx.Node | None:
         return None  # a static graph: the crowded round shows whether the capacity binds
     from_ids = deps.descendants([ids])
     counts = [n for n in nodes if n in from_ids and target_name(n) in _COUNTING]
-    counted = deps.descendants(counts)
+    # What the counts decide before the experts' GEMMs: a capacity picks the tokens a GEMM reads, so
+    # it bounds a count upstream of it; a bound after a GEMM is the experts' own arithmetic (GPT-OSS
+    # clamps its activation at a constant limit, downstream of the offsets its grouped GEMM takes).
+    counted = deps.descendants(counts, stop=is_matmul)
     for node in nodes:
         if node not in counted:
             continue
