@@ -17,7 +17,7 @@ The price is a second copy of the experts' weights, so packing is automatic only
   inference op (``fused_moe_infer``: no backward will train the weights) packs them at its first
   sight instead, so the compiling call does the one-time work and the next call, a user's first
   timed one, runs at the steady speed (HF ``generate``'s prefill of a 2-layer, 64-expert fp32 model
-  on a 2-core EPYC: 5.1 s for the call after compiling, 1.6 s later, before this);  A weight
+  on a 2-core EPYC: 5.1 s for the call after compiling, 1.6 s later, before this).  A weight
   updated in place (an optimizer step, ``load_state_dict``, ``copy_``) changes its version and is
   read from the model again; the stale pack is dropped;
 * never for a weight the backward computed a gradient for (``mark_trained``): training repacks
