@@ -19,8 +19,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from moe_compile.passes.graph import (Deps, const_int_index, is_grouped_mm, is_matmul, is_view_like, rows_gathered_from,
-                                     source_line, target_name)
+from moe_compile.passes.graph import (Deps, const_int_index, is_grouped_mm, is_inplace, is_matmul, is_view_like,
+                                     rows_gathered_from, source_line, target_name)
 
 _ELEMENTWISE = {
     "mul", "add", "sub", "truediv", "div", "silu", "gelu", "relu", "relu_", "sigmoid", "tanh", "tanh_",
@@ -390,14 +390,17 @@ def squeezed_top1(ids: fx.Node) -> bool:
     return not keepdim
 
 
-def inside_router(node: fx.Node, deps: Deps, limit: int = 64) -> bool:
+def inside_router(node: fx.Node, limit: int = 64) -> bool:
     """Whether an id source feeds another one without a GEMM between them: a step of a router
-    (group-limited routing's group top-k, sparsemixer's max picks), not a layer's routing.  Users
-    are ``deps``'s, so an in-place write (``group_mask.scatter_(1, group_idx, 1)``) feeds the later
-    readers of its buffer."""
+    (group-limited routing's group top-k, sparsemixer's max picks), not a layer's routing.  An
+    in-place write (``group_mask.scatter_(1, group_idx, 1)``) feeds the later readers of its buffer."""
     seen, frontier = {node}, [node]
     while frontier and len(seen) < limit:
-        for user in deps.users(frontier.pop(0)):
+        current = frontier.pop(0)
+        users = list(current.users)
+        if is_inplace(current) and isinstance(current.args[0], fx.Node):
+            users += [u for u in current.args[0].users if u is not current]
+        for user in users:
             if user in seen or is_matmul(user):
                 continue
             if is_id_source(user):

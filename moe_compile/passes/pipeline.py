@@ -66,7 +66,7 @@ def find_matches(gm: fx.GraphModule, example_inputs, min_experts: int = 1):
         outcomes.setdefault(topk, Skipped(Refusal(UNRECOGNISED, gemm).reason))
     for topk, skip in _split_after_topk(graph, set(outcomes)):
         outcomes.setdefault(topk, skip)
-    for topk in (n for n in graph.nodes if is_id_source(n) and n not in outcomes and not inside_router(n, deps)):
+    for topk in (n for n in graph.nodes if is_id_source(n) and n not in outcomes and not inside_router(n)):
         outcomes[topk] = Skipped(no_experts_reason(topk, why_no_experts(graph, deps, topk, clusters)))
     matches = [o for o in outcomes.values() if not isinstance(o, Skipped)]
     skipped = [o for o in outcomes.values() if isinstance(o, Skipped)] + _unrouted_loops(unrouted)
